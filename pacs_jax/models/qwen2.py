@@ -1,0 +1,347 @@
+"""Flax NNX Qwen2 / Qwen2.5 decoder, numerically the same model as transformers' `Qwen2ForCausalLM`.
+
+Every parameter is created with its logical axis names (`logical_axes` metadata); `pacs_jax.sharding`
+maps them to mesh axes per mode (train / sample). Shapes: B batch, T query length, S key length,
+D hidden, N query heads, K kv heads, G = N // K, H head dim, F mlp width, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pacs_jax import sharding
+
+# A large finite negative: fully masked rows (left padding) then give a uniform softmax instead of NaN,
+# as transformers does with finfo.min.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int | None = None  # None: hidden_size // num_attention_heads
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 1_000_000.0
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 32768
+  # Numerics / memory; not part of the HF config.
+  param_dtype: Any = jnp.float32
+  dtype: Any = jnp.float32  # compute dtype of matmuls (bf16 on accelerators)
+  remat: bool = False  # rematerialise each decoder layer in the backward pass
+
+  @property
+  def head_size(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_attention_heads
+
+  def replace(self, **kw) -> "Qwen2Config":
+    return dataclasses.replace(self, **kw)
+
+  @classmethod
+  def from_hf_dict(cls, cfg: dict, **overrides) -> "Qwen2Config":
+    """Builds a config from a transformers `config.json` dict (transformers 4 and 5 layouts)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in (None, "default"):
+      raise ValueError(f"rope_type {rope_type!r} is not supported (only the default RoPE of Qwen2.5)")
+    return cls(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+        head_dim=cfg.get("head_dim"),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+        **overrides,
+    )
+
+  def to_hf_dict(self) -> dict:
+    """The transformers `Qwen2Config` fields (written to `config.json` on export)."""
+    return dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=self.vocab_size,
+        hidden_size=self.hidden_size,
+        intermediate_size=self.intermediate_size,
+        num_hidden_layers=self.num_hidden_layers,
+        num_attention_heads=self.num_attention_heads,
+        num_key_value_heads=self.num_key_value_heads,
+        head_dim=self.head_size,
+        hidden_act="silu",
+        rms_norm_eps=self.rms_norm_eps,
+        rope_theta=self.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+        tie_word_embeddings=self.tie_word_embeddings,
+        max_position_embeddings=self.max_position_embeddings,
+        attention_dropout=0.0,
+        use_sliding_window=False,
+        torch_dtype="float32" if jnp.dtype(self.param_dtype) == jnp.float32 else "bfloat16",
+    )
+
+
+_QWEN25_COMMON = dict(vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=32768)
+
+PRESETS: dict[str, Qwen2Config] = {
+    "qwen2.5-0.5b": Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                                **_QWEN25_COMMON),
+    "qwen2.5-1.5b": Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                                **_QWEN25_COMMON),
+    "qwen2.5-3b": Qwen2Config(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                              num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True,
+                              **_QWEN25_COMMON),
+    "qwen2.5-7b": Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                              num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+                              **{**_QWEN25_COMMON, "vocab_size": 152064}),
+    # Tiny config for tests and the CPU demo: GQA with 2 query heads per kv head.
+    "tiny": Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0,
+                        tie_word_embeddings=True, max_position_embeddings=2048),
+}
+
+
+def get_preset(name: str, **overrides) -> Qwen2Config:
+  if name not in PRESETS:
+    raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+  return PRESETS[name].replace(**overrides)
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+
+
+@flax.struct.dataclass
+class LayerCache:
+  k: jax.Array  # [B, S, K, H]
+  v: jax.Array  # [B, S, K, H]
+
+
+def init_cache(config: Qwen2Config, batch: int, length: int, dtype=None) -> tuple[LayerCache, ...]:
+  """An all-zero cache of `length` positions per row, one `LayerCache` per layer."""
+  shape = (batch, length, config.num_key_value_heads, config.head_size)
+  dtype = dtype or config.dtype
+  return tuple(LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+               for _ in range(config.num_hidden_layers))
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, init=nnx.initializers.normal(0.02)) -> nnx.Param:
+  return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
+    self.eps = eps
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+
+  def __call__(self, x):
+    # As transformers: normalise in fp32, cast back, then scale.
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
+  """cos, sin of shape [B, T, H] for integer positions [B, T] (transformers' default RoPE)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, H]
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+  """x: [B, T, N, H]; rotate-half convention of transformers (not interleaved)."""
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+  return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
+    c = config
+    D, N, K, H = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size
+    pd = c.param_dtype
+    self.config = c
+    self.q_kernel = _param(rngs, (D, N, H), ("embed", "q_heads", "head_dim"), pd)
+    self.k_kernel = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd)
+    self.v_kernel = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), pd)
+    self.q_bias = _param(rngs, (N, H), ("q_heads", "head_dim"), pd, nnx.initializers.zeros)
+    self.k_bias = _param(rngs, (K, H), ("kv_heads", "head_dim"), pd, nnx.initializers.zeros)
+    self.v_bias = _param(rngs, (K, H), ("kv_heads", "head_dim"), pd, nnx.initializers.zeros)
+    self.o_kernel = _param(rngs, (N, H, D), ("q_heads", "head_dim", "embed"), pd)
+
+  def __call__(self, x, cos, sin, mask, cache: LayerCache | None = None, write_index=None):
+    """x: [B, T, D]; mask: [B, T, S] bool (True = may attend).
+
+    Without a cache, S = T and keys are this call's tokens. With a cache, this call's keys/values are
+    written at rows [write_index[b], write_index[b] + T) and attention runs over the whole cache.
+    """
+    c = self.config
+    dt = c.dtype
+    x = x.astype(dt)
+    q = jnp.einsum("BTD,DNH->BTNH", x, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
+    k = jnp.einsum("BTD,DKH->BTKH", x, self.k_kernel[...].astype(dt)) + self.k_bias[...].astype(dt)
+    v = jnp.einsum("BTD,DKH->BTKH", x, self.v_kernel[...].astype(dt)) + self.v_bias[...].astype(dt)
+    q = sharding.constrain(apply_rope(q, cos, sin), ("batch", None, "heads", None))
+    k = sharding.constrain(apply_rope(k, cos, sin), ("batch", None, "kv_heads", None))
+    v = sharding.constrain(v, ("batch", None, "kv_heads", None))
+
+    new_cache = None
+    if cache is not None:
+      write = jax.vmap(lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new, i, axis=0))
+      new_cache = LayerCache(k=write(cache.k, k.astype(cache.k.dtype), write_index),
+                             v=write(cache.v, v.astype(cache.v.dtype), write_index))
+      k, v = new_cache.k.astype(dt), new_cache.v.astype(dt)
+
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    q = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
+    out = sharding.constrain(out, ("batch", None, "heads", None))
+    y = jnp.einsum("BTNH,NHD->BTD", out, self.o_kernel[...].astype(dt))
+    return y, new_cache
+
+
+class MLP(nnx.Module):
+  def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
+    D, F, pd = config.hidden_size, config.intermediate_size, config.param_dtype
+    self.dtype = config.dtype
+    self.gate_kernel = _param(rngs, (D, F), ("embed", "mlp"), pd)
+    self.up_kernel = _param(rngs, (D, F), ("embed", "mlp"), pd)
+    self.down_kernel = _param(rngs, (F, D), ("mlp", "embed"), pd)
+
+  def __call__(self, x):
+    dt = self.dtype
+    x = x.astype(dt)
+    gate = jnp.einsum("BTD,DF->BTF", x, self.gate_kernel[...].astype(dt))
+    up = jnp.einsum("BTD,DF->BTF", x, self.up_kernel[...].astype(dt))
+    h = sharding.constrain(jax.nn.silu(gate) * up, ("batch", None, "mlp"))
+    return jnp.einsum("BTF,FD->BTD", h, self.down_kernel[...].astype(dt))
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
+    c = config
+    self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, rngs=rngs)
+    self.self_attn = Attention(c, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, rngs=rngs)
+    self.mlp = MLP(c, rngs=rngs)
+
+  def __call__(self, x, cos, sin, mask, cache=None, write_index=None):
+    attn_out, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, write_index)
+    x = x + attn_out.astype(x.dtype)
+    x = x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype)
+    return sharding.constrain(x, ("batch", None, None)), new_cache
+
+
+def _run_layer(layer, x, cos, sin, mask, cache, write_index):
+  return layer(x, cos, sin, mask, cache, write_index)
+
+
+_run_layer_remat = nnx.remat(_run_layer)
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+  """Position ids [B, T] for left-padded rows: 0 at the first real token (pads get 0 too)."""
+  return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+class Qwen2Model(nnx.Module):
+  """The decoder backbone: token embeddings -> layers -> final norm. Returns hidden states [B, T, D]."""
+
+  def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
+    c = config
+    self.config = c
+    self.embed_tokens = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), c.param_dtype)
+    self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_hidden_layers)])
+    self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, rngs=rngs)
+
+  def __call__(self, input_ids, attention_mask=None):
+    """input_ids, attention_mask: [B, T] (1 = real token, 0 = padding; left padding expected)."""
+    B, T = input_ids.shape
+    if attention_mask is None:
+      attention_mask = jnp.ones((B, T), jnp.int32)
+    positions = positions_from_mask(attention_mask)
+    causal = jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]  # [1, T, S]
+    mask = causal & (attention_mask[:, None, :] > 0)  # [B, T, S]
+    hidden, _ = self._layers(input_ids, positions, mask, None, None)
+    return hidden
+
+  def forward_with_cache(self, input_ids, positions, cache, write_index):
+    """Cached forward. input_ids, positions: [B, T]; the cache holds rows [0, S).
+
+    Row b's new keys go to cache rows write_index[b] + [0, T); each query attends to every cache row
+    whose index is <= its position (cache rows are filled contiguously from 0, without padding).
+    Returns (hidden [B, T, D], new cache).
+    """
+    S = cache[0].k.shape[1]
+    mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    return self._layers(input_ids, positions, mask, cache, write_index)
+
+  def _layers(self, input_ids, positions, mask, cache, write_index):
+    c = self.config
+    x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(c.dtype)  # [B, T, D]
+    x = sharding.constrain(x, ("batch", None, None))
+    cos, sin = rope_cos_sin(positions, c.head_size, c.rope_theta)
+    run = _run_layer_remat if c.remat else _run_layer
+    new_cache = []
+    for i, layer in enumerate(self.layers):
+      x, layer_cache = run(layer, x, cos, sin, mask, None if cache is None else cache[i], write_index)
+      new_cache.append(layer_cache)
+    return self.norm(x), (None if cache is None else tuple(new_cache))
+
+
+class Qwen2ForCausalLM(nnx.Module):
+  def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
+    self.config = config
+    self.model = Qwen2Model(config, rngs=rngs)
+    if not config.tie_word_embeddings:
+      self.lm_head = _param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"),
+                            config.param_dtype)
+
+  def logits(self, hidden):
+    """hidden [B, T, D] -> logits [B, T, V] in the compute dtype."""
+    dt = self.config.dtype
+    if self.config.tie_word_embeddings:
+      out = jnp.einsum("BTD,VD->BTV", hidden.astype(dt), self.model.embed_tokens[...].astype(dt))
+    else:
+      out = jnp.einsum("BTD,DV->BTV", hidden.astype(dt), self.lm_head[...].astype(dt))
+    return sharding.constrain(out, ("batch", None, "vocab"))
+
+  def __call__(self, input_ids, attention_mask=None):
+    """Logits [B, T, V]. Left-padded rows give the same logits on real tokens as unpadded ones."""
+    return self.logits(self.model(input_ids, attention_mask))
+
+  def forward_with_cache(self, input_ids, positions, cache, write_index):
+    """Cached forward (see `Qwen2Model.forward_with_cache`); returns (logits [B, T, V], new cache)."""
+    hidden, cache = self.model.forward_with_cache(input_ids, positions, cache, write_index)
+    return self.logits(hidden), cache
+
+
+def count_params(model: nnx.Module) -> int:
+  """Number of parameters; works on abstract (`nnx.eval_shape`) models too."""
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,181 @@
+"""Device mesh (data, fsdp, tensor), per-mode PartitionSpec tables, activation constraints, multi-host init.
+
+Parameters carry logical axis names (`logical_axes` metadata, set where they are created); a mode's
+table maps those names to mesh axes. Train mode shards weights over fsdp and tensor; sample mode keeps
+weights whole along fsdp (no per-token all-gathers while decoding) and shards them over tensor only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# logical axis -> mesh axis (or tuple of axes, or None = replicated), per mode.
+PARAM_RULES: dict[str, dict[str, Any]] = {
+    "train": {
+        "vocab": "tensor", "embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+        "head_dim": None, "norm": None, "value": None,
+    },
+    "sample": {
+        "vocab": "tensor", "embed": None, "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+        "head_dim": None, "norm": None, "value": None,
+    },
+}
+
+# Activations are laid out the same way in both modes: batch over (data, fsdp), heads / mlp / vocab
+# over tensor.
+ACTIVATION_RULES: dict[str, Any] = {
+    "batch": BATCH_AXES, "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
+}
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ('data', 'fsdp', 'tensor') mesh; one size may be -1 (= the remaining devices)."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  free = [k for k, v in sizes.items() if v == -1]
+  if len(free) > 1:
+    raise ValueError(f"mesh: at most one of data/fsdp/tensor may be -1, got {sizes}")
+  known = math.prod(v for v in sizes.values() if v != -1)
+  if any(v == 0 or v < -1 for v in sizes.values()):
+    raise ValueError(f"mesh: sizes must be positive or -1, got {sizes}")
+  if free:
+    if len(devices) % known:
+      raise ValueError(f"mesh: {len(devices)} devices are not divisible by {sizes} (product of the others {known})")
+    sizes[free[0]] = len(devices) // known
+  total = math.prod(sizes.values())
+  if total != len(devices):
+    raise ValueError(f"mesh: data*fsdp*tensor = {total} but there are {len(devices)} devices ({sizes})")
+  shape = tuple(sizes[a] for a in MESH_AXES)
+  # Auto axes: XLA's partitioner propagates shardings from parameters and our constraints.
+  return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def _axis_size(mesh_shape: dict[str, int], axis) -> int:
+  if axis is None:
+    return 1
+  axes = axis if isinstance(axis, tuple) else (axis,)
+  return math.prod(mesh_shape.get(a, 1) for a in axes)
+
+
+def spec_for(logical_axes: Sequence[str | None], rules: dict[str, Any], mesh_shape: dict[str, int],
+             shape: Sequence[int] | None = None) -> P:
+  """PartitionSpec for one array. A dimension the mesh axes don't divide stays replicated."""
+  out, used = [], set()
+  for i, name in enumerate(logical_axes):
+    axis = rules.get(name) if name is not None else None
+    axes = axis if isinstance(axis, tuple) else ((axis,) if axis else ())
+    axes = tuple(a for a in axes if a in mesh_shape and a not in used)
+    if shape is not None and axes and shape[i] % _axis_size(mesh_shape, axes):
+      axes = ()
+    used.update(axes)
+    out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
+  return P(*out)
+
+
+def _logical_axes(var: nnx.Variable) -> tuple:
+  axes = var.get_metadata().get("logical_axes")
+  if axes is None:
+    return (None,) * len(var.get_value().shape)
+  return tuple(axes)
+
+
+def _is_var(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def state_specs(state: nnx.State, mesh: Mesh, mode: str = "train") -> Any:
+  """PartitionSpec per variable of an (abstract or concrete) NNX state, by the mode's table."""
+  if mode not in PARAM_RULES:
+    raise ValueError(f"sharding mode must be one of {sorted(PARAM_RULES)}, got {mode!r}")
+  rules, mesh_shape = PARAM_RULES[mode], dict(mesh.shape)
+  return jax.tree.map(lambda v: spec_for(_logical_axes(v), rules, mesh_shape, v.get_value().shape), state,
+                      is_leaf=_is_var)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, mode: str = "train") -> Any:
+  """NamedSharding per variable (a pytree matching `state`)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(state, mesh, mode),
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def create_sharded(make_module, mesh: Mesh | None, mode: str = "train"):
+  """Builds `make_module()` with every variable created directly in its sharding (no host copy).
+
+  `make_module` is a zero-argument callable returning an NNX module (e.g. a lambda closing over a
+  config and `nnx.Rngs`). Without a mesh the module is built normally on the default device.
+  """
+  if mesh is None:
+    return make_module()
+  abstract = nnx.eval_shape(make_module)
+  graphdef, abstract_state = nnx.split(abstract)
+  shardings = state_shardings(abstract_state, mesh, mode)
+
+  @jax.jit
+  def init():
+    state = nnx.state(make_module())
+    return jax.lax.with_sharding_constraint(state, shardings)
+
+  with jax.set_mesh(mesh):
+    state = init()
+  return nnx.merge(graphdef, state)
+
+
+def reshard(tree: Any, shardings: Any) -> Any:
+  """Moves arrays to new shardings (e.g. train-mode policy weights -> sample mode)."""
+  return jax.device_put(tree, shardings)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+  """Leading axis over (data, fsdp), the rest replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """Activation sharding constraint under the current mesh (`jax.set_mesh`); identity without one.
+
+  With 8 simulated CPU devices the constraint is real: the compiled program's layouts follow it.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or math.prod(mesh.shape.values()) == 1:
+    return x
+  spec = spec_for(logical_axes, ACTIVATION_RULES, dict(mesh.shape), x.shape)
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None) -> None:
+  """Starts jax.distributed: from explicit flags, or auto-detected on TPU VMs / SLURM / etc."""
+  if coordinator_address:
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+  else:
+    jax.distributed.initialize()
+
+
+def host_local_batch_slice(global_batch: int) -> slice:
+  """The rows of a global batch this process feeds (processes split the leading axis evenly)."""
+  n, i = jax.process_count(), jax.process_index()
+  if global_batch % n:
+    raise ValueError(f"global batch {global_batch} is not divisible by {n} processes")
+  per = global_batch // n
+  return slice(i * per, (i + 1) * per)
+
+
+def global_array_from_host_local(local: np.ndarray, mesh: Mesh, global_batch: int) -> jax.Array:
+  """Assembles per-process rows into one global array sharded over (data, fsdp)."""
+  sharding = batch_sharding(mesh, local.ndim)
+  return jax.make_array_from_process_local_data(sharding, local, (global_batch,) + local.shape[1:])

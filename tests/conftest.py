@@ -1,0 +1,30 @@
+"""Test setup: 8 simulated CPU devices (before jax is imported) and shared tiny-model fixtures."""
+
+import os
+
+if "cuda" not in os.environ.get("JAX_PLATFORMS", "") and "tpu" not in os.environ.get("JAX_PLATFORMS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+SHARED_DATA = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+
+
+def pytest_collection_modifyitems(config, items):
+  on_gpu = any(d.platform == "gpu" for d in jax.devices())
+  skip_gpu = pytest.mark.skip(reason="needs a GPU (run with JAX_PLATFORMS=cuda on a GPU machine)")
+  for item in items:
+    if "gpu" in item.keywords and not on_gpu:
+      item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+  if not os.path.isdir(SHARED_DATA):
+    pytest.fail(f"shared data folder not found at {SHARED_DATA} (tests expect ../shared/data beside the repo)")
+  return SHARED_DATA
