@@ -41,9 +41,13 @@ class Qwen2Config:
   dtype: Any = jnp.float32  # compute dtype of matmuls (bf16 on accelerators)
   remat: bool = False  # rematerialise each decoder layer in the backward pass
 
+  def __post_init__(self):
+    if self.head_dim is None:  # transformers' default; stored so configs compare equal after a round trip
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+
   @property
   def head_size(self) -> int:
-    return self.head_dim or self.hidden_size // self.num_attention_heads
+    return self.head_dim
 
   def replace(self, **kw) -> "Qwen2Config":
     return dataclasses.replace(self, **kw)

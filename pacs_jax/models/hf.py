@@ -1,0 +1,307 @@
+"""Hugging Face checkpoints <-> the NNX Qwen2 model: safetensors (single or sharded with an index), both ways.
+
+With a mesh, every tensor is read slice by slice (safetensors lazy slicing) straight into its sharding,
+so no process ever holds a full host copy of a large model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from pacs_jax import sharding
+from pacs_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+
+
+# ----------------------------------------------------------------------------------------------
+# Name and layout mapping. Each entry: our state path -> (HF tensor name, layout). Layouts say how
+# our array is laid out relative to HF's [out, in] weights:
+#   "same"      ours == HF
+#   "t"         ours [in, out] == HF[out, in].T
+#   "heads_in"  ours [D, N, H] == HF[N*H, D].T reshaped (q/k/v kernels)
+#   "heads"     ours [N, H] == HF[N*H] reshaped (q/k/v biases)
+#   "heads_out" ours [N, H, D] == HF[D, N*H].T reshaped (o kernel)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+  path: tuple  # path in nnx.state(model)
+  hf_name: str
+  layout: str
+
+
+def tensor_maps(config: Qwen2Config) -> list[TensorMap]:
+  maps = [TensorMap(("model", "embed_tokens"), "model.embed_tokens.weight", "same"),
+          TensorMap(("model", "norm", "weight"), "model.norm.weight", "same")]
+  for i in range(config.num_hidden_layers):
+    ours, hf = ("model", "layers", i), f"model.layers.{i}."
+    maps += [
+        TensorMap(ours + ("input_layernorm", "weight"), hf + "input_layernorm.weight", "same"),
+        TensorMap(ours + ("post_attention_layernorm", "weight"), hf + "post_attention_layernorm.weight", "same"),
+        TensorMap(ours + ("self_attn", "o_kernel"), hf + "self_attn.o_proj.weight", "heads_out"),
+        TensorMap(ours + ("mlp", "gate_kernel"), hf + "mlp.gate_proj.weight", "t"),
+        TensorMap(ours + ("mlp", "up_kernel"), hf + "mlp.up_proj.weight", "t"),
+        TensorMap(ours + ("mlp", "down_kernel"), hf + "mlp.down_proj.weight", "t"),
+    ]
+    for p in "qkv":
+      maps += [TensorMap(ours + ("self_attn", f"{p}_kernel"), hf + f"self_attn.{p}_proj.weight", "heads_in"),
+               TensorMap(ours + ("self_attn", f"{p}_bias"), hf + f"self_attn.{p}_proj.bias", "heads")]
+  if not config.tie_word_embeddings:
+    maps.append(TensorMap(("lm_head",), "lm_head.weight", "t"))
+  return maps
+
+
+def hf_shape(layout: str, shape: tuple) -> tuple:
+  """The HF tensor shape that holds our array of `shape` under `layout`."""
+  if layout == "same":
+    return shape
+  if layout == "t":
+    return shape[::-1]
+  if layout == "heads_in":
+    return (shape[1] * shape[2], shape[0])
+  if layout == "heads":
+    return (shape[0] * shape[1],)
+  if layout == "heads_out":
+    return (shape[2], shape[0] * shape[1])
+  raise ValueError(layout)
+
+
+def to_hf(layout: str, x: np.ndarray) -> np.ndarray:
+  if layout == "same":
+    return x
+  if layout == "t":
+    return x.T
+  if layout == "heads_in":
+    return x.reshape(x.shape[0], -1).T
+  if layout == "heads":
+    return x.reshape(-1)
+  if layout == "heads_out":
+    return x.reshape(-1, x.shape[2]).T
+  raise ValueError(layout)
+
+
+def _bounds(s: slice, dim: int) -> tuple[int, int]:
+  start, stop, step = s.indices(dim)
+  if step != 1:
+    raise ValueError("strided shard slices are not supported")
+  return start, stop
+
+
+def read_slice(tensor_slice, layout: str, shape: tuple, index: tuple) -> np.ndarray:
+  """Reads our array's `index` (tuple of slices over `shape`) from an HF tensor, loading only that part.
+
+  The head_dim axis is never sharded, so whole heads are read and sliced afterwards when needed.
+  """
+  index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+  b = [_bounds(s, d) for s, d in zip(index, shape)]
+  if layout == "same":
+    return tensor_slice[tuple(slice(lo, hi) for lo, hi in b)]
+  if layout == "t":
+    (r0, r1), (c0, c1) = b
+    return tensor_slice[c0:c1, r0:r1].T
+  if layout == "heads_in":  # ours [D, N, H]
+    (d0, d1), (n0, n1), (h0, h1) = b
+    H = shape[2]
+    x = tensor_slice[n0 * H:n1 * H, d0:d1].T  # [d, n*H]
+    return x.reshape(d1 - d0, n1 - n0, H)[:, :, h0:h1]
+  if layout == "heads":  # ours [N, H]
+    (n0, n1), (h0, h1) = b
+    H = shape[1]
+    return tensor_slice[n0 * H:n1 * H].reshape(n1 - n0, H)[:, h0:h1]
+  if layout == "heads_out":  # ours [N, H, D]
+    (n0, n1), (h0, h1), (d0, d1) = b
+    H = shape[1]
+    x = tensor_slice[d0:d1, n0 * H:n1 * H].T  # [n*H, d]
+    return x.reshape(n1 - n0, H, d1 - d0)[:, h0:h1, :]
+  raise ValueError(layout)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str, **overrides) -> Qwen2Config:
+  """Reads `path/config.json` into a `Qwen2Config` (overrides: dtype, param_dtype, remat...)."""
+  cfg_path = os.path.join(path, CONFIG_FILE)
+  if not os.path.isfile(cfg_path):
+    raise FileNotFoundError(f"{cfg_path}: missing config.json (expected a Hugging Face model directory)")
+  with open(cfg_path) as f:
+    try:
+      cfg = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
+  model_type = cfg.get("model_type")
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise ValueError(f"{cfg_path}: unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+  try:
+    return Qwen2Config.from_hf_dict(cfg, **overrides)
+  except KeyError as e:
+    raise ValueError(f"{cfg_path}: missing field {e.args[0]!r}") from e
+
+
+def weight_files(path: str) -> dict[str, str]:
+  """HF tensor name -> safetensors file path, from the index or the single file."""
+  index_path = os.path.join(path, INDEX_FILE)
+  if os.path.isfile(index_path):
+    with open(index_path) as f:
+      weight_map = json.load(f)["weight_map"]
+    return {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+  single = os.path.join(path, SINGLE_FILE)
+  if not os.path.isfile(single):
+    raise FileNotFoundError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+  with safe_open(single, framework="numpy") as f:
+    return {name: single for name in f.keys()}
+
+
+def _read_into(maps, files, abstract_state, mesh, dtype) -> dict:
+  """Returns {path: jax.Array} for every mapped tensor, checked against the expected shapes."""
+  shardings = sharding.state_shardings(abstract_state, mesh, "train") if mesh is not None else None
+  flat = dict(nnx.to_flat_state(abstract_state))
+  flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+  handles = {}
+  out = {}
+  try:
+    for m in maps:
+      if m.hf_name not in files:
+        where = sorted(set(files.values()))
+        raise KeyError(f"tensor {m.hf_name!r} is missing from {', '.join(where)}")
+      fname = files[m.hf_name]
+      if fname not in handles:
+        handles[fname] = safe_open(fname, framework="numpy").__enter__()
+      tensor = handles[fname].get_slice(m.hf_name)
+      shape = tuple(flat[m.path].get_value().shape)
+      expected, got = hf_shape(m.layout, shape), tuple(tensor.get_shape())
+      if expected != got:
+        raise ValueError(f"{fname}: tensor {m.hf_name!r} has shape {got}, expected {expected} from config.json")
+      if mesh is None:
+        out[m.path] = jnp.asarray(read_slice(tensor, m.layout, shape, ()), dtype=dtype)
+      else:
+        sh = flat_shardings[m.path]
+        sh = sh.get_value() if isinstance(sh, nnx.Variable) else sh
+        out[m.path] = jax.make_array_from_callback(
+            shape, sh, lambda idx, t=tensor, m=m, s=shape: np.asarray(read_slice(t, m.layout, s, idx), dtype=dtype))
+  finally:
+    for h in handles.values():
+      h.__exit__(None, None, None)
+  return out
+
+
+def load_pretrained(path: str, dtype=jnp.float32, mesh=None, **config_overrides) -> tuple[Qwen2ForCausalLM, Qwen2Config]:
+  """Loads a transformers Qwen2 checkpoint directory as an NNX model (params in `dtype`).
+
+  `config_overrides` set non-HF fields such as the compute `dtype` or `remat`. With a `mesh`, params
+  are placed in their train-mode shardings, each device reading only its own slice from disk.
+  """
+  config = load_config(path, param_dtype=dtype, **{"dtype": dtype, **config_overrides})
+  files = weight_files(path)
+  abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  arrays = _read_into(tensor_maps(config), files, abstract_state, mesh, dtype)
+  flat = nnx.to_flat_state(abstract_state)
+  missing = [p for p, _ in flat if p not in arrays]
+  if missing:
+    raise ValueError(f"{path}: no checkpoint tensor maps to parameters {missing}")
+  for p, var in flat:
+    var.set_value(arrays[p])
+  state = nnx.from_flat_state(flat)
+  return nnx.merge(graphdef, state), config
+
+
+def load_tokenizer(path: str):
+  """The checkpoint's tokenizer (with its chat template), via transformers."""
+  from transformers import AutoTokenizer
+  return AutoTokenizer.from_pretrained(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  if not x.is_fully_addressable:
+    from jax.experimental import multihost_utils
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(jax.device_get(x))
+
+
+def _parse_size(size: int | str | None) -> int | None:
+  if size is None or isinstance(size, int):
+    return size
+  m = re.fullmatch(r"\s*(\d+)\s*(KB|MB|GB|B)\s*", size.upper())
+  if not m:
+    raise ValueError(f"max_shard_size {size!r}: expected e.g. '5GB' or a byte count")
+  return int(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[m.group(2)]
+
+
+def _plan_shards(maps, flat, dtype, limit) -> list[list[TensorMap]]:
+  """Groups tensors into files of at most `limit` bytes, from shapes alone (nothing gathered yet)."""
+  shards, size = [[]], 0
+  for m in maps:
+    v = flat[m.path].get_value()
+    nbytes = math.prod(v.shape) * np.dtype(dtype or v.dtype).itemsize
+    if limit is not None and size and size + nbytes > limit:
+      shards.append([])
+      size = 0
+    shards[-1].append(m)
+    size += nbytes
+  return shards
+
+
+def save_pretrained(model: Qwen2ForCausalLM, out_dir: str, tokenizer=None, max_shard_size: int | str | None = "5GB",
+                    dtype=None) -> None:
+  """Writes a directory `transformers.Qwen2ForCausalLM.from_pretrained` loads unchanged.
+
+  Tensors are gathered to the host one file at a time (all processes take part in the gathers), and
+  only process 0 writes. Files are split at `max_shard_size` with a `model.safetensors.index.json`,
+  as transformers does. `dtype` (e.g. jnp.bfloat16) converts on the way out.
+  """
+  config = model.config
+  flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  plan = _plan_shards(tensor_maps(config), flat, dtype, _parse_size(max_shard_size))
+  write = jax.process_index() == 0
+  if write:
+    os.makedirs(out_dir, exist_ok=True)
+  weight_map, total = {}, 0
+  for i, maps in enumerate(plan):
+    tensors = {}
+    for m in maps:
+      array = _to_host(flat[m.path].get_value())
+      array = array.astype(dtype) if dtype is not None else array
+      tensors[m.hf_name] = np.ascontiguousarray(to_hf(m.layout, array))
+      total += tensors[m.hf_name].nbytes
+    fname = SINGLE_FILE if len(plan) == 1 else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+    if write:
+      save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+    weight_map.update({name: fname for name in tensors})
+  if not write:
+    return
+  if len(plan) > 1:
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+      json.dump({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, f, indent=2)
+  hf_config = config.to_hf_dict()
+  if dtype is not None:
+    hf_config["torch_dtype"] = "bfloat16" if np.dtype(dtype) == jnp.bfloat16 else str(np.dtype(dtype))
+  hf_config["dtype"] = hf_config["torch_dtype"]
+  if tokenizer is not None:
+    hf_config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id)
+  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+    json.dump(hf_config, f, indent=2)
+  if tokenizer is not None:
+    tokenizer.save_pretrained(out_dir)
