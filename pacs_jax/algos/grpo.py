@@ -1,0 +1,146 @@
+"""GRPO baseline: group-normalised outcome advantages and verl's clipped-ratio policy loss (core_algos.py).
+
+Shapes: N responses = G groups × n (`group_size`) contiguous rows; T response positions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pacs_jax.algos.logprobs import masked_mean, masked_sum
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def group_advantages(rewards: jax.Array, *, group_size: int, norm_adv_by_std: bool = True,
+                     eps: float = 1e-6) -> jax.Array:
+  """A_i [N] = (R_i − mean_group R) / (std_group R + eps) (std unbiased, ddof=1), or R_i − mean without std.
+
+  A constant: rewards carry no gradient. (verl gives a single-response group mean 0, std 1; here n >= 2.)
+  """
+  if rewards.shape[0] % group_size:
+    raise ValueError(f"{rewards.shape[0]} responses do not split into groups of {group_size}")
+  if group_size < 2:
+    raise ValueError("group advantages need at least 2 responses per prompt")
+  groups = jax.lax.stop_gradient(rewards.astype(jnp.float32)).reshape(-1, group_size)  # [G, n]
+  centred = groups - jnp.mean(groups, axis=-1, keepdims=True)
+  if norm_adv_by_std:
+    std = jnp.sqrt(jnp.sum(centred * centred, axis=-1, keepdims=True) / (group_size - 1))
+    centred = centred / (std + eps)
+  return centred.reshape(-1)
+
+
+def agg_loss(loss_mat: jax.Array, loss_mask: jax.Array, loss_agg_mode: str = "token-mean") -> jax.Array:
+  """A scalar from per-token losses [N, T] (verl's agg_loss; masked positions never count).
+
+    token-mean:               Σ_{i,t} m·ℓ / Σ_{i,t} m
+    seq-mean-token-sum:       mean_i Σ_t m·ℓ
+    seq-mean-token-mean:      mean_i (Σ_t m·ℓ / Σ_t m)
+    seq-mean-token-sum-norm:  mean_i (Σ_t m·ℓ / T),  T = loss_mat.shape[-1] (the max response length, Dr. GRPO)
+
+  verl's last mode divides the micro-batch *sum* by T (so its scale grows with the micro-batch size); here it
+  is a mean over sequences, which does not depend on how a mini-batch is split.
+  """
+  if loss_agg_mode == "token-mean":
+    return masked_mean(loss_mat, loss_mask)
+  seq_sums = masked_sum(loss_mat, loss_mask, axis=-1)  # [N]
+  if loss_agg_mode == "seq-mean-token-sum":
+    return jnp.mean(seq_sums)
+  if loss_agg_mode == "seq-mean-token-mean":
+    return jnp.mean(seq_sums / jnp.maximum(jnp.sum((loss_mask > 0).astype(jnp.float32), axis=-1), 1.0))
+  if loss_agg_mode == "seq-mean-token-sum-norm":
+    return jnp.mean(seq_sums) / loss_mat.shape[-1]
+  raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+
+
+def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, kl_type: str = "low_var_kl") -> jax.Array:
+  """Per-token KL estimate [N, T] (Schulman's estimators, verl's kl_penalty).
+
+    kl / k1:          logp − ref
+    abs:              |logp − ref|
+    mse / k2:         ½ (logp − ref)²
+    low_var_kl / k3:  exp(d) − d − 1, d = clip(ref − logp, −20, 20), result clipped to [−10, 10]
+  """
+  diff = logprobs - ref_logprobs
+  if kl_type in ("kl", "k1"):
+    return diff
+  if kl_type == "abs":
+    return jnp.abs(diff)
+  if kl_type in ("mse", "k2"):
+    return 0.5 * diff * diff
+  if kl_type in ("low_var_kl", "k3"):
+    d = jnp.clip(-diff, -20.0, 20.0)
+    return jnp.clip(jnp.exp(d) - d - 1.0, -10.0, 10.0)
+  raise ValueError(f"unknown kl type {kl_type!r}")
+
+
+def clipped_policy_loss(old_logprobs: jax.Array, logprobs: jax.Array, advantages: jax.Array,
+                        response_mask: jax.Array, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                        clip_ratio_c: float = 3.0,
+                        loss_agg_mode: str = "token-mean") -> tuple[jax.Array, dict[str, jax.Array]]:
+  """PPO clipped-ratio loss with dual clip (verl's compute_policy_loss_vanilla); all inputs [N, T].
+
+    ρ = exp(clip(logp − old, −20, 20))
+    ℓ₁ = max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high))
+    ℓ = min(ℓ₁, −A·c) where A < 0 (dual clip: a negative advantage cannot push by more than c), else ℓ₁
+  `advantages` may be [N] (one per response) or [N, T]. Returns (agg_loss(ℓ), metrics).
+  """
+  if clip_ratio_c <= 1.0:
+    raise ValueError(f"clip_ratio_c must be > 1 (dual-clip lower bound), got {clip_ratio_c}")
+  advantages = jax.lax.stop_gradient(advantages.astype(jnp.float32))
+  if advantages.ndim == 1:
+    advantages = jnp.broadcast_to(advantages[:, None], logprobs.shape)
+  old_logprobs = jax.lax.stop_gradient(old_logprobs.astype(jnp.float32))
+  log_ratio = jnp.clip(logprobs.astype(jnp.float32) - old_logprobs, -20.0, 20.0)  # clamp: exp stays finite
+  ratio = jnp.exp(log_ratio)
+  losses1 = -advantages * ratio
+  losses2 = -advantages * jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+  clipped1 = jnp.maximum(losses1, losses2)
+  losses3 = -advantages * clip_ratio_c
+  negative = advantages < 0
+  per_token = jnp.where(negative, jnp.minimum(losses3, clipped1), clipped1)
+  loss = agg_loss(per_token, response_mask, loss_agg_mode)
+  sg = jax.lax.stop_gradient
+  metrics = {
+      "actor/pg_loss": sg(loss),
+      "actor/pg_clipfrac": masked_mean((losses2 > losses1).astype(jnp.float32), response_mask),
+      "actor/pg_clipfrac_lower": masked_mean(((clipped1 > losses3) & negative).astype(jnp.float32), response_mask),
+      "actor/ppo_kl": sg(masked_mean(-log_ratio, response_mask)),
+  }
+  return loss, metrics
+
+
+def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Array | None,
+              response_mask: jax.Array, rewards: jax.Array, *, group_size: int, norm_adv_by_std: bool = True,
+              clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+              loss_agg_mode: str = "seq-mean-token-sum-norm", kl_loss_coef: float = 0.0,
+              kl_loss_type: str = "low_var_kl", entropy: jax.Array | None = None,
+              entropy_coeff: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """GRPO actor loss: pg_loss(A = group_advantages(R)) + kl_coef · agg(KL(π_θ‖π_ref)) − ent_coef · agg(H).
+
+  logprobs, old_logprobs, ref_logprobs, response_mask, entropy: [N, T]; rewards: [N]. The KL term is used when
+  kl_loss_coef > 0 (needs ref_logprobs), the entropy bonus when entropy_coeff != 0 (needs entropy). Defaults
+  are the paper's baseline: clip 0.2, seq-mean-token-sum-norm, no KL, no entropy.
+  """
+  advantages = group_advantages(rewards, group_size=group_size, norm_adv_by_std=norm_adv_by_std)  # [N]
+  loss, metrics = clipped_policy_loss(old_logprobs, logprobs, advantages, response_mask,
+                                      clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                                      clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode)
+  if entropy_coeff and entropy is None:
+    raise ValueError("entropy_coeff != 0 needs per-token entropy")
+  if entropy is not None:
+    entropy_loss = agg_loss(entropy.astype(jnp.float32), response_mask, loss_agg_mode)
+    loss = loss - entropy_coeff * entropy_loss
+    metrics["actor/entropy"] = jax.lax.stop_gradient(entropy_loss)
+  if kl_loss_coef:
+    if ref_logprobs is None:
+      raise ValueError("kl_loss_coef > 0 needs ref_logprobs")
+    kl = kl_penalty(logprobs.astype(jnp.float32), jax.lax.stop_gradient(ref_logprobs.astype(jnp.float32)),
+                    kl_loss_type)
+    kl_loss = agg_loss(kl, response_mask, loss_agg_mode)
+    loss = loss + kl_loss_coef * kl_loss
+    metrics["actor/kl_loss"] = jax.lax.stop_gradient(kl_loss)
+  metrics["actor/loss"] = jax.lax.stop_gradient(loss)
+  metrics["actor/advantage_mean"] = jnp.mean(advantages)
+  return loss, metrics

@@ -1,0 +1,163 @@
+"""Per-token log-probs and entropies from logits (or hidden states + lm head), in sequence chunks, so no
+fp32 `[B, T, V]` log-softmax (several times the bf16 logits at V = 151,936) is ever materialised.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# 128 positions per chunk: one fp32 chunk is 256/T of the bf16 logits (1/16 at T = 4096, 1/2 at T = 512).
+DEFAULT_CHUNK_SIZE = 128
+
+
+def masked_sum(values: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+  """Σ mask·values. Uses `where`, so non-finite values at masked positions neither leak nor give NaN grads."""
+  return jnp.sum(jnp.where(mask > 0, values, 0.0), axis=axis)
+
+
+def masked_mean(values: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+  """Σ mask·values / max(Σ mask, 1): an all-masked row gives 0, not NaN."""
+  count = jnp.sum((mask > 0).astype(jnp.float32), axis=axis)
+  return masked_sum(values, mask, axis) / jnp.maximum(count, 1.0)
+
+
+def _chunk_stats(logits_chunk: jax.Array, tokens_chunk: jax.Array, temperature: float, with_entropy: bool):
+  """logits_chunk [B, C, V] (any float dtype), tokens_chunk [B, C] -> (logp [B, C],) or (logp, entropy).
+
+    x = logits / temperature (fp32),  lse = log Σ_v exp x_v,
+    log p(token) = x_token − lse,      H = Σ_v p_v · (lse − x_v),  p = softmax(x)
+  """
+  x = logits_chunk.astype(jnp.float32) / temperature  # [B, C, V]
+  lse = jax.nn.logsumexp(x, axis=-1)  # [B, C]
+  # A select + sum instead of take_along_axis: with the vocab sharded over devices a gather along it makes
+  # XLA all-gather the chunk, while the select + sum stays sharded (one all-reduce of [B, C]).
+  vocab_ids = lax.broadcasted_iota(jnp.int32, x.shape, 2)
+  picked = jnp.sum(jnp.where(vocab_ids == tokens_chunk[..., None].astype(jnp.int32), x, 0.0), axis=-1)
+  logp = picked - lse
+  if not with_entropy:
+    return (logp,)
+  neg_logp_all = lse[..., None] - x  # [B, C, V], >= 0
+  # Σ p·(lse − x) rather than lse − Σ p·x: no cancellation between two large numbers.
+  return logp, jnp.sum(jnp.exp(-neg_logp_all) * neg_logp_all, axis=-1)
+
+
+def _scan_chunks(chunk_fn: Callable, batch: int, length: int, chunk_size: int, n_out: int, carried=None):
+  """Runs `chunk_fn(carried, start, size) -> n_out arrays [B, size]` over [0, length); returns n_out [B, length].
+
+  The last chunk is shifted back to end at `length`: it overlaps the one before and rewrites equal values, so
+  every chunk has one static size and no input is padded (a copy). `carried` (optional, the logits) travels
+  through the loop state behind an optimization barrier, so XLA cannot treat it as loop-invariant and hoist a
+  whole-array op out of the loop (the CPU backend's bf16 -> fp32 convert: a full fp32 copy). Not for
+  reverse mode: a loop-carried array is saved once per iteration.
+  """
+  size = min(chunk_size, length)
+  num_chunks = -(-length // size)
+
+  def body(i, state):
+    outs, carried = state
+    if carried is not None:
+      carried = lax.optimization_barrier(carried)
+    start = jnp.minimum(i * size, length - size)
+    values = chunk_fn(carried, start, size)
+    outs = tuple(lax.dynamic_update_slice_in_dim(o, v, start, axis=1) for o, v in zip(outs, values))
+    return outs, carried
+
+  init = tuple(jnp.zeros((batch, length), jnp.float32) for _ in range(n_out))
+  if num_chunks == 1:
+    return body(0, (init, carried))[0]
+  return lax.fori_loop(0, num_chunks, body, (init, carried))[0]
+
+
+def _logits_stats_differentiable(logits, tokens, temperature, chunk_size, with_entropy):
+  """Chunked stats for reverse mode: each chunk is rematerialised, so the backward keeps no [B, C, V] per chunk."""
+  B, T, _ = logits.shape
+
+  @functools.partial(jax.checkpoint, static_argnums=(2,))
+  def chunk_fn(_, start, size):
+    # The barrier keeps the bf16 -> fp32 convert on the slice (XLA would otherwise convert the whole logits).
+    chunk = lax.optimization_barrier(lax.dynamic_slice_in_dim(logits, start, size, axis=1))  # [B, C, V]
+    return _chunk_stats(chunk, lax.dynamic_slice_in_dim(tokens, start, size, axis=1), temperature, with_entropy)
+
+  return _scan_chunks(chunk_fn, B, T, chunk_size, 2 if with_entropy else 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _logits_stats(logits, tokens, temperature, chunk_size, with_entropy):
+  # Forward: logits ride in the loop state (see `_scan_chunks`); the backward uses the remat formulation.
+  B, T, _ = logits.shape
+
+  def chunk_fn(carried_logits, start, size):
+    chunk = lax.dynamic_slice_in_dim(carried_logits, start, size, axis=1)  # [B, C, V]
+    return _chunk_stats(chunk, lax.dynamic_slice_in_dim(tokens, start, size, axis=1), temperature, with_entropy)
+
+  return _scan_chunks(chunk_fn, B, T, chunk_size, 2 if with_entropy else 1, carried=logits)
+
+
+def _logits_stats_fwd(logits, tokens, temperature, chunk_size, with_entropy):
+  return _logits_stats(logits, tokens, temperature, chunk_size, with_entropy), (logits, tokens)
+
+
+def _logits_stats_bwd(temperature, chunk_size, with_entropy, residuals, cotangents):
+  logits, tokens = residuals
+  _, vjp = jax.vjp(lambda lg: _logits_stats_differentiable(lg, tokens, temperature, chunk_size, with_entropy),
+                   logits)
+  return vjp(cotangents)[0], None
+
+
+_logits_stats.defvjp(_logits_stats_fwd, _logits_stats_bwd)
+
+
+def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0,
+                               chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[jax.Array, jax.Array]:
+  """(log p(tokens[b, t]), entropy H[b, t]) of softmax(logits[b, t] / temperature), both [B, T] fp32.
+
+  logits: [B, T, V] (bf16 or fp32); tokens: [B, T] int; temperature: a Python float. `tokens[b, t]` is read
+  from `logits[b, t]`: callers shift (logits at position t predict token t + 1). Masking is the caller's
+  (`masked_sum`, `masked_mean`). Differentiable w.r.t. `logits`.
+  """
+  return tuple(_logits_stats(logits, tokens, float(temperature), int(chunk_size), True))
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0,
+                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> jax.Array:
+  """log p(tokens[b, t] | softmax(logits[b, t] / temperature)): [B, T] fp32 (see `token_logprobs_and_entropy`)."""
+  return _logits_stats(logits, tokens, float(temperature), int(chunk_size), False)[0]
+
+
+def token_entropy(logits: jax.Array, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> jax.Array:
+  """H[b, t] = −Σ_v p_v log p_v with p = softmax(logits[b, t] / temperature): [B, T] fp32."""
+  B, T, _ = logits.shape
+  return token_logprobs_and_entropy(logits, jnp.zeros((B, T), jnp.int32), temperature, chunk_size)[1]
+
+
+def _as_head(lm_head) -> Callable[[jax.Array], jax.Array]:
+  if callable(lm_head):
+    return lm_head
+  weight = lm_head  # [D, V]
+  return lambda h: jnp.einsum("BCD,DV->BCV", h, weight.astype(h.dtype))
+
+
+def token_logprobs_from_hidden(hidden: jax.Array, lm_head, tokens: jax.Array, temperature: float = 1.0,
+                               chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
+  """Log-probs (and entropies) from hidden states, never building the full `[B, T, V]` logits.
+
+  hidden: [B, T, D]; tokens: [B, T]; lm_head: a weight [D, V] or a callable `[B, C, D] -> [B, C, V]`
+  (e.g. `Qwen2ForCausalLM.logits`, which handles tied embeddings). Each chunk's logits are recomputed in the
+  backward pass, so neither pass holds more than `[B, C, V]` of them.
+  Returns logp [B, T] fp32, or (logp, entropy) when `with_entropy`.
+  """
+  B, T, _ = hidden.shape
+  head = _as_head(lm_head)
+
+  @functools.partial(jax.checkpoint, static_argnums=(2,))
+  def chunk_fn(_, start, size):
+    h = lax.dynamic_slice_in_dim(hidden, start, size, axis=1)  # [B, C, D]
+    return _chunk_stats(head(h), lax.dynamic_slice_in_dim(tokens, start, size, axis=1), temperature, with_entropy)
+
+  outs = _scan_chunks(chunk_fn, B, T, chunk_size, 2 if with_entropy else 1)
+  return tuple(outs) if with_entropy else outs[0]

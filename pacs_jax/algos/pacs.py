@@ -1,0 +1,158 @@
+"""The PACS loss (PACS.md): a BCE of the verified reward R on a score ψ built from the policy's own log-probs.
+
+Shapes: N responses = G prompt groups × n (`group_size`) contiguous rows; T response positions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pacs_jax.algos.logprobs import masked_sum
+
+REWARD_METHODS = ("1", "2")
+ADV_ESTIMATORS = ("rloo", "grpo", "naive")
+WEIGHT_MODES = ("question", "only_positive", "only_negative")
+GRPO_EPS = 1e-6
+
+
+def reward_proxy(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: jax.Array, *, beta: float = 1.0,
+                 reward_method: str = "1") -> jax.Array:
+  """r̂_i [N] from per-token log-probs [N, T].
+
+    "1":  r̂_i = β · Σ_t mask_t · (log π_θ − log π_ref)
+    "2":  r̂_i = β · Σ_t mask_t · log π_θ / |o_i|,   |o_i| = Σ_t mask_t  (ref unused)
+  """
+  reward_method = str(reward_method)
+  if reward_method == "1":
+    return beta * masked_sum(logprobs - ref_logprobs, response_mask, axis=-1)
+  if reward_method == "2":
+    length = jnp.sum((response_mask > 0).astype(jnp.float32), axis=-1)  # [N]
+    return beta * masked_sum(logprobs, response_mask, axis=-1) / jnp.maximum(length, 1.0)
+  raise ValueError(f"reward_method must be one of {REWARD_METHODS}, got {reward_method!r}")
+
+
+def _groups(values: jax.Array, group_size: int) -> jax.Array:
+  """[N] -> [G, n]; rows of one prompt are contiguous."""
+  if values.shape[0] % group_size:
+    raise ValueError(f"{values.shape[0]} responses do not split into groups of {group_size}")
+  return values.reshape(-1, group_size)
+
+
+def _unbiased_std(groups: jax.Array) -> jax.Array:
+  """std with ddof=1 along the last axis, [G, n] -> [G, 1]; zero spread gets zero gradient (as torch.std)
+  instead of NaN (d sqrt(v)/dv is infinite at v = 0, and all-equal r̂ happens: r̂ = 0 when π_θ = π_ref)."""
+  n = groups.shape[-1]
+  centred = groups - jnp.mean(groups, axis=-1, keepdims=True)
+  var = jnp.sum(centred * centred, axis=-1, keepdims=True) / (n - 1)
+  positive = var > 0
+  return jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), 0.0)
+
+
+def rloo_advantage(groups: jax.Array) -> jax.Array:
+  """ψ_i = r̂_i − mean_{j≠i} r̂_j = (n·r̂_i − Σ_j r̂_j) / (n − 1), along the last axis ([G, n] -> [G, n])."""
+  n = groups.shape[-1]
+  if n < 2:
+    raise ValueError("rloo needs at least 2 responses per prompt")
+  return (n * groups - jnp.sum(groups, axis=-1, keepdims=True)) / (n - 1)
+
+
+def grpo_advantage(groups: jax.Array, norm_adv_by_std: bool = True, eps: float = GRPO_EPS) -> jax.Array:
+  """ψ_i = (r̂_i − mean r̂) / (std r̂ + eps) (std unbiased, ddof=1), or r̂_i − mean r̂ without std; [G, n]."""
+  if groups.shape[-1] < 2:
+    raise ValueError("grpo needs at least 2 responses per prompt")
+  centred = groups - jnp.mean(groups, axis=-1, keepdims=True)
+  if not norm_adv_by_std:
+    return centred
+  return centred / (_unbiased_std(groups) + eps)
+
+
+def score(reward_proxy_values: jax.Array, *, group_size: int, adv_estimator: str = "rloo",
+          norm_adv_by_std: bool = True) -> jax.Array:
+  """ψ [N] from r̂ [N]: "rloo" | "grpo" (± std) | "naive" (ψ = r̂). Gradients flow through the baselines."""
+  if adv_estimator == "naive":
+    return reward_proxy_values
+  groups = _groups(reward_proxy_values, group_size)  # [G, n]
+  if adv_estimator == "rloo":
+    return rloo_advantage(groups).reshape(-1)
+  if adv_estimator == "grpo":
+    return grpo_advantage(groups, norm_adv_by_std).reshape(-1)
+  raise ValueError(f"adv_estimator must be one of {ADV_ESTIMATORS}, got {adv_estimator!r}")
+
+
+def class_weights(rewards: jax.Array, *, group_size: int, use_weight: bool = True,
+                  weight_mode: str = "question") -> jax.Array:
+  """Per-response BCE weights w [N] (constants: they depend on labels only).
+
+    use_weight False:  w = 1
+    "question":        per group with both labels, sklearn "balanced" w_c = n / (2 · count_c);
+                       a group whose labels are all equal: w = 1
+    "only_positive":   w = [R = 1];   "only_negative":  w = [R = 0]
+  """
+  if weight_mode not in WEIGHT_MODES:
+    raise ValueError(f"weight_mode must be one of {WEIGHT_MODES}, got {weight_mode!r}")
+  positive = (rewards > 0.5).astype(jnp.float32)  # [N]
+  if not use_weight:
+    return jnp.ones_like(positive)
+  if weight_mode == "only_positive":
+    return positive
+  if weight_mode == "only_negative":
+    return 1.0 - positive
+  groups = _groups(positive, group_size)  # [G, n]
+  n = group_size
+  num_pos = jnp.sum(groups, axis=-1, keepdims=True)  # [G, 1]
+  num_neg = n - num_pos
+  balanced = jnp.where(groups > 0, n / (2.0 * jnp.maximum(num_pos, 1.0)), n / (2.0 * jnp.maximum(num_neg, 1.0)))
+  mixed = (num_pos > 0) & (num_neg > 0)
+  return jnp.where(mixed, balanced, 1.0).reshape(-1)
+
+
+def bce_with_logits(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Elementwise −[y·log σ(x) + (1−y)·log(1−σ(x))] = softplus(x) − x·y;  ∂/∂x = σ(x) − y.
+
+  Not torch's max(x, 0) − x·y + log1p(exp(−|x|)): the same values, but JAX differentiates its kinks at x = 0 to
+  −y instead of ½ − y, and ψ = 0 exactly is common (r̂ = 0 whenever π_θ = π_ref). softplus = logaddexp(x, 0)
+  has the exact gradient everywhere.
+  """
+  return jax.nn.softplus(logits) - logits * labels
+
+
+def pacs_loss(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: jax.Array, rewards: jax.Array, *,
+              group_size: int, beta: float = 1.0, reward_method: str = "1", adv_estimator: str = "rloo",
+              norm_adv_by_std: bool = True, use_weight: bool = True,
+              weight_mode: str = "question") -> tuple[jax.Array, dict[str, jax.Array]]:
+  """L = (1/N) Σ_i w_i · BCEWithLogits(ψ_i, R_i)  (mean over N, not divided by Σ w).
+
+  logprobs, ref_logprobs, response_mask: [N, T]; rewards: [N] in {0, 1}. ref_logprobs carries no gradient.
+  ∇L = −(1/N) Σ_i w_i (R_i − σ(ψ_i)) ∇ψ_i. Returns (loss, metrics).
+  """
+  logprobs = logprobs.astype(jnp.float32)
+  ref_logprobs = jax.lax.stop_gradient(ref_logprobs.astype(jnp.float32))
+  rewards = rewards.astype(jnp.float32)
+  r_hat = reward_proxy(logprobs, ref_logprobs, response_mask, beta=beta, reward_method=reward_method)  # [N]
+  psi = score(r_hat, group_size=group_size, adv_estimator=adv_estimator, norm_adv_by_std=norm_adv_by_std)  # [N]
+  weights = class_weights(rewards, group_size=group_size, use_weight=use_weight, weight_mode=weight_mode)  # [N]
+  per_response = bce_with_logits(psi, rewards)  # [N]
+  loss = jnp.mean(weights * per_response)
+
+  sg = jax.lax.stop_gradient
+  psi, r_hat, per_response = sg(psi), sg(r_hat), sg(per_response)
+  prob = jax.nn.sigmoid(psi)
+  positive = rewards > 0.5
+  num_pos = jnp.sum(positive)
+  num_neg = positive.size - num_pos
+  metrics = {
+      "pacs/loss": sg(loss),
+      "pacs/bce_unweighted": jnp.mean(per_response),
+      "pacs/score_mean": jnp.mean(psi),
+      "pacs/score_pos_mean": jnp.sum(jnp.where(positive, psi, 0.0)) / jnp.maximum(num_pos, 1),
+      "pacs/score_neg_mean": jnp.sum(jnp.where(positive, 0.0, psi)) / jnp.maximum(num_neg, 1),
+      "pacs/reward_proxy_mean": jnp.mean(r_hat),
+      "pacs/weight_mean": jnp.mean(weights),
+      "pacs/prob_mean": jnp.mean(prob),
+      # σ(ψ) > 0.5 (i.e. ψ > 0) read as "predicts correct": how often the implicit critic is right.
+      "pacs/accuracy": jnp.mean(((prob > 0.5) == positive).astype(jnp.float32)),
+      "pacs/reward_mean": jnp.mean(rewards),
+      "pacs/response_length_mean": jnp.mean(jnp.sum((response_mask > 0).astype(jnp.float32), axis=-1)),
+  }
+  return loss, metrics

@@ -1,0 +1,107 @@
+"""PPO baseline: a critic (Qwen2 backbone + scalar value head), GAE, clipped value loss (verl's core_algos.py).
+
+Shapes: N responses, T response positions, D hidden. The actor loss is GRPO's clipped-ratio loss.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pacs_jax.algos.grpo import agg_loss, clipped_policy_loss
+from pacs_jax.algos.logprobs import masked_mean
+from pacs_jax.models.qwen2 import Qwen2Config, Qwen2Model
+
+# The actor side of PPO is the same clipped-ratio objective as GRPO, fed token-level GAE advantages.
+policy_loss = clipped_policy_loss
+
+
+class Critic(nnx.Module):
+  """V(s_t) for every position: the Qwen2 backbone, then a scalar linear head (as HF's TokenClassification
+  head with one label). values[b, t] is the value of the state after token t, so it lines up with the
+  log-prob read from logits[b, t] (callers shift both the same way)."""
+
+  def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
+    self.config = config
+    self.model = Qwen2Model(config, rngs=rngs)
+    init = nnx.initializers.normal(0.02)
+    self.value_kernel = nnx.Param(init(rngs.params(), (config.hidden_size, 1), config.param_dtype),
+                                  logical_axes=("embed", "value"))
+    self.value_bias = nnx.Param(jnp.zeros((1,), config.param_dtype), logical_axes=("value",))
+
+  def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+    """input_ids, attention_mask: [B, T] -> values [B, T] fp32."""
+    hidden = self.model(input_ids, attention_mask)  # [B, T, D]
+    # fp32 head: a D x 1 matmul costs nothing, and bf16 values would quantise the regression target.
+    values = jnp.einsum("BTD,DO->BTO", hidden.astype(jnp.float32), self.value_kernel[...].astype(jnp.float32))
+    return values[..., 0] + self.value_bias[...].astype(jnp.float32)[0]
+
+
+def outcome_token_rewards(rewards: jax.Array, response_mask: jax.Array) -> jax.Array:
+  """[N] outcome rewards -> [N, T] token rewards: R at each row's last response token, 0 elsewhere (verl)."""
+  valid = response_mask > 0  # [N, T]
+  T = valid.shape[-1]
+  last = T - 1 - jnp.argmax(valid[:, ::-1], axis=-1)  # [N] index of the last valid position
+  at_last = (jnp.arange(T)[None, :] == last[:, None]) & jnp.any(valid, axis=-1, keepdims=True)
+  return jnp.where(at_last, rewards[:, None].astype(jnp.float32), 0.0)
+
+
+def masked_whiten(values: jax.Array, mask: jax.Array, eps: float = 1e-8) -> jax.Array:
+  """(v − μ) / sqrt(σ² + eps) with μ, σ² (unbiased, n/(n−1)) over masked positions (verl's masked_whiten)."""
+  mean = masked_mean(values, mask)
+  n = jnp.sum((mask > 0).astype(jnp.float32))
+  var = masked_mean((values - mean) ** 2, mask) * n / jnp.maximum(n - 1.0, 1.0)
+  return (values - mean) * jax.lax.rsqrt(var + eps)
+
+
+def gae_advantages(token_level_rewards: jax.Array, values: jax.Array, response_mask: jax.Array, *,
+                   gamma: float = 1.0, lam: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """(advantages, returns), both [N, T], by verl's compute_gae_advantage_return (no gradient).
+
+  Backwards over t, skipping masked positions (they carry the next value and running GAE through):
+    δ_t = r_t + γ·V_next − V_t,   Â_t = δ_t + γλ·Â_next
+  returns = Â + V; the advantages are then whitened over the mask (masked positions set to 0).
+  """
+  sg = jax.lax.stop_gradient
+  rewards = sg(token_level_rewards.astype(jnp.float32))
+  values = sg(values.astype(jnp.float32))
+  mask = (response_mask > 0).astype(jnp.float32)
+
+  def step(carry, xs):
+    next_value, next_gae = carry  # [N], [N]
+    r, v, m = xs  # [N] each: position t
+    delta = r + gamma * next_value - v
+    gae = delta + gamma * lam * next_gae
+    next_value = v * m + (1.0 - m) * next_value
+    next_gae = gae * m + (1.0 - m) * next_gae
+    return (next_value, next_gae), next_gae
+
+  zeros = jnp.zeros(rewards.shape[:1], jnp.float32)
+  _, advantages = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)  # [T, N]
+  advantages = advantages.T
+  returns = advantages + values
+  advantages = jnp.where(mask > 0, masked_whiten(advantages, mask), 0.0)
+  return advantages, returns
+
+
+def clipped_value_loss(values_pred: jax.Array, returns: jax.Array, old_values: jax.Array,
+                       response_mask: jax.Array, *, cliprange_value: float = 0.5,
+                       loss_agg_mode: str = "token-mean") -> tuple[jax.Array, dict[str, jax.Array]]:
+  """½ · agg(max((v − R)², (v_clip − R)²)), v_clip = old + clip(v − old, −c, c); inputs [N, T] (verl).
+
+  The max means a prediction that moved more than c from the rollout-time value is only ever penalised more.
+  """
+  returns = jax.lax.stop_gradient(returns.astype(jnp.float32))
+  old_values = jax.lax.stop_gradient(old_values.astype(jnp.float32))
+  values_pred = values_pred.astype(jnp.float32)
+  clipped = old_values + jnp.clip(values_pred - old_values, -cliprange_value, cliprange_value)
+  losses1 = (values_pred - returns) ** 2
+  losses2 = (clipped - returns) ** 2
+  loss = 0.5 * agg_loss(jnp.maximum(losses1, losses2), response_mask, loss_agg_mode)
+  metrics = {
+      "critic/vf_loss": jax.lax.stop_gradient(loss),
+      "critic/vf_clipfrac": masked_mean((losses2 > losses1).astype(jnp.float32), response_mask),
+      "critic/vpred_mean": jax.lax.stop_gradient(masked_mean(values_pred, response_mask)),
+  }
+  return loss, metrics
