@@ -7,6 +7,8 @@ weights whole along fsdp (no per-token all-gathers while decoding) and shards th
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -112,20 +114,18 @@ def create_sharded(make_module, mesh: Mesh | None, mode: str = "train"):
   """Builds `make_module()` with every variable created directly in its sharding (no host copy).
 
   `make_module` is a zero-argument callable returning an NNX module (e.g. a lambda closing over a
-  config and `nnx.Rngs`). Without a mesh the module is built normally on the default device.
+  config and `nnx.Rngs`). Initialisation is one compiled program (eager init would dispatch, and
+  compile, every initializer separately). Without a mesh the module lands on the default device.
   """
-  if mesh is None:
-    return make_module()
   abstract = nnx.eval_shape(make_module)
   graphdef, abstract_state = nnx.split(abstract)
-  shardings = state_shardings(abstract_state, mesh, mode)
+  shardings = state_shardings(abstract_state, mesh, mode) if mesh is not None else None
 
-  @jax.jit
+  @functools.partial(jax.jit, out_shardings=shardings)
   def init():
-    state = nnx.state(make_module())
-    return jax.lax.with_sharding_constraint(state, shardings)
+    return nnx.state(make_module())
 
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     state = init()
   return nnx.merge(graphdef, state)
 

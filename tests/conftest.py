@@ -11,6 +11,10 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Persistent compile cache: test processes (and reruns) reuse each other's compiled programs.
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("PACS_JAX_TEST_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 SHARED_DATA = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
 

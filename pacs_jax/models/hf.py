@@ -202,13 +202,15 @@ def _read_into(maps, files, abstract_state, mesh, dtype) -> dict:
   return out
 
 
-def load_pretrained(path: str, dtype=jnp.float32, mesh=None, **config_overrides) -> tuple[Qwen2ForCausalLM, Qwen2Config]:
+def load_pretrained(path: str, dtype=jnp.float32, mesh=None, compute_dtype=None,
+                    **config_overrides) -> tuple[Qwen2ForCausalLM, Qwen2Config]:
   """Loads a transformers Qwen2 checkpoint directory as an NNX model (params in `dtype`).
 
-  `config_overrides` set non-HF fields such as the compute `dtype` or `remat`. With a `mesh`, params
-  are placed in their train-mode shardings, each device reading only its own slice from disk.
+  `compute_dtype` (default: `dtype`) is the matmul dtype; `config_overrides` set other non-HF fields
+  such as `remat`. With a `mesh`, params are placed in their train-mode shardings, each device reading
+  only its own slice from disk.
   """
-  config = load_config(path, param_dtype=dtype, **{"dtype": dtype, **config_overrides})
+  config = load_config(path, param_dtype=dtype, dtype=compute_dtype or dtype, **config_overrides)
   files = weight_files(path)
   abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)

@@ -1,0 +1,200 @@
+"""The documented default training config (one place per field) and its validation.
+
+Config files under `configs/` start from `default_config()` and override what differs. `validate`
+runs before anything is compiled and names the offending field in its message.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+ALGORITHMS = ("pacs", "grpo", "ppo")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.algorithm = "pacs"  # pacs | grpo | ppo: the objective on the same loop
+  c.steps = 300  # training steps (one rollout batch each)
+
+  # Model: a preset (random init; "tiny" for tests and the CPU demo) or a Hugging Face checkpoint dir.
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = "tiny"  # used when hf_path is empty
+  c.model.hf_path = ""  # a local transformers Qwen2 checkpoint directory
+  c.model.param_dtype = "float32"
+  c.model.dtype = "float32"  # compute dtype; bfloat16 on GPU/TPU
+  c.model.remat = False  # rematerialise decoder layers in the backward pass
+  c.model.vocab_size = 0  # >0 overrides the preset's vocab (the synthetic task's tokenizer is small)
+
+  # Tokenizer: "synthetic" (built in, for the synthetic task) or a path (defaults to model.hf_path).
+  c.tokenizer = ""
+
+  c.data = ml_collections.ConfigDict()
+  c.data.train = "synthetic/mod4"  # synthetic/<task> | comma-separated .json/.jsonl/.parquet files, hf://owner/name
+  c.data.val = "synthetic/mod4"  # same forms; "" disables validation
+  c.data.synthetic_train_size = 4096
+  c.data.synthetic_val_size = 64
+  c.data.max_prompt_length = 512  # longer prompts are dropped (counted), never truncated
+  # Appended to the problem (after one space) in the user message; "" for none (synthetic tasks).
+  c.data.instruction = "Please reason step by step, and put your final answer within \\boxed{}."
+  c.data.skip_bad_rows = False
+  c.data.val_max_examples = 0  # >0: evaluate on the first N validation problems only
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.n = 8  # responses per prompt (group size)
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0  # 0 = off
+  c.rollout.max_new_tokens = 4096
+  c.rollout.slots = 0  # concurrent decode slots; 0 = the whole rollout batch
+  c.rollout.val_max_new_tokens = 0  # 0 = max_new_tokens
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_prompts = 1024  # prompts per step (each sampled rollout.n times)
+  c.train.mini_batch_prompts = 256  # one optimizer step per mini-batch of whole groups
+  c.train.micro_batch_prompts = 0  # gradient accumulation; 0 = the whole mini-batch at once
+  c.train.lr = 1e-6
+  c.train.schedule = "constant"  # constant | cosine (linear warmup, then cosine decay to lr * min_lr_ratio)
+  c.train.warmup_steps = 0  # optimizer updates
+  c.train.min_lr_ratio = 0.0
+  c.train.weight_decay = 0.01
+  c.train.b1 = 0.9
+  c.train.b2 = 0.999
+  c.train.eps = 1e-8
+  c.train.grad_clip = 1.0
+
+  # PACS (PACS.md): r̂ from log-prob ratios, ψ = advantage of r̂ in the group, BCE(ψ, R) with weights.
+  c.pacs = ml_collections.ConfigDict()
+  c.pacs.beta = 1.0
+  c.pacs.reward_method = "1"  # "1": β Σ (log π − log π_ref); "2": β Σ log π / |o|
+  c.pacs.adv_estimator = "rloo"  # rloo | grpo | naive
+  c.pacs.norm_adv_by_std = True  # grpo estimator only
+  c.pacs.use_weight = True
+  c.pacs.weight_mode = "question"  # question | only_positive | only_negative
+  c.pacs.reference_policy = "frozen"  # frozen (initial model) | rollout (the sampling policy, as released)
+
+  c.grpo = ml_collections.ConfigDict()
+  c.grpo.clip_ratio_low = 0.2
+  c.grpo.clip_ratio_high = 0.2
+  c.grpo.clip_ratio_c = 3.0  # dual clip for negative advantages
+  c.grpo.loss_agg_mode = "seq-mean-token-sum-norm"
+  c.grpo.norm_adv_by_std = True
+  c.grpo.use_kl_loss = False
+  c.grpo.kl_coef = 0.001
+  c.grpo.entropy_coeff = 0.0
+
+  c.ppo = ml_collections.ConfigDict()
+  c.ppo.critic_lr = 1e-5
+  c.ppo.cliprange_value = 0.5
+  c.ppo.gamma = 1.0
+  c.ppo.lam = 1.0
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1
+  c.mesh.fsdp = -1  # -1 = the remaining devices
+  c.mesh.tensor = 1
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 20  # steps; the last step is always saved
+  c.checkpoint.keep = 3
+  c.checkpoint.async_save = True
+
+  c.eval_every = 5  # validation (greedy, per-source accuracy); 0 = off
+  c.log_every = 1
+  c.reward_workers = 2
+  c.reward_timeout_s = 10.0
+
+  # Multi-host: empty = auto-detect on TPU VMs (or single process elsewhere).
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.coordinator_address = ""
+  c.distributed.num_processes = 0
+  c.distributed.process_id = -1
+  return c
+
+
+class ConfigError(ValueError):
+  """A config field has a bad value; the message names the field."""
+
+
+def _check(ok: bool, field: str, msg: str):
+  if not ok:
+    raise ConfigError(f"config.{field}: {msg}")
+
+
+def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_processes: int = 1) -> None:
+  """Checks a config before anything is built; raises ConfigError naming the field."""
+  _check(c.algorithm in ALGORITHMS, "algorithm", f"must be one of {ALGORITHMS}, got {c.algorithm!r}")
+  _check(c.steps > 0, "steps", f"must be positive, got {c.steps}")
+  _check(c.rollout.n >= 1, "rollout.n", f"must be >= 1, got {c.rollout.n}")
+  if c.algorithm in ("pacs", "grpo") and c.rollout.n < 2:
+    _check(False, "rollout.n", f"{c.algorithm} compares responses within a group and needs n >= 2")
+  _check(c.rollout.temperature > 0, "rollout.temperature", "must be > 0 (greedy is used for validation only)")
+  _check(0 < c.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
+  _check(c.rollout.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
+  t = c.train
+  _check(t.batch_prompts > 0, "train.batch_prompts", "must be positive")
+  _check(t.mini_batch_prompts > 0 and t.batch_prompts % t.mini_batch_prompts == 0, "train.mini_batch_prompts",
+         f"must divide train.batch_prompts={t.batch_prompts} (mini-batches hold whole groups), got {t.mini_batch_prompts}")
+  micro = t.micro_batch_prompts or t.mini_batch_prompts
+  _check(t.mini_batch_prompts % micro == 0, "train.micro_batch_prompts",
+         f"must divide train.mini_batch_prompts={t.mini_batch_prompts} (micro-batches hold whole groups), got {micro}")
+  _check(t.lr > 0, "train.lr", "must be positive")
+  _check(t.schedule in ("constant", "cosine"), "train.schedule", f"constant | cosine, got {t.schedule!r}")
+  _check(t.grad_clip > 0, "train.grad_clip", "must be positive")
+  p = c.pacs
+  _check(p.reward_method in ("1", "2"), "pacs.reward_method", f'"1" | "2", got {p.reward_method!r}')
+  _check(p.adv_estimator in ("rloo", "grpo", "naive"), "pacs.adv_estimator", f"rloo | grpo | naive, got {p.adv_estimator!r}")
+  _check(p.weight_mode in ("question", "only_positive", "only_negative"), "pacs.weight_mode",
+         f"question | only_positive | only_negative, got {p.weight_mode!r}")
+  _check(p.reference_policy in ("frozen", "rollout"), "pacs.reference_policy", f"frozen | rollout, got {p.reference_policy!r}")
+  _check(c.grpo.loss_agg_mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+         "grpo.loss_agg_mode", f"unknown mode {c.grpo.loss_agg_mode!r}")
+  _check(c.model.hf_path or c.model.preset, "model.preset", "set model.preset or model.hf_path")
+  _check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", f"float32 | bfloat16, got {c.model.dtype!r}")
+  _check(c.model.param_dtype in ("float32", "bfloat16"), "model.param_dtype",
+         f"float32 | bfloat16, got {c.model.param_dtype!r}")
+  _check(c.data.max_prompt_length > 0, "data.max_prompt_length", "must be positive")
+  _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
+  _check(c.checkpoint.keep > 0, "checkpoint.keep", "must be positive")
+  sizes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor}
+  for axis, size in sizes.items():
+    _check(size == -1 or size >= 1, f"mesh.{axis}", f"must be >= 1 or -1, got {size}")
+  _check(sum(v == -1 for v in sizes.values()) <= 1, "mesh", "at most one of data/fsdp/tensor may be -1")
+  if num_devices is not None:
+    known = 1
+    for v in sizes.values():
+      known *= v if v != -1 else 1
+    field = next((f"mesh.{a}" for a, v in sizes.items() if v != -1 and v > 1), "mesh")
+    if -1 in sizes.values():
+      _check(num_devices % known == 0, field, f"mesh sizes {sizes} do not divide the {num_devices} devices")
+    else:
+      _check(known == num_devices, field, f"data*fsdp*tensor = {known} must equal the {num_devices} devices")
+    batch_shards = (sizes["data"] if sizes["data"] != -1 else num_devices // known) * (
+        sizes["fsdp"] if sizes["fsdp"] != -1 else num_devices // known)
+    micro_rows = micro * c.rollout.n
+    _check(micro_rows % batch_shards == 0, "train.micro_batch_prompts",
+           f"micro-batch rows ({micro} prompts x n={c.rollout.n} = {micro_rows}) must be divisible by data*fsdp = {batch_shards}")
+  _check(t.batch_prompts % num_processes == 0, "train.batch_prompts",
+         f"must be divisible by the {num_processes} processes (each feeds an equal share)")
+
+
+def load_config_file(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
+  """Runs a config file's `get_config()` (as `--config` does) and applies dotted-key overrides."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(f"_pacs_config_{abs(hash(path))}", path)
+  if spec is None or spec.loader is None:
+    raise FileNotFoundError(f"{path}: not a Python config file")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ValueError(f"{path}: has no get_config()")
+  cfg = module.get_config()
+  for key, value in (overrides or {}).items():
+    node = cfg
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    if leaf not in node:
+      raise KeyError(f"{path}: config has no field {key!r}")
+    node[leaf] = value
+  return cfg

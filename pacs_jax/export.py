@@ -1,0 +1,26 @@
+"""`python -m pacs_jax.export --workdir W [--step S] --out DIR`: a training checkpoint -> a Hugging Face directory.
+
+The result (weights, config.json, tokenizer files) loads unchanged in transformers, and so in vLLM.
+"""
+
+import os
+
+from absl import app, flags
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds checkpoints/ and model/).", required=True)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Convert weights (default: as trained).")
+_SHARD = flags.DEFINE_string("max_shard_size", "5GB", "Split weight files at this size.")
+
+
+def main(argv):
+  del argv
+  from pacs_jax.train import export_lib
+  path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
+                           max_shard_size=_SHARD.value)
+  print(f"wrote {os.path.abspath(path)}")
+
+
+if __name__ == "__main__":
+  app.run(main)

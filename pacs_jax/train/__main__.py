@@ -1,0 +1,36 @@
+"""`python -m pacs_jax.train --config configs/<name>.py [--workdir DIR] [--config.field=value ...]` (the CLI lives in
+`pacs_jax/train/__main__.py` because `pacs_jax.train` is the trainer package).
+
+Without flags it trains a tiny random Qwen2 on the built-in synthetic task on CPU (configs/tiny_cpu.py).
+"""
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+                               "tiny_cpu.py")
+
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Training config file (a get_config() module).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and logs go (default: runs/<config name>).")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
+  cfg = _CONFIG.value
+  config_path = config_flags.get_config_filename(flags.FLAGS["config"])
+  workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
+  from pacs_jax.train import runtime
+  runtime.init(cfg)
+  from pacs_jax.train import loop
+  loop.train(cfg, workdir)
+
+
+if __name__ == "__main__":
+  app.run(main)

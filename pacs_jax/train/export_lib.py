@@ -1,0 +1,51 @@
+"""Checkpoint -> Hugging Face export: restores only the policy parameters and writes them with `hf.save_pretrained`."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pacs_jax.models import hf, qwen2
+from pacs_jax.train import checkpoint as checkpoint_lib
+
+MODEL_DIR = "model"  # workdir/model: the policy's HF config.json and tokenizer, written when training starts
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def write_model_card(workdir: str, config: qwen2.Qwen2Config, tokenizer) -> None:
+  """Saves what export needs besides weights (process 0 only)."""
+  if jax.process_index() != 0:
+    return
+  import json
+  path = os.path.join(workdir, MODEL_DIR)
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config.to_hf_dict(), f, indent=2)
+  tokenizer.save_pretrained(path)
+
+
+def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | None = None,
+           max_shard_size: str | int | None = "5GB") -> str:
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"{workdir}/checkpoints: no checkpoint to export")
+    train_cfg = ckpt.restore_config(step)
+    param_dtype = DTYPES[train_cfg["model"]["param_dtype"]]
+    model_dir = os.path.join(workdir, MODEL_DIR)
+    config = hf.load_config(model_dir, param_dtype=param_dtype, dtype=param_dtype)
+    abstract = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)
+    params = ckpt.restore_params(step, target)
+  finally:
+    ckpt.close()
+  model = nnx.merge(graphdef, params)
+  hf.save_pretrained(model, out_dir, tokenizer=hf.load_tokenizer(model_dir), max_shard_size=max_shard_size,
+                     dtype=DTYPES[dtype] if dtype else None)
+  return out_dir

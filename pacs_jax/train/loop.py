@@ -1,0 +1,433 @@
+"""The outer training loop: prompts -> rollouts -> rewards -> reference log-probs -> mini-batch updates -> logs, checkpoints.
+
+Rows of one prompt's group are contiguous (row = prompt * n + sample). Each process feeds an equal share
+of the prompts; mini- and micro-batches take whole groups from every process's share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pacs_jax import config as config_lib
+from pacs_jax import sharding
+from pacs_jax.algos import ppo
+from pacs_jax.data import pipeline as pipeline_lib
+from pacs_jax.data import sources, synthetic
+from pacs_jax.models import hf, qwen2
+from pacs_jax.rewards import math as rewards_lib
+from pacs_jax.rollout import engine as engine_lib
+from pacs_jax.rollout import sampling as sampling_lib
+from pacs_jax.train import checkpoint as checkpoint_lib
+from pacs_jax.train import export_lib
+from pacs_jax.train import metrics as metrics_lib
+from pacs_jax.train import state as state_lib
+from pacs_jax.train import step as step_lib
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the pieces
+
+
+def load_tokenizer(cfg: ml_collections.ConfigDict):
+  name = cfg.tokenizer or cfg.model.hf_path
+  if not name or name == "synthetic":
+    return synthetic.build_tokenizer()
+  return hf.load_tokenizer(name)
+
+
+def model_config(cfg: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
+  overrides = dict(param_dtype=DTYPES[cfg.model.param_dtype], dtype=DTYPES[cfg.model.dtype], remat=cfg.model.remat)
+  if cfg.model.hf_path:
+    return hf.load_config(cfg.model.hf_path, **overrides)
+  if cfg.model.vocab_size:
+    overrides["vocab_size"] = cfg.model.vocab_size
+  return qwen2.get_preset(cfg.model.preset, **overrides)
+
+
+def build_policy(cfg: ml_collections.ConfigDict, mesh) -> qwen2.Qwen2ForCausalLM:
+  """The initial policy in its train-mode shardings: a HF checkpoint, or a seeded random init."""
+  if cfg.model.hf_path:
+    mc = model_config(cfg)
+    model, _ = hf.load_pretrained(cfg.model.hf_path, dtype=mc.param_dtype, mesh=mesh, compute_dtype=mc.dtype,
+                                  remat=mc.remat)
+    return model
+  mc = model_config(cfg)
+  return sharding.create_sharded(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")
+
+
+def build_critic(cfg: ml_collections.ConfigDict, policy: qwen2.Qwen2ForCausalLM, mesh) -> ppo.Critic:
+  """PPO critic: the policy's backbone weights (as verl initialises it) plus a fresh value head."""
+  critic = sharding.create_sharded(lambda: ppo.Critic(policy.config, rngs=nnx.Rngs(cfg.seed + 1)), mesh, "train")
+  backbone = jax.tree.map(jnp.copy, nnx.state(policy.model, nnx.Param))
+  nnx.update(critic.model, backbone)
+  return critic
+
+
+def load_split(spec: str, cfg: ml_collections.ConfigDict, size: int, seed: int) -> tuple[list[dict], int]:
+  """Records of every comma-separated source in `spec`, and how many malformed rows were skipped."""
+  records, skipped = [], 0
+  for one in filter(None, (s.strip() for s in spec.split(","))):
+    result = sources.load_records(one, skip_bad_rows=cfg.data.skip_bad_rows, synthetic_size=size, seed=seed)
+    records += result.records
+    skipped += result.num_skipped
+  return records, skipped
+
+
+# ----------------------------------------------------------------------------------------------
+# Turning completions into training arrays
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+  """Process-local rows of one step (numpy), ordered prompt-major: row = prompt * n + sample."""
+  input_ids: np.ndarray  # [rows, P + R] int32
+  attention_mask: np.ndarray  # [rows, P + R] int32
+  response_mask: np.ndarray  # [rows, R] float32
+  rewards: np.ndarray  # [rows] float32
+  data_sources: list[str]
+  finish_reasons: list[str]
+
+
+def pack_rows(prompts: list[list[int]], completions: list[engine_lib.Completion], n: int, P: int, R: int,
+              pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Prompt left-padded to P, response right-padded to R: (input_ids, attention_mask, response_mask)."""
+  rows = len(completions)
+  input_ids = np.full((rows, P + R), pad_id, np.int32)
+  attention_mask = np.zeros((rows, P + R), np.int32)
+  response_mask = np.zeros((rows, R), np.float32)
+  for row, comp in enumerate(completions):
+    prompt = prompts[comp.prompt_index]
+    input_ids[row, P - len(prompt):P] = prompt
+    attention_mask[row, P - len(prompt):P] = 1
+    toks = comp.tokens[:R]
+    input_ids[row, P:P + len(toks)] = toks
+    attention_mask[row, P:P + len(toks)] = 1
+    response_mask[row, :len(toks)] = 1.0
+  return input_ids, attention_mask, response_mask
+
+
+def to_minibatches(batch: RolloutBatch, mesh, num_minibatches: int, micro_per_minibatch: int) -> list[dict]:
+  """Splits local rows into mini-batches [k, m, ...] of whole groups, as global arrays over (data, fsdp)."""
+  arrays = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+            "response_mask": batch.response_mask, "rewards": batch.rewards}
+  rows = batch.rewards.shape[0]
+  per_mb = rows // num_minibatches
+  out = []
+  for j in range(num_minibatches):
+    mb = {}
+    for name, a in arrays.items():
+      local = a[j * per_mb:(j + 1) * per_mb].reshape((micro_per_minibatch, per_mb // micro_per_minibatch) + a.shape[1:])
+      spec = P(None, sharding.BATCH_AXES, *([None] * (local.ndim - 2)))
+      global_shape = (local.shape[0], local.shape[1] * jax.process_count()) + local.shape[2:]
+      mb[name] = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local, global_shape)
+    out.append(mb)
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+
+
+class _Preemption:
+  """SIGTERM (TPU preemption) sets a flag; the loop finishes its step, saves, and exits cleanly."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+  def _handle(self, signum, frame):
+    logging.warning("SIGTERM received: finishing this step, then saving a checkpoint and exiting")
+    self.requested = True
+
+  def restore(self):
+    signal.signal(signal.SIGTERM, self._previous)
+
+
+class Trainer:
+  def __init__(self, cfg: ml_collections.ConfigDict, workdir: str):
+    config_lib.validate(cfg, jax.device_count(), jax.process_count())
+    self.cfg, self.workdir = cfg, workdir
+    self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    self.tokenizer = load_tokenizer(cfg)
+    self.eos_ids = self._eos_ids()
+    self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+    self.P, self.R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+
+    instruction = cfg.data.instruction or None
+    train_records, self.skipped_rows = load_split(cfg.data.train, cfg, cfg.data.synthetic_train_size, cfg.seed)
+    self.pipeline = pipeline_lib.PromptPipeline(
+        train_records, self.tokenizer, batch_size=cfg.train.batch_prompts, seed=cfg.seed,
+        max_prompt_length=self.P, instruction=instruction,
+        process_index=jax.process_index(), process_count=jax.process_count())
+    self.data_iter = self.pipeline.iterator()
+    self.val_records = []
+    if cfg.data.val and cfg.eval_every:
+      self.val_records, _ = load_split(cfg.data.val, cfg, cfg.data.synthetic_val_size, cfg.seed + 12345)
+      if cfg.data.val_max_examples:
+        self.val_records = self.val_records[:cfg.data.val_max_examples]
+    val_ids = pipeline_lib.encode_prompts(self.tokenizer, [r["problem"] for r in self.val_records], instruction)
+    # Validation prompts over max_prompt_length are dropped like training ones.
+    keep = [i for i, ids in enumerate(val_ids) if len(ids) <= self.P]
+    self.val_records = [self.val_records[i] for i in keep]
+    self.val_prompts = [val_ids[i].tolist() for i in keep]
+
+    with jax.set_mesh(self.mesh):
+      policy = build_policy(cfg, self.mesh)
+    export_lib.write_model_card(workdir, policy.config, self.tokenizer)
+    self.graphdef, params = nnx.split(policy, nnx.Param)
+    total_updates = cfg.steps * (cfg.train.batch_prompts // cfg.train.mini_batch_prompts)
+    self.optimizer = state_lib.make_optimizer(cfg.train, cfg.train.lr, total_updates)
+    critic_graphdef = critic_params = critic_opt_state = self.critic_optimizer = None
+    if cfg.algorithm == "ppo":
+      with jax.set_mesh(self.mesh):
+        critic = build_critic(cfg, policy, self.mesh)
+      critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
+      self.critic_optimizer = state_lib.make_optimizer(cfg.train, cfg.ppo.critic_lr, total_updates)
+      critic_opt_state = state_lib.init_opt_state(self.critic_optimizer, critic_params, self.mesh)
+    self.critic_graphdef = critic_graphdef
+    # The frozen reference: a copy of the initial weights, same shardings, no optimizer state.
+    self.ref_params = jax.tree.map(jnp.copy, params) if self._needs_frozen_ref() else None
+    self.state = state_lib.TrainState(
+        step=jnp.zeros((), jnp.int32), params=params,
+        opt_state=state_lib.init_opt_state(self.optimizer, params, self.mesh),
+        rng=jax.device_put(state_lib.initial_rng(cfg.seed), sharding.replicated(self.mesh)),
+        critic_params=critic_params, critic_opt_state=critic_opt_state)
+    self.state = jax.device_put(self.state, jax.tree.map(self._replicate_scalars, self.state))
+
+    slots = cfg.rollout.slots or (cfg.train.batch_prompts * cfg.rollout.n)
+    self.engine = engine_lib.Engine(nnx.merge(self.graphdef, params), max_concurrent_decodes=slots,
+                                    max_prefill_length=self.P, max_decode_length=self.R, mesh=self.mesh,
+                                    eos_ids=self.eos_ids)
+    self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+    self._jit(critic_graphdef)
+    self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.keep,
+                                                    cfg.checkpoint.async_save)
+
+  # -- setup helpers ---------------------------------------------------------------------------
+
+  def _eos_ids(self) -> tuple[int, ...]:
+    ids = set()
+    if self.tokenizer.eos_token_id is not None:
+      ids.add(self.tokenizer.eos_token_id)
+    for tok in ("<|im_end|>", "<|endoftext|>"):
+      tid = self.tokenizer.convert_tokens_to_ids(tok)
+      if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
+        ids.add(tid)
+    if not ids:
+      raise ValueError("tokenizer has no EOS token; set one so responses can stop")
+    return tuple(sorted(ids))
+
+  def _needs_frozen_ref(self) -> bool:
+    c = self.cfg
+    return (c.algorithm == "pacs" and c.pacs.reference_policy == "frozen") or (
+        c.algorithm == "grpo" and c.grpo.use_kl_loss)
+
+  def _replicate_scalars(self, x):
+    return x.sharding if x.ndim else sharding.replicated(self.mesh)
+
+  def _jit(self, critic_graphdef):
+    cfg = self.cfg
+    step_fn = step_lib.make_train_step(cfg, self.graphdef, self.optimizer, critic_graphdef, self.critic_optimizer)
+    state_shardings = state_lib.state_shardings(self.state)
+    self.train_step = jax.jit(step_fn, in_shardings=(state_shardings, None),
+                              out_shardings=(state_shardings, None), donate_argnums=(0,))
+    self.logprob_fn = jax.jit(step_lib.make_logprob_fn(self.graphdef, cfg.rollout.temperature))
+    self.value_fn = jax.jit(step_lib.make_value_fn(critic_graphdef)) if critic_graphdef is not None else None
+    self.ppo_advantages = jax.jit(lambda mbs: step_lib.ppo_advantages(cfg, mbs))
+
+  # -- one step --------------------------------------------------------------------------------
+
+  def _gather_prompts(self, local: list[list[int]]) -> list[list[int]]:
+    """Every process runs the same (global) rollout, so all need the global prompt list."""
+    if jax.process_count() == 1:
+      return local
+    from jax.experimental import multihost_utils
+    padded = np.full((len(local), self.P), -1, np.int32)
+    for i, p in enumerate(local):
+      padded[i, :len(p)] = p
+    everything = np.asarray(multihost_utils.process_allgather(padded, tiled=True))
+    return [[t for t in row if t >= 0] for row in everything]
+
+  def rollout(self, params_sample, prompts_local: list[list[int]], seed: int, sampling, n: int, max_new_tokens: int):
+    prompts = self._gather_prompts(prompts_local)
+    completions = engine_lib.generate(self.engine, params_sample, prompts, n=n, max_new_tokens=max_new_tokens,
+                                      sampling=sampling, seed=seed, eos_ids=self.eos_ids)
+    start = jax.process_index() * len(prompts_local)
+    local = [c for c in completions if start <= c.prompt_index < start + len(prompts_local)]
+    for c in local:
+      c.prompt_index -= start
+    return local
+
+  def _step_seed(self) -> int:
+    rng, sub = jax.random.split(jax.random.wrap_key_data(self.state.rng))
+    self.state = self.state.replace(rng=jax.random.key_data(rng))
+    return int(jax.random.randint(sub, (), 0, 2**31 - 1))
+
+  def train_one_step(self, batch: dict[str, Any], scorer) -> dict[str, Any]:
+    """One step on this process's share of a batch of prompts (a pipeline batch: lists per field)."""
+    cfg, n = self.cfg, self.cfg.rollout.n
+    t0 = time.perf_counter()
+    seed = self._step_seed()
+    prompts = [ids.tolist() for ids in batch["prompt_ids"]]
+    with jax.set_mesh(self.mesh):
+      params_sample = sharding.reshard(self.state.params, self.engine.param_shardings)
+      completions = self.rollout(params_sample, prompts, seed, self.sampling, n, self.R)
+    del params_sample
+    t_rollout = time.perf_counter()
+
+    texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+    answers = [batch["answer"][c.prompt_index] for c in completions]
+    data_sources = [batch["data_source"][c.prompt_index] for c in completions]
+    scores, reward_stats = scorer.score_batch(texts, answers, data_sources)
+    t_reward = time.perf_counter()
+
+    input_ids, attention_mask, response_mask = pack_rows(prompts, completions, n, self.P, self.R, self.pad_id)
+    rb = RolloutBatch(input_ids, attention_mask, response_mask, np.asarray(scores, np.float32), data_sources,
+                      [c.finish_reason for c in completions])
+    metrics = self.update(rb)
+    t_update = time.perf_counter()
+
+    metrics.update(rollout_metrics(rb, reward_stats))
+    tokens = float(np.sum(attention_mask)) * jax.process_count()
+    step_s = t_update - t0
+    metrics.update({"timing/rollout_s": t_rollout - t0, "timing/reward_s": t_reward - t_rollout,
+                    "timing/update_s": t_update - t_reward, "timing/step_s": step_s,
+                    "throughput/tokens_per_s": tokens / max(step_s, 1e-9)})
+    return metrics
+
+  def update(self, rb: RolloutBatch) -> dict[str, Any]:
+    """Reference / old log-probs for the whole step first, then one optimizer update per mini-batch."""
+    cfg = self.cfg
+    num_mb = cfg.train.batch_prompts // cfg.train.mini_batch_prompts
+    k = cfg.train.mini_batch_prompts // (cfg.train.micro_batch_prompts or cfg.train.mini_batch_prompts)
+    with jax.set_mesh(self.mesh):
+      minibatches = to_minibatches(rb, self.mesh, num_mb, k)
+      for mb in minibatches:
+        if cfg.algorithm in ("grpo", "ppo") or cfg.pacs.reference_policy == "rollout":
+          mb["old_logprobs"] = self.logprob_fn(self.state.params, mb)
+        if self.ref_params is not None:
+          mb["ref_logprobs"] = self.logprob_fn(self.ref_params, mb)
+        elif cfg.algorithm == "pacs":
+          mb["ref_logprobs"] = mb["old_logprobs"]  # "rollout": the policy that sampled this step
+        if cfg.algorithm == "ppo":
+          mb["old_values"] = self.value_fn(self.state.critic_params, mb)
+      if cfg.algorithm == "ppo":
+        for mb, (adv, ret) in zip(minibatches, self.ppo_advantages(minibatches)):
+          mb["advantages"], mb["returns"] = adv, ret
+      all_metrics = []
+      for mb in minibatches:
+        self.state, m = self.train_step(self.state, mb)
+        all_metrics.append(m)
+    self.state = self.state.replace(step=self.state.step + 1)
+    return {k: float(np.mean([np.asarray(m[k]) for m in all_metrics])) if k != "skipped_updates"
+            else float(np.asarray(all_metrics[-1][k])) for k in all_metrics[0]}
+
+  # -- validation ------------------------------------------------------------------------------
+
+  def validate(self, scorer) -> dict[str, float]:
+    if not self.val_records:
+      return {}
+    cfg = self.cfg
+    max_new = cfg.rollout.val_max_new_tokens or self.R
+    with jax.set_mesh(self.mesh):
+      params_sample = sharding.reshard(self.state.params, self.engine.param_shardings)
+      completions = engine_lib.generate(self.engine, params_sample, self.val_prompts, n=1,
+                                        max_new_tokens=min(max_new, self.R), sampling=sampling_lib.Greedy(),
+                                        seed=0, eos_ids=self.eos_ids)
+    texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+    scores, _ = scorer.score_batch(texts, [r["answer"] for r in self.val_records],
+                                   [r["data_source"] for r in self.val_records])
+    return per_source_mean(scores, [r["data_source"] for r in self.val_records], "val/accuracy")
+
+  # -- checkpoints -----------------------------------------------------------------------------
+
+  def _checkpoint_tree(self):
+    return self.state
+
+  def save(self, step: int):
+    self.checkpointer.save(step, self._checkpoint_tree(), self.data_iter.get_state(), self.cfg)
+
+  def maybe_restore(self) -> int:
+    step = self.checkpointer.latest_step()
+    if step is None:
+      return 0
+    abstract = checkpoint_lib.abstract_like(self._checkpoint_tree())
+    self.state, data_state = self.checkpointer.restore(step, abstract)
+    self.data_iter = self.pipeline.iterator(data_state)
+    logging.info("resumed from %s at step %d", self.checkpointer.directory, step)
+    print(f"resumed from step {step}", flush=True)
+    return step
+
+  # -- the loop --------------------------------------------------------------------------------
+
+  def run(self) -> dict[str, Any]:
+    cfg = self.cfg
+    start = self.maybe_restore()
+    writer = metrics_lib.MetricsWriter(self.workdir, resume_step=start)
+    preemption = _Preemption()
+    last = {}
+    try:
+      with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
+        if start == 0 and cfg.eval_every:
+          writer.write(0, self.validate(scorer))
+        for step in range(start + 1, cfg.steps + 1):
+          batch = next(self.data_iter)
+          last = self.train_one_step(batch, scorer)
+          last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
+          last["data/skipped_rows"] = float(self.skipped_rows)
+          last["data/epoch"] = float(batch["epoch"])
+          if cfg.eval_every and step % cfg.eval_every == 0:
+            last.update(self.validate(scorer))
+          if step % cfg.log_every == 0 or step == cfg.steps:
+            writer.write(step, last)
+          if step % cfg.checkpoint.every == 0 or step == cfg.steps or preemption.requested:
+            self.save(step)
+          if preemption.requested:
+            logging.warning("preempted: saved step %d, exiting", step)
+            break
+    finally:
+      self.checkpointer.close()
+      writer.close()
+      preemption.restore()
+    return last
+
+
+def rollout_metrics(rb: RolloutBatch, reward_stats: dict) -> dict[str, float]:
+  lengths = rb.response_mask.sum(-1)
+  m = {"reward/mean": float(np.mean(rb.rewards)),
+       "response_length/mean": float(np.mean(lengths)),
+       "response_length/max": float(np.max(lengths)),
+       "response_length/clip_ratio": float(np.mean([r == "length" for r in rb.finish_reasons])),
+       "reward/errors": float(reward_stats.get("errors", 0)),
+       "reward/timeouts": float(reward_stats.get("timeouts", 0))}
+  m.update(per_source_mean(rb.rewards, rb.data_sources, "accuracy"))
+  return m
+
+
+def per_source_mean(scores, data_sources: list[str], prefix: str) -> dict[str, float]:
+  scores = np.asarray(scores, np.float64)
+  out = {}
+  for src in sorted(set(data_sources)):
+    sel = np.asarray([d == src for d in data_sources])
+    out[f"{prefix}/{src}"] = float(scores[sel].mean())
+  if data_sources:
+    out[f"{prefix}/all"] = float(scores.mean())
+  return out
+
+
+def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+  return Trainer(cfg, workdir).run()

@@ -1,0 +1,28 @@
+"""Process-level setup before the first jax computation: multi-host init and persistent compile cache."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import ml_collections
+
+from pacs_jax import sharding
+
+
+def _multi_host_tpu_vm() -> bool:
+  """TPU VM runtimes list every worker of the slice in TPU_WORKER_HOSTNAMES (comma-separated)."""
+  return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+
+
+def init(cfg: ml_collections.ConfigDict) -> None:
+  """Starts jax.distributed from the config's flags, or auto-detected on TPU VMs; no-op on one machine."""
+  d = cfg.distributed
+  if d.coordinator_address:
+    sharding.initialize_distributed(d.coordinator_address, d.num_processes or None,
+                                    d.process_id if d.process_id >= 0 else None)
+  elif _multi_host_tpu_vm():
+    sharding.initialize_distributed()  # jax reads the coordinator and process ids from the TPU metadata
+  cache_dir = os.environ.get("PACS_JAX_COMPILATION_CACHE")
+  if cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)

@@ -1,0 +1,89 @@
+"""TrainState pytree, the optimizer (AdamW + global-norm clip + schedule, non-finite updates skipped) and sharded creation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from pacs_jax import sharding
+
+# apply_if_finite falls back to applying the update after this many consecutive non-finite ones; a
+# non-finite gradient must never be applied, so the limit is out of reach.
+_NEVER = 2**31 - 1
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a training step transforms. Graph definitions are static and live outside."""
+  step: jax.Array  # [] int32: training steps done (one rollout batch each)
+  params: nnx.State  # policy parameters
+  opt_state: Any
+  rng: jax.Array  # [2] uint32 key data
+  critic_params: nnx.State | None = None  # PPO only
+  critic_opt_state: Any = None
+
+
+def learning_rate_schedule(train: ml_collections.ConfigDict, lr: float, total_updates: int) -> optax.Schedule:
+  if train.schedule == "constant":
+    if train.warmup_steps:
+      return optax.join_schedules([optax.linear_schedule(0.0, lr, train.warmup_steps), optax.constant_schedule(lr)],
+                                  [train.warmup_steps])
+    return optax.constant_schedule(lr)
+  return optax.warmup_cosine_decay_schedule(0.0, lr, max(train.warmup_steps, 0), max(total_updates, 1),
+                                            end_value=lr * train.min_lr_ratio)
+
+
+def make_optimizer(train: ml_collections.ConfigDict, lr: float, total_updates: int) -> optax.GradientTransformation:
+  """AdamW with global-norm clipping; an update whose gradient has a NaN/Inf is skipped and counted."""
+  schedule = learning_rate_schedule(train, lr, total_updates)
+  inner = optax.chain(
+      optax.clip_by_global_norm(train.grad_clip),
+      # inject_hyperparams keeps the learning rate of the last update in the state, for logging.
+      optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b1=train.b1, b2=train.b2, eps=train.eps,
+                                            weight_decay=train.weight_decay),
+  )
+  return optax.apply_if_finite(inner, max_consecutive_errors=_NEVER)
+
+
+def skipped_updates(opt_state) -> jax.Array:
+  """Number of updates skipped for a non-finite gradient so far."""
+  return opt_state.total_notfinite
+
+
+def last_lr(opt_state) -> jax.Array:
+  """The learning rate of the last applied update."""
+  return opt_state.inner_state[1].hyperparams["learning_rate"]
+
+
+def param_state(model: nnx.Module) -> nnx.State:
+  return nnx.state(model, nnx.Param)
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State, mesh) -> Any:
+  """Optimizer state created directly in the parameters' shardings (moments follow their params)."""
+  if mesh is None:
+    return optimizer.init(params)
+  abstract = jax.eval_shape(optimizer.init, params)
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  shardings = optax.tree_map_params(optimizer, lambda _, s: s, abstract, param_shardings,
+                                    transform_non_params=lambda _: sharding.replicated(mesh))
+  return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+
+def state_shardings(state: TrainState) -> Any:
+  """The shardings a (concrete) state lives in: used as the jitted step's in/out shardings."""
+  return jax.tree.map(lambda x: x.sharding, state)
+
+
+def initial_rng(seed: int) -> jax.Array:
+  return jax.random.key_data(jax.random.key(seed))
+
+
+def scalar(x) -> jax.Array:
+  return jnp.asarray(x, jnp.int32)
