@@ -6,7 +6,7 @@ from pacs_jax.config import default_config
 def get_config():
   c = default_config()
   c.algorithm = "pacs"
-  c.steps = 150
+  c.steps = 500
   c.model.preset = "tiny"
   c.model.vocab_size = 64  # the synthetic tokenizer's vocabulary
   c.tokenizer = "synthetic"

@@ -158,10 +158,12 @@ class _Preemption:
 
 
 class Trainer:
-  def __init__(self, cfg: ml_collections.ConfigDict, workdir: str):
-    config_lib.validate(cfg, jax.device_count(), jax.process_count())
+  def __init__(self, cfg: ml_collections.ConfigDict, workdir: str, devices=None):
+    """`devices`: the mesh's devices (default: all of them)."""
+    devices = jax.devices() if devices is None else list(devices)
+    config_lib.validate(cfg, len(devices), jax.process_count())
     self.cfg, self.workdir = cfg, workdir
-    self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     self.tokenizer = load_tokenizer(cfg)
     self.eos_ids = self._eos_ids()
     self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -429,5 +431,6 @@ def per_source_mean(scores, data_sources: list[str], prefix: str) -> dict[str, f
   return out
 
 
-def train(cfg: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  return Trainer(cfg, workdir).run()
+def train(cfg: ml_collections.ConfigDict, workdir: str, devices=None) -> dict[str, Any]:
+  """Trains until `cfg.steps` (resuming from `workdir`'s latest checkpoint); returns the last step's metrics."""
+  return Trainer(cfg, workdir, devices).run()
