@@ -104,6 +104,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.reward_workers = 2
   c.reward_timeout_s = 10.0
 
+  # The target machine, for `--dry_run` (memory per device) and documentation.
+  c.hardware = ml_collections.ConfigDict()
+  c.hardware.num_devices = 0  # accelerator chips of the target slice (0 = the devices present)
+  c.hardware.hbm_gb = 0.0  # memory per chip, e.g. 95 on TPU v5p, 80 on H100
+
   # Multi-host: empty = auto-detect on TPU VMs (or single process elsewhere).
   c.distributed = ml_collections.ConfigDict()
   c.distributed.coordinator_address = ""

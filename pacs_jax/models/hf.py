@@ -136,8 +136,20 @@ def read_slice(tensor_slice, layout: str, shape: tuple, index: tuple) -> np.ndar
 # Loading
 
 
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+
+
+def resolve_path(path_or_repo_id: str) -> str:
+  """A local checkpoint directory as is; a hub id (`Qwen/Qwen2.5-3B`) downloaded once to the local cache."""
+  if os.path.isdir(path_or_repo_id) or not re.fullmatch(r"[\w.-]+/[\w.-]+", path_or_repo_id):
+    return path_or_repo_id
+  from huggingface_hub import snapshot_download
+  return snapshot_download(path_or_repo_id, allow_patterns=HUB_FILES)
+
+
 def load_config(path: str, **overrides) -> Qwen2Config:
   """Reads `path/config.json` into a `Qwen2Config` (overrides: dtype, param_dtype, remat...)."""
+  path = resolve_path(path)
   cfg_path = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(cfg_path):
     raise FileNotFoundError(f"{cfg_path}: missing config.json (expected a Hugging Face model directory)")
@@ -210,6 +222,7 @@ def load_pretrained(path: str, dtype=jnp.float32, mesh=None, compute_dtype=None,
   such as `remat`. With a `mesh`, params are placed in their train-mode shardings, each device reading
   only its own slice from disk.
   """
+  path = resolve_path(path)
   config = load_config(path, param_dtype=dtype, dtype=compute_dtype or dtype, **config_overrides)
   files = weight_files(path)
   abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)))
@@ -228,7 +241,7 @@ def load_pretrained(path: str, dtype=jnp.float32, mesh=None, compute_dtype=None,
 def load_tokenizer(path: str):
   """The checkpoint's tokenizer (with its chat template), via transformers."""
   from transformers import AutoTokenizer
-  return AutoTokenizer.from_pretrained(path)
+  return AutoTokenizer.from_pretrained(resolve_path(path))
 
 
 # ----------------------------------------------------------------------------------------------

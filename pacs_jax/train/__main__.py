@@ -16,6 +16,8 @@ _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(o
 _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Training config file (a get_config() module).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and logs go (default: runs/<config name>).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build everything abstractly on a mesh of config.hardware.num_devices "
+                             "devices and print per-device memory; train nothing.")
 
 
 def main(argv):
@@ -24,6 +26,11 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
   cfg = _CONFIG.value
+  if _DRY_RUN.value:
+    import jax
+    from pacs_jax.train import memory
+    print(memory.report(cfg, cfg.hardware.num_devices or jax.device_count(), cfg.hardware.hbm_gb or None))
+    return
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
   from pacs_jax.train import runtime

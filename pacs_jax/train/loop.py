@@ -250,6 +250,11 @@ class Trainer:
     self.logprob_fn = jax.jit(step_lib.make_logprob_fn(self.graphdef, cfg.rollout.temperature))
     self.value_fn = jax.jit(step_lib.make_value_fn(critic_graphdef)) if critic_graphdef is not None else None
     self.ppo_advantages = jax.jit(lambda mbs: step_lib.ppo_advantages(cfg, mbs))
+    # Rollout weights: sample-mode layout in the compute dtype. The model casts every weight to that
+    # dtype before use, so sampling numerics are unchanged while memory and bandwidth drop.
+    compute = DTYPES[cfg.model.dtype]
+    self.to_sample_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute), p),
+                                    out_shardings=self.engine.param_shardings)
 
   # -- one step --------------------------------------------------------------------------------
 
@@ -286,7 +291,7 @@ class Trainer:
     seed = self._step_seed()
     prompts = [ids.tolist() for ids in batch["prompt_ids"]]
     with jax.set_mesh(self.mesh):
-      params_sample = sharding.reshard(self.state.params, self.engine.param_shardings)
+      params_sample = self.to_sample_params(self.state.params)
       completions = self.rollout(params_sample, prompts, seed, self.sampling, n, self.R)
     del params_sample
     t_rollout = time.perf_counter()
@@ -346,7 +351,7 @@ class Trainer:
     cfg = self.cfg
     max_new = cfg.rollout.val_max_new_tokens or self.R
     with jax.set_mesh(self.mesh):
-      params_sample = sharding.reshard(self.state.params, self.engine.param_shardings)
+      params_sample = self.to_sample_params(self.state.params)
       completions = engine_lib.generate(self.engine, params_sample, self.val_prompts, n=1,
                                         max_new_tokens=min(max_new, self.R), sampling=sampling_lib.Greedy(),
                                         seed=0, eos_ids=self.eos_ids)

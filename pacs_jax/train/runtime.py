@@ -23,6 +23,8 @@ def init(cfg: ml_collections.ConfigDict) -> None:
                                     d.process_id if d.process_id >= 0 else None)
   elif _multi_host_tpu_vm():
     sharding.initialize_distributed()  # jax reads the coordinator and process ids from the TPU metadata
+  # A persistent compile cache makes restarts (preemption, resume) skip recompiling.
   cache_dir = os.environ.get("PACS_JAX_COMPILATION_CACHE")
   if cache_dir:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -198,3 +198,19 @@ def test_missing_tensor(tmp_path):
   save_file(tensors, f, metadata={"format": "pt"})
   with pytest.raises(KeyError, match=r"'lm_head\.weight' is missing from .*model\.safetensors"):
     hf.load_pretrained(path)
+
+
+def test_hub_id_is_downloaded_once_then_loaded(tmp_path, monkeypatch):
+  import huggingface_hub
+  path = _saved("tied_gqa2", tmp_path / "snapshot")
+  calls = []
+
+  def fake_snapshot_download(repo_id, allow_patterns=None):
+    calls.append(repo_id)
+    assert "*.safetensors" in allow_patterns and "*.json" in allow_patterns
+    return path
+
+  monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+  model, config = hf.load_pretrained("Qwen/Qwen2.5-0.5B")
+  assert calls == ["Qwen/Qwen2.5-0.5B"]
+  assert config.num_attention_heads == 4

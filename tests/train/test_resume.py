@@ -32,6 +32,8 @@ def env():
   e = dict(os.environ)
   e["XLA_FLAGS"] = ""  # one CPU device, as the config's mesh asks
   e["PYTHONUNBUFFERED"] = "1"
+  # Runs after the first reuse its compiled programs (as a restarted job would).
+  e["PACS_JAX_COMPILATION_CACHE"] = os.path.join(ROOT, ".jax_cache", "trainer")
   return e
 
 

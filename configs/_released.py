@@ -1,0 +1,40 @@
+"""The released PACS recipe (PACS.md) shared by the full-size configs; each config picks model, mesh and batch split."""
+
+from pacs_jax.config import default_config
+
+DEEPSCALER = "hf://agentica-org/DeepScaleR-Preview-Dataset"
+MATH500 = "hf://HuggingFaceH4/MATH-500"
+
+
+def released_recipe(preset: str, hf_path: str):
+  c = default_config()
+  c.algorithm = "pacs"
+  c.steps = 300
+  c.model.preset = preset  # shapes for --dry_run; weights come from hf_path
+  c.model.hf_path = hf_path  # a local directory or a hub id (downloaded once with huggingface_hub)
+  c.model.param_dtype = "float32"  # AdamW on fp32 master weights
+  c.model.dtype = "bfloat16"
+  c.model.remat = True
+  c.data.train = DEEPSCALER
+  c.data.val = MATH500
+  c.data.max_prompt_length = 512
+  c.data.skip_bad_rows = True  # a long run logs and counts malformed rows instead of stopping
+  c.rollout.n = 8
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.max_new_tokens = 4096
+  c.train.batch_prompts = 1024
+  c.train.mini_batch_prompts = 256  # 4 optimizer updates per step
+  c.train.lr = 1e-6
+  c.train.schedule = "constant"
+  c.train.weight_decay = 0.01
+  c.train.grad_clip = 1.0
+  c.pacs.beta = 1.0
+  c.pacs.adv_estimator = "rloo"
+  c.pacs.use_weight = True
+  c.pacs.weight_mode = "question"
+  c.eval_every = 5
+  c.checkpoint.every = 20
+  c.checkpoint.keep = 3
+  c.reward_workers = 8
+  return c

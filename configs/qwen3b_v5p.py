@@ -1,0 +1,19 @@
+"""Qwen2.5-3B, released PACS recipe, on a TPU v5p-64 slice (32 chips, 95 GB HBM each)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _released import released_recipe  # noqa: E402
+
+
+def get_config():
+  c = released_recipe("qwen2.5-3b", "Qwen/Qwen2.5-3B")
+  c.hardware.num_devices = 32
+  c.hardware.hbm_gb = 95.0
+  c.mesh.data = 1
+  c.mesh.fsdp = 16  # weights and Adam state sharded 16 ways, batch rows over fsdp
+  c.mesh.tensor = 2  # 16 query / 2 kv heads split over 2 chips: halves attention and KV cache per chip
+  c.train.micro_batch_prompts = 4  # 32 rows of 4,608 tokens per micro-batch = 2 rows per chip
+  c.rollout.slots = 2048  # concurrent sequences (128 per chip); the rest queue (continuous batching)
+  return c

@@ -1,0 +1,19 @@
+"""Qwen2.5-7B, released PACS recipe, on a TPU v5p-128 slice (64 chips, 95 GB HBM each)."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _released import released_recipe  # noqa: E402
+
+
+def get_config():
+  c = released_recipe("qwen2.5-7b", "Qwen/Qwen2.5-7B")
+  c.hardware.num_devices = 64
+  c.hardware.hbm_gb = 95.0
+  c.mesh.data = 1
+  c.mesh.fsdp = 32
+  c.mesh.tensor = 2  # 28 query / 4 kv heads
+  c.train.micro_batch_prompts = 4  # 32 rows per micro-batch = 1 row per chip
+  c.rollout.slots = 2048
+  return c

@@ -1,0 +1,134 @@
+"""`--dry_run`: builds the model and optimizer abstractly on an abstract mesh of the target size and reports
+per-device memory (params, optimizer state, reference model, rollout weights, KV cache, activations).
+
+Weights and optimizer state are exact (their shapes and PartitionSpecs are the ones training uses);
+activations are an estimate of the train step's peak with per-layer remat.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from pacs_jax import config as config_lib
+from pacs_jax import sharding
+from pacs_jax.models import qwen2
+from pacs_jax.train import state as state_lib
+
+GB = 1e9
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def abstract_mesh(cfg: ml_collections.ConfigDict, num_devices: int) -> AbstractMesh:
+  sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
+  known = math.prod(v for v in sizes.values() if v != -1)
+  for axis, v in sizes.items():
+    if v == -1:
+      sizes[axis] = num_devices // known
+  return AbstractMesh(tuple(sizes[a] for a in sharding.MESH_AXES), sharding.MESH_AXES)
+
+
+def _shard_bytes(shape, dtype, spec: P, mesh_shape: dict[str, int]) -> float:
+  parts = 1
+  for axis in spec:
+    if axis is None:
+      continue
+    for a in (axis if isinstance(axis, tuple) else (axis,)):
+      parts *= mesh_shape[a]
+  return math.prod(shape) * jnp.dtype(dtype).itemsize / parts
+
+
+def tree_bytes_per_device(tree: Any, specs: Any, mesh_shape: dict[str, int]) -> float:
+  leaves = jax.tree.leaves(tree)
+  spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  return sum(_shard_bytes(x.shape, x.dtype, s, mesh_shape) for x, s in zip(leaves, spec_leaves, strict=True))
+
+
+def model_config(cfg: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
+  """Shapes come from the preset (a dry run never reads a checkpoint or the hub)."""
+  overrides = dict(param_dtype=DTYPES[cfg.model.param_dtype], dtype=DTYPES[cfg.model.dtype], remat=cfg.model.remat)
+  if cfg.model.vocab_size:
+    overrides["vocab_size"] = cfg.model.vocab_size
+  return qwen2.get_preset(cfg.model.preset, **overrides)
+
+
+def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, float]:
+  """Per-device bytes of each part of a training run on `num_devices` devices."""
+  config_lib.validate(cfg, num_devices)
+  mesh = abstract_mesh(cfg, num_devices)
+  mesh_shape = dict(mesh.shape)
+  mc = model_config(cfg)
+  abstract = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(0)))
+  _, params = nnx.split(abstract, nnx.Param)
+  train_specs = sharding.state_specs(params, mesh, "train")
+  sample_specs = sharding.state_specs(params, mesh, "sample")
+  values = jax.tree.map(lambda v: v.get_value(), params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+  out = {}
+  out["params"] = tree_bytes_per_device(values, train_specs, mesh_shape)
+  optimizer = state_lib.make_optimizer(cfg.train, cfg.train.lr, cfg.steps)
+  opt_state = jax.eval_shape(optimizer.init, values)
+  # Adam's moments are laid out like their parameters; counters and hyperparameters are scalars.
+  opt_specs = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, train_specs,
+                                                  transform_non_params=lambda _: P(),
+                                                  is_leaf=lambda x: isinstance(x, P))
+  out["optimizer"] = tree_bytes_per_device(opt_state, opt_specs, mesh_shape)
+  frozen_ref = (cfg.algorithm == "pacs" and cfg.pacs.reference_policy == "frozen") or (
+      cfg.algorithm == "grpo" and cfg.grpo.use_kl_loss)
+  out["reference"] = out["params"] if frozen_ref else 0.0
+  if cfg.algorithm == "ppo":  # a critic of the same size, with its own Adam state
+    out["critic"] = out["params"] + out["optimizer"]
+  # Rollout weights: a sample-mode copy in the compute dtype while sampling.
+  compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), values)
+  out["rollout_weights"] = tree_bytes_per_device(compute, sample_specs, mesh_shape)
+
+  batch_shards = mesh_shape["data"] * mesh_shape["fsdp"]
+  tensor = mesh_shape["tensor"]
+  L, K, H = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_size
+  T = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+  slots = cfg.rollout.slots or cfg.train.batch_prompts * cfg.rollout.n
+  kv_tensor = tensor if K % tensor == 0 else 1
+  out["kv_cache"] = (slots / batch_shards) * T * L * 2 * (K / kv_tensor) * H * jnp.dtype(mc.dtype).itemsize
+  out["activations"] = activation_bytes(cfg, mc, batch_shards, tensor, T)
+  return out
+
+
+def activation_bytes(cfg, mc: qwen2.Qwen2Config, batch_shards: int, tensor: int, T: int) -> float:
+  """Peak of one micro-batch's forward + backward on a device (estimate).
+
+  With remat, each layer keeps its input [m, T, D]; one layer at a time holds its internals: fp32
+  attention scores and probabilities [m, N/t, T, T], q/k/v/out and the MLP's [m, T, F/t] activations;
+  the log-prob head holds one chunk of fp32 logits [m, C, V/t] (and its gradient).
+  """
+  micro_prompts = cfg.train.micro_batch_prompts or cfg.train.mini_batch_prompts
+  m = max(1.0, micro_prompts * cfg.rollout.n / batch_shards)
+  b = jnp.dtype(mc.dtype).itemsize
+  D, F, N, V = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.vocab_size
+  heads = N / tensor if N % tensor == 0 else N
+  residuals = (mc.num_hidden_layers if mc.remat else 0) * m * T * D * b
+  per_layer_saved = (0 if mc.remat else mc.num_hidden_layers) * m * T * (6 * D + 3 * F / tensor) * b
+  attention = 2 * m * heads * T * T * 4 + 4 * m * T * N * mc.head_size / tensor * b
+  mlp = 3 * m * T * F / tensor * b
+  logits_chunk = 3 * m * 128 * V / tensor * 4
+  return residuals + per_layer_saved + 2 * (attention + mlp) + logits_chunk + 4 * m * T * D * 4
+
+
+def report(cfg: ml_collections.ConfigDict, num_devices: int, hbm_gb: float | None = None) -> str:
+  parts = estimate(cfg, num_devices)
+  total = sum(parts.values())
+  mesh = dict(abstract_mesh(cfg, num_devices).shape)
+  lines = [f"dry run: {cfg.model.preset} on {num_devices} devices, mesh {mesh}",
+           f"{'part':<18}{'GB / device':>12}"]
+  lines += [f"{k:<18}{v / GB:>12.2f}" for k, v in parts.items()]
+  lines.append(f"{'total':<18}{total / GB:>12.2f}")
+  if hbm_gb:
+    verdict = "fits" if total / GB < hbm_gb else "DOES NOT FIT"
+    lines.append(f"{verdict} in {hbm_gb:g} GB per device ({100 * total / GB / hbm_gb:.0f}%)")
+  return "\n".join(lines)
