@@ -10,8 +10,8 @@ def get_config():
   c.model.preset = "tiny"
   c.model.vocab_size = 64  # the synthetic tokenizer's vocabulary
   c.tokenizer = "synthetic"
-  c.data.train = "synthetic/mod4"
-  c.data.val = "synthetic/mod4"
+  c.data.train = "synthetic/mod3"
+  c.data.val = "synthetic/mod3"
   c.data.instruction = ""  # the synthetic prompts carry no instruction (its words are not in the vocabulary)
   c.data.max_prompt_length = 16
   c.data.synthetic_val_size = 64

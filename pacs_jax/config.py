@@ -30,8 +30,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.tokenizer = ""
 
   c.data = ml_collections.ConfigDict()
-  c.data.train = "synthetic/mod4"  # synthetic/<task> | comma-separated .json/.jsonl/.parquet files, hf://owner/name
-  c.data.val = "synthetic/mod4"  # same forms; "" disables validation
+  c.data.train = "synthetic/mod3"  # synthetic/<task> | comma-separated .json/.jsonl/.parquet files, hf://owner/name
+  c.data.val = "synthetic/mod3"  # same forms; "" disables validation
   c.data.synthetic_train_size = 4096
   c.data.synthetic_val_size = 64
   c.data.max_prompt_length = 512  # longer prompts are dropped (counted), never truncated

@@ -238,10 +238,40 @@ def load_pretrained(path: str, dtype=jnp.float32, mesh=None, compute_dtype=None,
   return nnx.merge(graphdef, state), config
 
 
+# Qwen2.5 ends a chat turn with <|im_end|> and a document with <|endoftext|>; both stop a response.
+QWEN_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
 def load_tokenizer(path: str):
-  """The checkpoint's tokenizer (with its chat template), via transformers."""
-  from transformers import AutoTokenizer
-  return AutoTokenizer.from_pretrained(resolve_path(path))
+  """The checkpoint's tokenizer (with its chat template), via transformers.
+
+  A tokenizer saved as a plain `tokenizers` model (PreTrainedTokenizerFast / TokenizersBackend) is
+  loaded as exactly that: AutoTokenizer would pick the class from config.json's model_type (qwen2)
+  and rebuild a byte-level BPE from the vocabulary, silently changing a word-level tokenizer.
+  """
+  from transformers import AutoTokenizer, PreTrainedTokenizerFast
+  path = resolve_path(path)
+  tokenizer_config = os.path.join(path, "tokenizer_config.json")
+  if os.path.isfile(tokenizer_config):
+    with open(tokenizer_config) as f:
+      if json.load(f).get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend"):
+        return PreTrainedTokenizerFast.from_pretrained(path)
+  return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(tokenizer, model_dir: str | None = None) -> tuple[int, ...]:
+  """Ids that end a response: the tokenizer's EOS, Qwen's stop tokens, and generation_config.json's."""
+  ids = {tokenizer.eos_token_id} - {None}
+  vocab = tokenizer.get_vocab()
+  ids.update(vocab[token] for token in QWEN_STOP_TOKENS if token in vocab)
+  path = os.path.join(model_dir, "generation_config.json") if model_dir else ""
+  if path and os.path.isfile(path):
+    with open(path) as f:
+      eos = json.load(f).get("eos_token_id")
+    ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+  if not ids:
+    raise ValueError("the tokenizer has no EOS token, so responses could not stop")
+  return tuple(sorted(ids))
 
 
 # ----------------------------------------------------------------------------------------------

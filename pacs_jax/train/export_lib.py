@@ -27,17 +27,15 @@ def write_model_card(workdir: str, config: qwen2.Qwen2Config, tokenizer) -> None
   tokenizer.save_pretrained(path)
 
 
-def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | None = None,
-           max_shard_size: str | int | None = "5GB") -> str:
+def load_policy(workdir: str, step: int | None = None) -> tuple[qwen2.Qwen2ForCausalLM, int]:
+  """The policy of a training checkpoint (default: the latest) on one device; the optimizer state is never read."""
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
   try:
     step = ckpt.latest_step() if step is None else step
     if step is None:
-      raise FileNotFoundError(f"{workdir}/checkpoints: no checkpoint to export")
-    train_cfg = ckpt.restore_config(step)
-    param_dtype = DTYPES[train_cfg["model"]["param_dtype"]]
-    model_dir = os.path.join(workdir, MODEL_DIR)
-    config = hf.load_config(model_dir, param_dtype=param_dtype, dtype=param_dtype)
+      raise FileNotFoundError(f"{workdir}/checkpoints: no checkpoint found")
+    param_dtype = DTYPES[ckpt.restore_config(step)["model"]["param_dtype"]]
+    config = hf.load_config(os.path.join(workdir, MODEL_DIR), param_dtype=param_dtype, dtype=param_dtype)
     abstract = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract, nnx.Param)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -45,7 +43,13 @@ def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | Non
     params = ckpt.restore_params(step, target)
   finally:
     ckpt.close()
-  model = nnx.merge(graphdef, params)
-  hf.save_pretrained(model, out_dir, tokenizer=hf.load_tokenizer(model_dir), max_shard_size=max_shard_size,
-                     dtype=DTYPES[dtype] if dtype else None)
+  return nnx.merge(graphdef, params), step
+
+
+def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | None = None,
+           max_shard_size: str | int | None = "5GB") -> str:
+  """Writes the checkpoint's policy as a Hugging Face directory (weights, config.json, tokenizer)."""
+  model, _ = load_policy(workdir, step)
+  hf.save_pretrained(model, out_dir, tokenizer=hf.load_tokenizer(os.path.join(workdir, MODEL_DIR)),
+                     max_shard_size=max_shard_size, dtype=DTYPES[dtype] if dtype else None)
   return out_dir

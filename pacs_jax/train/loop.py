@@ -165,7 +165,7 @@ class Trainer:
     self.cfg, self.workdir = cfg, workdir
     self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     self.tokenizer = load_tokenizer(cfg)
-    self.eos_ids = self._eos_ids()
+    self.eos_ids = hf.eos_token_ids(self.tokenizer, cfg.model.hf_path and hf.resolve_path(cfg.model.hf_path))
     self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
     self.P, self.R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
 
@@ -220,18 +220,6 @@ class Trainer:
                                                     cfg.checkpoint.async_save)
 
   # -- setup helpers ---------------------------------------------------------------------------
-
-  def _eos_ids(self) -> tuple[int, ...]:
-    ids = set()
-    if self.tokenizer.eos_token_id is not None:
-      ids.add(self.tokenizer.eos_token_id)
-    for tok in ("<|im_end|>", "<|endoftext|>"):
-      tid = self.tokenizer.convert_tokens_to_ids(tok)
-      if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
-        ids.add(tid)
-    if not ids:
-      raise ValueError("tokenizer has no EOS token; set one so responses can stop")
-    return tuple(sorted(ids))
 
   def _needs_frozen_ref(self) -> bool:
     c = self.cfg

@@ -19,6 +19,8 @@ def init(cfg: ml_collections.ConfigDict) -> None:
   """Starts jax.distributed from the config's flags, or auto-detected on TPU VMs; no-op on one machine."""
   d = cfg.distributed
   if d.coordinator_address:
+    if jax.config.jax_platforms in (None, "", "cpu") and not os.environ.get("JAX_PLATFORMS", "").strip("cpu"):
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk over gloo
     sharding.initialize_distributed(d.coordinator_address, d.num_processes or None,
                                     d.process_id if d.process_id >= 0 else None)
   elif _multi_host_tpu_vm():

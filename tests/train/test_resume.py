@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax.models import hf, qwen2
-from pacs_jax.train import checkpoint as checkpoint_lib
 from pacs_jax.train import export_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,17 +45,9 @@ def without_timings(rows):
 
 
 def final_params(workdir, step):
-  config = hf.load_config(os.path.join(workdir, export_lib.MODEL_DIR))
-  abstract = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)))
-  _, abstract_params = nnx.split(abstract, nnx.Param)
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"))
-  try:
-    assert ckpt.latest_step() == step
-    return [np.asarray(x) for x in jax.tree.leaves(ckpt.restore_params(step, target))]
-  finally:
-    ckpt.close()
+  model, restored_step = export_lib.load_policy(str(workdir))
+  assert restored_step == step
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
 def wait_for(predicate, proc, timeout=600):

@@ -1,0 +1,227 @@
+"""Dataset readers that normalise every source to records `{data_source, problem, answer}`, and the
+writer of the released (verl) parquet format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any, Iterable, Iterator, NamedTuple
+
+from pacs_jax.data import synthetic
+
+logger = logging.getLogger(__name__)
+
+# The released prompt's instruction, appended to the problem after one space.
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+HUB_PREFIX = "hf://"
+# Substrings of a path or hub name -> the data_source names of the released preprocessing
+# (ritzz-ai/PACS src/preprocess_dataset.py, without its `_{repeat}` suffix). First match wins.
+_KNOWN_SOURCES = (
+    ("deepscaler", "deepscaler"),
+    ("gsm8k", "gsm8k"),
+    ("math500", "math_500"), ("math_500", "math_500"), ("math-500", "math_500"),
+    ("aime2024", "aime_2024"), ("aime_2024", "aime_2024"), ("aime24", "aime_2024"),
+    ("aime2025", "aime_2025"), ("aime_2025", "aime_2025"), ("aime25", "aime_2025"),
+    ("amc23", "amc23"), ("amc2023", "amc23"),
+)
+
+
+class DataError(ValueError):
+  """A malformed file or row; the message names the file and the 1-based line (JSON Lines) or the
+  0-based row index (JSON arrays, parquet, hub datasets)."""
+
+
+class ReadResult(NamedTuple):
+  records: list[dict]
+  num_skipped: int  # malformed rows skipped (only with skip_bad_rows=True)
+
+
+def infer_data_source(spec: str) -> str:
+  """The released data_source name for a path or hub name, else the file's stem."""
+  lowered = spec.lower()
+  for key, name in _KNOWN_SOURCES:
+    if key in lowered:
+      return name
+  base = os.path.basename(spec.rstrip("/")) or spec
+  return base.split(".")[0]
+
+
+def normalize_answer(value: Any) -> str:
+  """A ground truth as text: `27.0` -> "27", 70 -> "70", strings stripped; raises on missing ones."""
+  if value is None or isinstance(value, bool):
+    raise ValueError(f"answer is missing or not a number/string: {value!r}")
+  if isinstance(value, int):
+    return str(value)
+  if isinstance(value, float):
+    if not math.isfinite(value):
+      raise ValueError(f"answer is not finite: {value!r}")
+    return str(int(value)) if value.is_integer() else repr(value)
+  if isinstance(value, str):
+    if not value.strip():
+      raise ValueError("answer is empty")
+    return value.strip()
+  raise ValueError(f"answer has unsupported type {type(value).__name__}: {value!r}")
+
+
+def _problem_from_prompt(prompt: Any) -> str:
+  """The problem inside a released chat prompt: the last user message, instruction suffix removed."""
+  if hasattr(prompt, "tolist"):  # numpy arrays from pandas-written parquet
+    prompt = prompt.tolist()
+  if not isinstance(prompt, (list, tuple)) or not prompt:
+    raise ValueError(f"`prompt` must be a non-empty list of chat messages, got {type(prompt).__name__}")
+  users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+  if not users:
+    raise ValueError("`prompt` has no user message")
+  content = users[-1].get("content")
+  if not isinstance(content, str):
+    raise ValueError(f"user message content is not a string: {content!r}")
+  return content.removesuffix(" " + MATH_INSTRUCTION)
+
+
+def normalize_row(row: Any, data_source: str | None = None, default_source: str | None = None) -> dict:
+  """One raw row (any supported layout) -> record; raises ValueError saying what is wrong.
+
+  data_source overrides the row's own; default_source names rows that have none.
+  """
+  if not isinstance(row, dict):
+    raise ValueError(f"row is a {type(row).__name__}, expected an object")
+  if "reward_model" in row:  # released (verl) layout
+    problem = _problem_from_prompt(row.get("prompt"))
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+      raise ValueError("row has no reward_model.ground_truth")
+    answer = normalize_answer(reward_model["ground_truth"])
+    source = data_source or row.get("data_source") or default_source
+    if not isinstance(source, str):
+      raise ValueError(f"data_source is not a string: {source!r}")
+    return {"data_source": source, "problem": problem, "answer": answer}
+  problem = row["problem"] if "problem" in row else row.get("question")
+  if not isinstance(problem, str) or not problem.strip():
+    raise ValueError(f"problem is missing or not a non-empty string: {problem!r:.80}")
+  if "answer" not in row:
+    raise ValueError("row has no answer")
+  answer = row["answer"]
+  if isinstance(answer, str) and "####" in answer:  # GSM8K: a worked solution ending in "#### 1,234"
+    answer = answer.rsplit("####", 1)[1].replace(",", "")
+  return {"data_source": data_source or default_source, "problem": problem, "answer": normalize_answer(answer)}
+
+
+def _collect(rows: Iterable[tuple[str, Any]], path: str, data_source: str | None,
+             skip_bad_rows: bool, default_source: str | None = None) -> ReadResult:
+  """rows: (location, raw row or a ValueError raised while reading it)."""
+  default_source = default_source or infer_data_source(path)
+  records, skipped = [], 0
+  for where, row in rows:
+    try:
+      if isinstance(row, Exception):
+        raise row
+      records.append(normalize_row(row, data_source, default_source))
+    except (ValueError, TypeError) as e:
+      if not skip_bad_rows:
+        raise DataError(f"{path}: {where}: {e} (pass skip_bad_rows=True to skip bad rows)") from e
+      skipped += 1
+      logger.debug("skipping %s: %s: %s", path, where, e)
+  if skipped:
+    logger.warning("%s: skipped %d malformed rows of %d", path, skipped, skipped + len(records))
+  return ReadResult(records, skipped)
+
+
+def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
+  with open(path, encoding="utf-8") as f:
+    for line_number, line in enumerate(f, start=1):
+      if not line.strip():
+        continue
+      try:
+        yield f"line {line_number}", json.loads(line)
+      except json.JSONDecodeError as e:
+        yield f"line {line_number}", ValueError(f"broken JSON ({e.msg} at column {e.colno})")
+
+
+def read_json(path: str, data_source: str | None = None, skip_bad_rows: bool = False) -> ReadResult:
+  """A JSON array of rows (DeepScaleR); a file holding JSON Lines is read as such."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  if not text.lstrip().startswith("["):
+    return read_jsonl(path, data_source, skip_bad_rows)
+  try:
+    rows = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise DataError(f"{path}: line {e.lineno}: broken JSON ({e.msg} at column {e.colno})") from e
+  return _collect(((f"row {i}", row) for i, row in enumerate(rows)), path, data_source, skip_bad_rows)
+
+
+def read_jsonl(path: str, data_source: str | None = None, skip_bad_rows: bool = False) -> ReadResult:
+  """JSON Lines (MATH-500, AIME 2024/2025, AMC23, GSM8K); errors name the 1-based line."""
+  return _collect(_jsonl_rows(path), path, data_source, skip_bad_rows)
+
+
+def read_parquet(path: str, data_source: str | None = None, skip_bad_rows: bool = False) -> ReadResult:
+  """The released preprocessed parquet (or any parquet with problem/answer columns)."""
+  import pyarrow.parquet as pq
+
+  rows = pq.read_table(path).to_pylist()
+  return _collect(((f"row {i}", row) for i, row in enumerate(rows)), path, data_source, skip_bad_rows)
+
+
+def read_hub(spec: str, data_source: str | None = None, skip_bad_rows: bool = False) -> ReadResult:
+  """`hf://owner/name[@config][:split]` (split defaults to train) through `datasets.load_dataset`."""
+  import datasets  # optional dependency (the `hub` extra)
+
+  name = spec.removeprefix(HUB_PREFIX)
+  split = "train"
+  if ":" in name:
+    name, split = name.rsplit(":", 1)
+  config = None
+  if "@" in name:
+    name, config = name.split("@", 1)
+  dataset = datasets.load_dataset(name, config, split=split)
+  return _collect(((f"row {i}", row) for i, row in enumerate(dataset)), spec, data_source, skip_bad_rows,
+                  default_source=infer_data_source(name))
+
+
+def load_records(spec: str, *, data_source: str | None = None, skip_bad_rows: bool = False,
+                 synthetic_size: int = 4096, seed: int = 0) -> ReadResult:
+  """Records from a file path (.json, .jsonl, .parquet), a hub path (`hf://...`) or a built-in
+  synthetic task (`synthetic/<name>`: `synthetic_size` problems drawn with `seed`)."""
+  if synthetic.is_synthetic(spec):
+    return ReadResult(synthetic.get_task(spec).records(synthetic_size, seed), 0)
+  if spec.startswith(HUB_PREFIX):
+    return read_hub(spec, data_source, skip_bad_rows)
+  if not os.path.isfile(spec):
+    raise FileNotFoundError(f"no data file at {spec!r} (expected a .json/.jsonl/.parquet file, "
+                            f"hf://owner/name or synthetic/<task>)")
+  extension = os.path.splitext(spec)[1].lower()
+  readers = {".json": read_json, ".jsonl": read_jsonl, ".parquet": read_parquet}
+  if extension not in readers:
+    raise DataError(f"{spec}: unsupported file type {extension!r}; use .json, .jsonl or .parquet")
+  return readers[extension](spec, data_source, skip_bad_rows)
+
+
+def to_verl_rows(records: list[dict], split: str = "train") -> list[dict]:
+  """Records -> rows of the released parquet format (prompt with the instruction, rule reward)."""
+  return [{
+      "data_source": r["data_source"],
+      "prompt": [{"role": "user", "content": f"{r['problem']} {MATH_INSTRUCTION}"}],
+      "ability": "math",
+      "reward_model": {"style": "rule", "ground_truth": r["answer"]},
+      "extra_info": {"split": split, "index": i},
+  } for i, r in enumerate(records)]
+
+
+def write_parquet(records: list[dict], path: str, split: str = "train") -> None:
+  """Writes records in the released (verl) parquet format; `read_parquet` gives them back."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  schema = pa.schema([
+      ("data_source", pa.string()),
+      ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+      ("ability", pa.string()),
+      ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+      ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+  ])
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  pq.write_table(pa.Table.from_pylist(to_verl_rows(records, split), schema=schema), path)

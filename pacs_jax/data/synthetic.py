@@ -1,0 +1,157 @@
+"""Built-in verifiable tasks (modular arithmetic) and a tiny word-level tokenizer for CPU runs.
+
+Why this design (the task is the CPU demo's, so its numbers matter):
+
+* A randomly initialised tiny Qwen2 (vocab 256, weights ~N(0, 0.02)) samples its first tokens
+  almost uniformly over all 256 ids. A task whose answer is one fixed token would succeed ~1/256 of
+  the time, too rarely for RL to get a signal; so the answer is a *residue class*. Problems ask for
+  `a mod m` in Z/mZ, where every representative of the class is a correct answer (for `7 mod 3`,
+  `1`, `4` and `7` are all right). The numbers 0..54 are single tokens, so a class holds ~55/m.
+* The verifier reads the first word of the response (cut at the first end-of-turn marker, special
+  tokens removed) and accepts a number congruent to the answer mod m.
+* The tokenizer has 64 ids; ids 64..255 of the model's vocabulary decode to nothing, so a random
+  model's first word is the first in-vocabulary token it samples, a number ~90% of the time. With
+  1 / 2 / 4 / 8 / 16 new tokens, `mod3` then succeeds ~7 / 12 / 20 / 25 / 29% at init (3 model seeds);
+  a model whose vocabulary is cut to the tokenizer's 64 ids succeeds ~31% with 4 new tokens.
+* What is learnt is small and depends on the prompt: fetch the operand with attention and move the
+  probability mass onto the numbers of its class (an m-way split, not a 256-way one). A minimal
+  PACS loop (16 prompts x 8 samples, 4 new tokens, frozen reference, beta 1) takes `mod3` to 90%
+  in ~150-200 steps with vocab 256 (AdamW lr 1e-3, 4 mini-batches a step; lr 3e-3 learnt slower)
+  and in ~60 steps with vocab 64 (lr 3e-3, 2 mini-batches a step); each run ~1 min on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import numpy as np
+
+DATA_SOURCE_PREFIX = "synthetic/"
+# Qwen2.5's special tokens; <|im_end|> ends a chat turn, <|endoftext|> ends a document (both stop).
+ENDOFTEXT, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, UNK)
+EOS_TOKENS = (IM_END, ENDOFTEXT)
+WORDS = ("system", "user", "assistant", "mod", "+")
+MAX_NUMBER = 54  # numbers 0..54 are tokens: 4 special + 5 words + 55 numbers = 64 ids
+VOCAB = SPECIAL_TOKENS + WORDS + tuple(str(i) for i in range(MAX_NUMBER + 1))
+# Synthetic prompts carry no instruction suffix (its words are not in the tiny vocabulary).
+INSTRUCTION = ""
+
+# Qwen-style chat template without the default system prompt (its words are not in the vocabulary).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_SPECIAL_RE = re.compile("|".join(re.escape(t) for t in (IM_START, UNK)))
+_STOP_RE = re.compile("|".join(re.escape(t) for t in EOS_TOKENS))
+
+
+def build_tokenizer():
+  """The 64-token word-level tokenizer as a `transformers.PreTrainedTokenizerFast`."""
+  # Imported here so that the verifier (run in reward worker processes) does not load transformers.
+  from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+
+  backend = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(VOCAB)}, unk_token=UNK))
+  backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # decoding joins words with single spaces
+  backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+  tokenizer = PreTrainedTokenizerFast(
+      tokenizer_object=backend, eos_token=IM_END, pad_token=ENDOFTEXT, unk_token=UNK,
+      extra_special_tokens=[IM_START], model_max_length=2048, padding_side="left", chat_template=CHAT_TEMPLATE)
+  return tokenizer
+
+
+def eos_token_ids(tokenizer) -> list[int]:
+  """Ids that end a response: <|im_end|> and <|endoftext|> (as Qwen2.5's generation config)."""
+  return [tokenizer.convert_tokens_to_ids(t) for t in EOS_TOKENS]
+
+
+def save_tokenizer(directory: str):
+  """Writes the tokenizer (HF layout) and a `generation_config.json` with both EOS ids; returns it."""
+  tokenizer = build_tokenizer()
+  tokenizer.save_pretrained(directory)
+  eos = eos_token_ids(tokenizer)
+  with open(os.path.join(directory, "generation_config.json"), "w") as f:
+    json.dump({"eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id}, f, indent=2)
+  return tokenizer
+
+
+def first_word(response_text: str) -> str:
+  """The first word of a response: text before the first end marker, special tokens removed."""
+  text = _STOP_RE.split(response_text, maxsplit=1)[0]
+  words = _SPECIAL_RE.sub(" ", text).split()
+  return words[0] if words else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticTask:
+  """`a mod m` (num_operands=1) or `a + b mod m` (2) in Z/mZ; any representative is correct."""
+  name: str = "mod3"
+  modulus: int = 3
+  num_operands: int = 1
+  max_operand: int = 8
+
+  def __post_init__(self):
+    if not 2 <= self.modulus <= MAX_NUMBER:
+      raise ValueError(f"modulus must be in [2, {MAX_NUMBER}], got {self.modulus}")
+    if self.num_operands not in (1, 2):
+      raise ValueError(f"num_operands must be 1 or 2, got {self.num_operands}")
+    if not 0 < self.max_operand <= MAX_NUMBER:
+      raise ValueError(f"max_operand must be in [1, {MAX_NUMBER}], got {self.max_operand}")
+
+  @property
+  def data_source(self) -> str:
+    return DATA_SOURCE_PREFIX + self.name
+
+  def records(self, n: int, seed: int) -> list[dict]:
+    """`n` problems drawn with `seed` (same seed, same problems); answers are the least residues."""
+    rng = np.random.default_rng(seed)
+    operands = rng.integers(0, self.max_operand + 1, size=(n, self.num_operands))
+    out = []
+    for row in operands.tolist():
+      problem = " + ".join(str(x) for x in row) + f" mod {self.modulus}"
+      out.append({"data_source": self.data_source, "problem": problem, "answer": str(sum(row) % self.modulus)})
+    return out
+
+  def score(self, response_text: str, answer: str) -> float:
+    """1.0 when the response's first word is a number congruent to `answer` mod m, else 0.0."""
+    word = first_word(response_text)
+    if not word.isdecimal() or not word.isascii():
+      return 0.0
+    return 1.0 if (int(word) - int(answer)) % self.modulus == 0 else 0.0
+
+  def compute_score(self, solution_str: str, ground_truth: str) -> float:
+    return self.score(solution_str, ground_truth)
+
+
+# Success at init -> 90% with the minimal PACS loop of the module docstring, vocab 256 (lr 1e-3).
+# With vocab 64 and lr 3e-3, mod3 reached 93% at step 60 while mod4 was at 50% after 150 steps.
+TASKS = {
+    "mod3": SyntheticTask("mod3", modulus=3, max_operand=8),  # ~20% -> 90% in ~150-200 steps (default)
+    "mod4": SyntheticTask("mod4", modulus=4, max_operand=7),  # ~15% -> 90% in ~200-250 steps
+    "mod2": SyntheticTask("mod2", modulus=2, max_operand=MAX_NUMBER),  # ~32% -> 90% in ~120 steps
+}
+DEFAULT_TASK = "mod3"
+
+
+def get_task(name_or_data_source: str) -> SyntheticTask:
+  """A built-in task by name (`mod4`) or data source (`synthetic/mod4`)."""
+  name = name_or_data_source.removeprefix(DATA_SOURCE_PREFIX)
+  if name not in TASKS:
+    raise ValueError(f"unknown synthetic task {name_or_data_source!r}; choose one of {sorted(TASKS)}")
+  return TASKS[name]
+
+
+def is_synthetic(data_source: str) -> bool:
+  return data_source.startswith(DATA_SOURCE_PREFIX)
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: str) -> float:
+  """Scores a response to a built-in task named by its data source (`synthetic/<name>`)."""
+  return get_task(data_source).score(solution_str, ground_truth)
