@@ -1,11 +1,15 @@
-"""The built-in default: a tiny random Qwen2 learns the synthetic task with PACS on 2 CPU cores in minutes."""
+"""The built-in default: a tiny random Qwen2 learns the synthetic task on 2 CPU cores in minutes.
+
+`--config configs/tiny_cpu.py` runs PACS; `configs/tiny_cpu.py:grpo` and `configs/tiny_cpu.py:ppo` run
+the baselines on the same task with learning rates that suit them.
+"""
 
 from pacs_jax.config import default_config
 
 
-def get_config():
+def get_config(algorithm: str = "pacs"):
   c = default_config()
-  c.algorithm = "pacs"
+  c.algorithm = algorithm or "pacs"
   c.steps = 500
   c.model.preset = "tiny"
   c.model.vocab_size = 64  # the synthetic tokenizer's vocabulary
@@ -21,8 +25,14 @@ def get_config():
   c.train.mini_batch_prompts = 8
   c.train.lr = 3e-3  # a tiny random model needs a far larger step than the released 1e-6 for 3B/7B
   c.train.weight_decay = 0.0
-  c.pacs.beta = 1.0
   c.eval_every = 10
   c.checkpoint.every = 50
   c.mesh.fsdp = 1
+  if c.algorithm == "grpo":
+    c.steps = 300
+    c.train.lr = 1e-3  # at 3e-3 GRPO collapses its entropy and forgets the task
+  elif c.algorithm == "ppo":
+    c.steps = 300
+    c.train.lr = 1e-3
+    c.ppo.critic_lr = 3e-3
   return c

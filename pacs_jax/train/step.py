@@ -140,7 +140,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     if critic_graphdef is not None:
       value_tokens = lambda m: jnp.sum(m["response_mask"].astype(jnp.float32))
       critic_grads, critic_metrics = accumulate(critic_loss, critic_params, minibatch, value_tokens)
-      metrics.update({f"critic/{k}": v for k, v in critic_metrics.items()})
+      metrics.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in critic_metrics.items()})
       metrics["critic/grad_norm"] = optax.global_norm(critic_grads)
       critic_params, critic_opt_state = apply(critic_optimizer, critic_params, critic_opt_state, critic_grads)
     state = state.replace(params=params, opt_state=opt_state, critic_params=critic_params,
