@@ -1,0 +1,111 @@
+"""Rollout engine throughput (random weights): prefill and decode tokens/s, and the fraction of the memory
+bandwidth roofline a decode step reaches (weights + KV cache read once per step).
+
+  python benchmarks/rollout_throughput.py --preset tiny --dtype float32
+  python benchmarks/rollout_throughput.py --preset qwen2.5-0.5b --batch 8 --prompt_len 128 --new_tokens 128 \
+      --memory_bandwidth_gbps 3350      # e.g. H100 SXM HBM3
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pacs_jax import sharding
+from pacs_jax.models import qwen2
+from pacs_jax.rollout import engine as engine_lib
+from pacs_jax.rollout import sampling
+
+
+def timed(fn, repeats: int) -> float:
+  """Best wall time of `fn()` (blocking on its result) over `repeats` runs."""
+  best = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--preset", default="tiny", choices=sorted(qwen2.PRESETS))
+  parser.add_argument("--batch", type=int, default=8, help="decode slots (and prompts prefilled at once)")
+  parser.add_argument("--prompt_len", type=int, default=128)
+  parser.add_argument("--new_tokens", type=int, default=128, help="decode steps timed (cache = prompt_len + this)")
+  parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+  parser.add_argument("--steps_per_call", type=int, default=16, help="decode steps per device call")
+  parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel size (mesh over all devices if > 1 "
+                      "device: fsdp = devices / tensor)")
+  parser.add_argument("--memory_bandwidth_gbps", type=float, default=None,
+                      help="memory bandwidth of one device in GB/s for the roofline (e.g. 3350 H100, 2765 v5p, 819 v5e)")
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args()
+
+  dtype = jnp.dtype(args.dtype)
+  config = qwen2.get_preset(args.preset, param_dtype=dtype, dtype=dtype)
+  mesh = sharding.make_mesh(fsdp=-1, tensor=args.tensor) if jax.device_count() > 1 else None
+  model = sharding.create_sharded(lambda: qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)), mesh, "sample")
+  S, P, N = args.batch, args.prompt_len, args.new_tokens
+  engine = engine_lib.Engine(model, max_concurrent_decodes=S, max_prefill_length=P, max_decode_length=N,
+                             mesh=mesh, steps_per_call=args.steps_per_call)
+  params = engine.load_params(model)
+  del model
+  method, no_eos = sampling.Temperature(1.0), ()
+  prompts = np.random.default_rng(0).integers(0, config.vocab_size, size=(S, P)).astype(np.int32)
+  lengths = np.full((S,), P, np.int32)
+
+  # Prefill: S prompts of P tokens in one call.
+  prefill_s = timed(lambda: engine.prefill_batch(params, prompts, lengths), args.repeats + 1)
+
+  # Decode: all slots busy for N steps, no EOS; the first (compiling) pass is not timed.
+  def fill():
+    state = engine.init_decode_state()
+    state, _ = engine.prefill_insert(params, state, prompts.tolist(), list(range(S)), list(range(S)),
+                                     list(range(S)), [0] * S, [N + 1] * S, 0, method, no_eos)
+    return jax.block_until_ready(state)
+
+  def decode(state):
+    steps, active = 0, True
+    while active:  # until every slot has generated N tokens (budget and cache both end there)
+      state, _, _, emitted, active = engine.decode(params, state, S + 1, method, no_eos)
+      steps += int(np.asarray(emitted).any(axis=0).sum())  # the host reads results each call, as `generate` does
+      active = bool(np.asarray(active).any())
+    return jax.block_until_ready(state), steps
+
+  # Bytes one device reads per decode step: its shard of every weight, and of every layer's whole
+  # KV cache (the cached attention reads all cache rows each step, masked).
+  shard_bytes = lambda x: x.addressable_shards[0].data.nbytes
+  param_bytes = sum(shard_bytes(x) for x in jax.tree.leaves(params))
+  state = fill()
+  kv_bytes = sum(shard_bytes(x) for x in jax.tree.leaves(state.cache))
+  decode(state)  # compiles (the state is donated)
+  best = math.inf
+  for _ in range(args.repeats):
+    state = fill()
+    start = time.perf_counter()
+    _, steps = decode(state)
+    best = min(best, (time.perf_counter() - start) / steps)
+  step_s = best
+
+  print(f"backend={jax.default_backend()} devices={jax.device_count()} preset={args.preset} dtype={dtype.name} "
+        f"slots={S} prompt_len={P} new_tokens={N} cache_rows={engine.cache_length} "
+        f"params={sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M")
+  print(f"prefill: {S * P / prefill_s:12,.0f} tokens/s  ({prefill_s * 1e3:.1f} ms for {S}x{P})")
+  print(f"decode:  {S / step_s:12,.0f} tokens/s  ({step_s * 1e3:.2f} ms/step, {S} slots)")
+  print(f"bytes read per decode step and device: weights {param_bytes / 1e6:,.1f} MB + KV cache "
+        f"{kv_bytes / 1e6:,.1f} MB")
+  if args.memory_bandwidth_gbps:
+    roofline_s = (param_bytes + kv_bytes) / (args.memory_bandwidth_gbps * 1e9)
+    print(f"roofline: {roofline_s * 1e3:.2f} ms/step at {args.memory_bandwidth_gbps:g} GB/s -> "
+          f"{roofline_s / step_s:.1%} of the bandwidth roofline")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,131 @@
+"""Sampling methods as small frozen (hashable, jit-static) dataclasses, and the sampled tokens' log-probs.
+
+The log-prob returned with every token is `log_softmax(logits / temperature)` of the *untruncated*
+distribution (top-k / top-p only choose the support): the quantity the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+# Logit given to tokens outside the top-k / top-p support; finite so a row never becomes all-NaN.
+_EXCLUDED = -1e30
+
+
+class SamplingMethod:
+  """Base class. `sample(logits [B, V], key) -> tokens [B]`; `key` is one key (rows get independent
+  draws) or one key per row `[B]` (each row's draw depends only on its own key and logits)."""
+
+  temperature: float = 1.0
+
+  def _sample(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+    raise NotImplementedError
+
+  def sample(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+    logits = logits.astype(jnp.float32)
+    if _is_key_batch(key):
+      return jax.vmap(lambda row, k: self._sample(row[None], k)[0])(logits, key)
+    return self._sample(logits, key)
+
+  def sample_with_logprobs(self, logits: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(tokens [B] int32, log-probs [B] fp32 under `log_softmax(logits / temperature)`)."""
+    tokens = self.sample(logits, key)
+    return tokens, token_logprobs(logits, tokens, self.temperature)
+
+
+def _is_key_batch(key: jax.Array) -> bool:
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key.ndim == 1
+  return key.ndim == 2  # raw uint32 keys: [2] is one key, [B, 2] a batch
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:
+  """log_softmax(logits / temperature)[tokens]: logits [B, V], tokens [B] -> [B] fp32."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+  return jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+
+
+def _check_temperature(temperature: float) -> None:
+  if not temperature > 0:
+    raise ValueError(f"temperature must be > 0 (use Greedy() for argmax), got {temperature}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Greedy(SamplingMethod):
+  """Argmax; log-probs are taken at temperature 1."""
+
+  def _sample(self, logits, key):
+    del key
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Temperature(SamplingMethod):
+  """Sample from softmax(logits / temperature) over the whole vocabulary."""
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    _check_temperature(self.temperature)
+
+  def _sample(self, logits, key):
+    return jax.random.categorical(key, logits / self.temperature, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopK(SamplingMethod):
+  """Sample among the k largest logits, renormalised, at `temperature`."""
+  k: int
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    _check_temperature(self.temperature)
+    if self.k < 1:
+      raise ValueError(f"top-k needs k >= 1, got {self.k}")
+
+  def _sample(self, logits, key):
+    k = min(self.k, logits.shape[-1])
+    top_logits, top_index = jax.lax.top_k(logits, k)  # [B, k]
+    choice = jax.random.categorical(key, top_logits / self.temperature, axis=-1)  # [B]
+    return jnp.take_along_axis(top_index, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopP(SamplingMethod):
+  """Nucleus sampling at `temperature`: the smallest set of most likely tokens whose probability
+  reaches p (the token that crosses p is kept, as in transformers / vLLM)."""
+  p: float
+  temperature: float = 1.0
+
+  def __post_init__(self):
+    _check_temperature(self.temperature)
+    if not 0 < self.p <= 1:
+      raise ValueError(f"top-p needs 0 < p <= 1, got {self.p}")
+
+  def _sample(self, logits, key):
+    scaled = logits / self.temperature
+    if self.p >= 1.0:  # the full distribution; skip the sort (and float round-off in the cumsum)
+      return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    order = jnp.argsort(-scaled, axis=-1)  # [B, V], most likely first
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of the strictly more likely tokens
+    keep = mass_before < self.p  # always keeps the first token
+    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, _EXCLUDED), axis=-1)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def from_config(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> SamplingMethod:
+  """The method for the usual knobs: temperature 0 -> greedy; top_k <= 0 and top_p >= 1 -> plain
+  temperature sampling. Combining top-k with top-p is not supported (the paper's runs use neither)."""
+  if temperature == 0:
+    return Greedy()
+  if top_k > 0 and top_p < 1.0:
+    raise ValueError("choose either top_k or top_p, not both")
+  if top_k > 0:
+    return TopK(k=top_k, temperature=temperature)
+  if top_p < 1.0:
+    return TopP(p=top_p, temperature=temperature)
+  return Temperature(temperature=temperature)

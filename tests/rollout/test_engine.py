@@ -1,0 +1,299 @@
+"""Rollout engine: greedy equals transformers, cached == uncached logits, log-probs the trainer recomputes,
+reproducible sampling, continuous batching, weight swaps without recompiling, 8-device sharding."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pacs_jax import sharding
+from pacs_jax.models import hf, qwen2
+from pacs_jax.rollout import engine as engine_lib
+from pacs_jax.rollout import sampling
+
+VOCAB = 128
+MAX_PREFILL, MAX_DECODE = 16, 40
+PROMPT_LENGTHS = (3, 7, 12, 5, 9)  # two prefill buckets (8, 16)
+FORWARD_BATCH = 8  # the uncached reference forward always runs at [8, MAX_PREFILL + MAX_DECODE]
+
+
+@pytest.fixture(scope="module")
+def hf_model_dir(tmp_path_factory):
+  cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                 rope_theta=10_000.0, tie_word_embeddings=False, initializer_range=0.1)
+  torch.manual_seed(0)
+  model = transformers.Qwen2ForCausalLM(cfg).eval()
+  path = str(tmp_path_factory.mktemp("tiny_qwen2"))
+  model.save_pretrained(path)
+  return path
+
+
+@pytest.fixture(scope="module")
+def torch_model(hf_model_dir):
+  return transformers.Qwen2ForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def model(hf_model_dir):
+  model, _ = hf.load_pretrained(hf_model_dir, dtype=jnp.float32)
+  return model
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+  return engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
+                           max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8)
+
+
+@pytest.fixture(scope="module")
+def params(engine, model):
+  return engine.load_params(model)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  rng = np.random.default_rng(0)
+  return [rng.integers(1, VOCAB, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def greedy_32(engine, params, prompts):
+  return engine_lib.generate(engine, params, prompts, max_new_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def uncached_logits(engine):
+  """Full-sequence forward without a cache (left padding): fp32 logits [8, W, V] for token lists."""
+  width = MAX_PREFILL + MAX_DECODE
+
+  @jax.jit
+  def forward(params, ids, mask):
+    return nnx.merge(engine.graphdef, params)(ids, mask).astype(jnp.float32)
+
+  def run(params, sequences):
+    assert len(sequences) <= FORWARD_BATCH
+    ids = np.zeros((FORWARD_BATCH, width), np.int32)
+    mask = np.zeros((FORWARD_BATCH, width), np.int32)
+    for i, seq in enumerate(sequences):
+      ids[i, width - len(seq):] = seq
+      mask[i, width - len(seq):] = 1
+    # Row i, position j of `seq` sits at column width - len(seq) + j.
+    return np.asarray(forward(params, ids, mask))
+
+  return run
+
+
+def logits_at(all_logits, row, seq_len, position):
+  return all_logits[row, MAX_PREFILL + MAX_DECODE - seq_len + position]
+
+
+def hf_greedy(torch_model, prompts, max_new_tokens, eos_id=None):
+  """transformers greedy generation, left-padded batch; rows cut after their first EOS."""
+  width = max(map(len, prompts))
+  pad = VOCAB - 1 if eos_id != VOCAB - 1 else VOCAB - 2
+  ids = torch.full((len(prompts), width), pad)
+  mask = torch.zeros((len(prompts), width), dtype=torch.long)
+  for i, p in enumerate(prompts):
+    ids[i, width - len(p):] = torch.tensor(p)
+    mask[i, width - len(p):] = 1
+  with torch.no_grad():
+    out = torch_model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                               eos_token_id=eos_id, pad_token_id=pad)
+  rows = []
+  for row in out[:, width:].tolist():
+    if eos_id is not None and eos_id in row:
+      row = row[:row.index(eos_id) + 1]
+    rows.append(row)
+  return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Greedy equals transformers
+
+
+def test_greedy_matches_transformers(greedy_32, torch_model, prompts):
+  expected = hf_greedy(torch_model, prompts, 32)
+  assert [c.tokens for c in greedy_32] == expected
+  assert all(c.finish_reason == "length" and len(c.tokens) == 32 for c in greedy_32)
+  assert [(c.prompt_index, c.sample_index) for c in greedy_32] == [(i, 0) for i in range(len(prompts))]
+
+
+def test_greedy_stops_at_eos_like_transformers(engine, params, greedy_32, torch_model, prompts):
+  # An EOS id greedy really emits: prompt 1's token at the first step >= 10 not seen earlier in its row.
+  row = greedy_32[1].tokens
+  step = next(i for i in range(10, 32) if row[i] not in row[:i])
+  eos = row[step]
+  completions = engine_lib.generate(engine, params, prompts, max_new_tokens=32, eos_ids=[eos])
+  expected = hf_greedy(torch_model, prompts, 32, eos_id=eos)
+  assert [c.tokens for c in completions] == expected
+  assert completions[1].tokens == row[:step + 1] and completions[1].finish_reason == "eos"
+  for c, full in zip(completions, greedy_32):
+    assert c.finish_reason == ("eos" if eos in full.tokens else "length")
+    np.testing.assert_allclose(c.logprobs, full.logprobs[:len(c.tokens)], atol=1e-6)
+
+
+def test_eos_as_first_token_and_single_token_budget(engine, params, greedy_32, prompts):
+  first = greedy_32[0].tokens[0]
+  out = engine_lib.generate(engine, params, prompts[:1], max_new_tokens=32, eos_ids=[first, VOCAB + 5])
+  assert out[0].tokens == [first] and out[0].finish_reason == "eos"
+  out = engine_lib.generate(engine, params, prompts, max_new_tokens=1)
+  assert [c.tokens for c in out] == [c.tokens[:1] for c in greedy_32]
+  assert all(c.finish_reason == "length" for c in out)
+
+
+def test_rejects_lengths_beyond_the_cache(engine, params, prompts):
+  with pytest.raises(ValueError, match="max_prefill_length"):
+    engine_lib.generate(engine, params, [list(range(1, MAX_PREFILL + 2))], max_new_tokens=4)
+  with pytest.raises(ValueError, match="max_decode_length"):
+    engine_lib.generate(engine, params, prompts, max_new_tokens=MAX_DECODE + 1)
+  with pytest.raises(ValueError):
+    engine_lib.generate(engine, params, [[]], max_new_tokens=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Cached logits equal the uncached forward at every step
+
+
+def test_cached_logits_equal_uncached_forward(engine, params, prompts, uncached_logits):
+  steps = 24
+  batch = prompts[:4]
+  state = engine.init_decode_state()
+  state, firsts = engine.prefill_insert(params, state, batch, [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0] * 4,
+                                        [steps + 1] * 4, 0, sampling.Greedy(), ())
+  generated = [[] for _ in batch]
+  for requests, first, _ in firsts:
+    for r, t in zip(requests, np.asarray(first)):
+      generated[r].append(int(t))
+  step = jax.jit(lambda p, s, eos: engine_lib.decode_step(nnx.merge(engine.graphdef, p), s, sampling.Greedy(), eos))
+  cached = []
+  for _ in range(steps):
+    state, tokens, _, emitted, logits = step(params, state, engine_lib.eos_array(()))
+    assert np.asarray(emitted).all()
+    cached.append(np.asarray(logits))
+    for r, t in enumerate(np.asarray(tokens)):
+      generated[r].append(int(t))
+  # Prefill's last-token logits (which chose the first token), too.
+  tokens = np.zeros((4, MAX_PREFILL), np.int32)
+  for i, p in enumerate(batch):
+    tokens[i, :len(p)] = p
+  _, prefill_logits = engine.prefill_batch(params, tokens, np.array([len(p) for p in batch], np.int32))
+
+  sequences = [p + g for p, g in zip(batch, generated)]
+  full = uncached_logits(params, sequences)
+  for r, (p, seq) in enumerate(zip(batch, sequences)):
+    np.testing.assert_allclose(prefill_logits[r], logits_at(full, r, len(seq), len(p) - 1), atol=1e-4)
+    for s in range(steps):
+      # Decode step s fed generated token s, which sits at position len(p) + s.
+      np.testing.assert_allclose(cached[s][r], logits_at(full, r, len(seq), len(p) + s), atol=1e-4,
+                                 err_msg=f"slot {r} step {s}")
+    assert generated[r] == [int(t) for t in np.argmax(full[r, -len(seq) + len(p) - 1:-1], axis=-1)]
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Returned log-probs equal log_softmax(forward(prompt + response) / T)
+
+
+def test_logprobs_match_full_forward(engine, params, prompts, uncached_logits):
+  method = sampling.TopP(p=0.9, temperature=0.7)
+  completions = engine_lib.generate(engine, params, prompts[:4], n=2, max_new_tokens=20, sampling=method, seed=3,
+                                    eos_ids=[5, 6])
+  sequences = [prompts[c.prompt_index] + c.tokens for c in completions]
+  full = uncached_logits(params, sequences)
+  for r, (c, seq) in enumerate(zip(completions, sequences)):
+    P = len(prompts[c.prompt_index])
+    rows = np.stack([logits_at(full, r, len(seq), P - 1 + j) for j in range(len(c.tokens))])
+    expected = jax.nn.log_softmax(rows / method.temperature, axis=-1)[np.arange(len(c.tokens)), c.tokens]
+    assert c.logprobs.dtype == np.float32 and c.logprobs.shape == (len(c.tokens),)
+    np.testing.assert_allclose(c.logprobs, expected, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. n samples differ and are reproducible; 6. more requests than slots, independent of order
+
+
+def test_samples_differ_and_are_reproducible(engine, params, prompts):
+  run = functools.partial(engine_lib.generate, engine, params, prompts[:2], n=4, max_new_tokens=12,
+                          sampling=sampling.Temperature(1.0))
+  first, again, other_seed = run(seed=7), run(seed=7), run(seed=8)
+  for p in range(2):
+    samples = [tuple(c.tokens) for c in first if c.prompt_index == p]
+    assert len(set(samples)) == 4, samples
+  assert [c.tokens for c in first] == [c.tokens for c in again]
+  for a, b in zip(first, again):
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+  assert [c.tokens for c in first] != [c.tokens for c in other_seed]
+
+
+def test_more_requests_than_slots_independent_of_order(engine, params, prompts):
+  kw = dict(n=3, max_new_tokens=24, sampling=sampling.Temperature(1.0), seed=11, eos_ids=[1, 2, 3, 4])
+  # 15 requests on 4 slots; the EOS ids make them finish at different steps.
+  batch = engine_lib.generate(engine, params, prompts, **kw)
+  assert [(c.prompt_index, c.sample_index) for c in batch] == [(p, s) for p in range(5) for s in range(3)]
+  lengths = {len(c.tokens) for c in batch}
+  assert len(lengths) > 2 and any(c.finish_reason == "eos" for c in batch)
+  # Reversed prompt order, keyed by the same prompt ids: the same completion for every request.
+  order = [4, 2, 0, 3, 1]
+  shuffled = engine_lib.generate(engine, params, [prompts[i] for i in order], prompt_ids=order, **kw)
+  by_request = {(order[c.prompt_index], c.sample_index): c for c in shuffled}
+  # Each prompt alone (other slot assignments, other batch-mates).
+  alone = {}
+  for i in (0, 3):
+    for c in engine_lib.generate(engine, params, [prompts[i]], prompt_ids=[i], **kw):
+      alone[(i, c.sample_index)] = c
+  for c in batch:
+    for other in [by_request[(c.prompt_index, c.sample_index)], alone.get((c.prompt_index, c.sample_index))]:
+      if other is None:
+        continue
+      assert other.tokens == c.tokens and other.finish_reason == c.finish_reason
+      np.testing.assert_allclose(other.logprobs, c.logprobs, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# New weights without recompiling
+
+
+def test_new_params_reuse_compiled_programs(engine, params, prompts, greedy_32, model):
+  compiled = engine.compiled_count()
+  other = qwen2.Qwen2ForCausalLM(model.config, rngs=nnx.Rngs(123))
+  new_params = engine.load_params(other)
+  out = engine_lib.generate(engine, new_params, prompts, max_new_tokens=32)
+  assert engine.compiled_count() == compiled
+  assert [c.tokens for c in out] != [c.tokens for c in greedy_32]
+  again = engine_lib.generate(engine, params, prompts, max_new_tokens=32)
+  assert [c.tokens for c in again] == [c.tokens for c in greedy_32]
+  assert engine.compiled_count() == compiled
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Sharded over 8 simulated devices (fsdp=4, tensor=2)
+
+
+def test_sharded_engine_matches_single_device(model, prompts, greedy_32):
+  assert jax.device_count() == 8
+  mesh = sharding.make_mesh(data=1, fsdp=4, tensor=2)
+  eng = engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
+                          max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, mesh=mesh)
+  params = eng.load_params(model)
+  def laid_out(x, *spec):
+    return x.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec)), x.ndim)
+
+  assert laid_out(params["model"]["layers"][0]["self_attn"]["q_kernel"].get_value(), None, "tensor", None)
+  state = eng.init_decode_state()
+  assert laid_out(state.cache[0].k, ("data", "fsdp"), None, "tensor", None)
+  assert laid_out(state.tokens, ("data", "fsdp"))
+  out = engine_lib.generate(eng, params, prompts, max_new_tokens=32)
+  assert [c.tokens for c in out] == [c.tokens for c in greedy_32]
+  # The constraints hold through prefill, insert and decode.
+  state, _ = eng.prefill_insert(params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0], [8, 8], 0,
+                                sampling.Greedy(), ())
+  state, *_ = eng.decode(params, state, 5, sampling.Greedy(), ())
+  assert laid_out(state.cache[1].v, ("data", "fsdp"), None, "tensor", None)
+  for a, b in zip(out, greedy_32):
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

@@ -1,0 +1,135 @@
+"""Sampling methods: chi-square against the intended distributions, exclusions, log-probs, hashability."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from pacs_jax.rollout import sampling
+
+PROBS = np.array([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
+LOGITS = np.log(PROBS) + 1.7  # an offset: only differences of logits matter
+DRAWS = 20_000
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _draw(method, seed, per_row_keys):
+  logits = jnp.tile(jnp.asarray(LOGITS, jnp.float32), (DRAWS, 1))
+  key = jax.random.key(seed)
+  return method.sample_with_logprobs(logits, jax.random.split(key, DRAWS) if per_row_keys else key)
+
+
+def draw(method, seed=0, per_row_keys=True):
+  """DRAWS samples from LOGITS, with one key per row as the engine uses (or one key for all rows)."""
+  tokens, logprobs = _draw(method, seed, per_row_keys)
+  return np.asarray(tokens), np.asarray(logprobs)
+
+
+def tempered(temperature):
+  p = PROBS ** (1.0 / temperature)
+  return p / p.sum()
+
+
+def assert_matches(tokens, expected, support):
+  """Chi-square goodness of fit on the support; tokens outside it must never appear."""
+  counts = np.bincount(tokens, minlength=len(PROBS))
+  outside = np.setdiff1d(np.arange(len(PROBS)), support)
+  assert counts[outside].sum() == 0, f"excluded tokens sampled: {counts}"
+  target = expected[support] / expected[support].sum()
+  result = stats.chisquare(counts[support], target * DRAWS)
+  assert result.pvalue > 1e-3, (counts, target * DRAWS, result)
+
+
+@pytest.mark.parametrize("temperature,per_row_keys", [(1.0, True), (0.6, True), (1.5, False)])
+def test_temperature_distribution(temperature, per_row_keys):
+  tokens, _ = draw(sampling.Temperature(temperature), per_row_keys=per_row_keys)
+  assert_matches(tokens, tempered(temperature), np.arange(len(PROBS)))
+
+
+@pytest.mark.parametrize("k,temperature", [(1, 1.0), (3, 1.0), (4, 0.7)])
+def test_top_k_distribution(k, temperature):
+  tokens, _ = draw(sampling.TopK(k=k, temperature=temperature))
+  support = np.argsort(-PROBS)[:k]
+  if k == 1:
+    assert (tokens == support[0]).all()
+  else:
+    assert_matches(tokens, tempered(temperature), support)
+
+
+@pytest.mark.parametrize("p,temperature,support_size", [
+    (0.7, 1.0, 3),  # mass before each token: 0, .35, .60 (< .7 kept), .75 (dropped)
+    (0.35, 1.0, 1),  # the most likely token alone already reaches p
+    (0.9, 2.0, 5),  # p applies to the tempered distribution
+])
+def test_top_p_distribution(p, temperature, support_size):
+  tokens, _ = draw(sampling.TopP(p=p, temperature=temperature))
+  q = tempered(temperature)
+  order = np.argsort(-q)
+  mass_before = np.cumsum(q[order]) - q[order]
+  support = order[mass_before < p]
+  assert len(support) == support_size
+  if support_size == 1:
+    assert (tokens == support[0]).all()
+  else:
+    assert_matches(tokens, q, support)
+
+
+def test_top_p_one_equals_temperature():
+  a, _ = draw(sampling.TopP(p=1.0, temperature=0.8), seed=3)
+  b, _ = draw(sampling.Temperature(0.8), seed=3)
+  np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("method", [sampling.Greedy(), sampling.Temperature(0.7), sampling.TopK(3, 0.7),
+                                    sampling.TopP(0.8, 1.3)])
+def test_logprobs_are_of_the_untruncated_tempered_distribution(method):
+  logits = jax.random.normal(jax.random.key(1), (16, 50)) * 3
+  tokens, logprobs = jax.jit(method.sample_with_logprobs)(logits, jax.random.split(jax.random.key(2), 16))
+  expected = jax.nn.log_softmax(logits / method.temperature)[jnp.arange(16), tokens]
+  np.testing.assert_allclose(logprobs, expected, atol=1e-6)
+  assert logprobs.dtype == jnp.float32 and tokens.dtype == jnp.int32
+
+
+def test_greedy_is_argmax_at_temperature_one():
+  logits = jax.random.normal(jax.random.key(0), (8, 30))
+  tokens, logprobs = sampling.Greedy().sample_with_logprobs(logits, jax.random.key(5))
+  np.testing.assert_array_equal(tokens, jnp.argmax(logits, -1))
+  np.testing.assert_allclose(logprobs, jnp.max(jax.nn.log_softmax(logits), -1), atol=1e-6)
+
+
+def test_per_row_keys_make_rows_independent_of_the_batch():
+  """A row's draw depends only on its own logits and key (what makes slots order-independent)."""
+  sample = jax.jit(sampling.TopP(0.9, 1.0).sample)
+  logits = jax.random.normal(jax.random.key(0), (6, 40))
+  keys = jax.random.split(jax.random.key(1), 6)
+  batch = sample(logits, keys)
+  alone = [int(sample(logits[i:i + 1], keys[i:i + 1])[0]) for i in range(6)]
+  assert batch.tolist() == alone
+  shuffled = sample(logits[::-1], keys[::-1])
+  assert shuffled.tolist() == batch.tolist()[::-1]
+
+
+def test_methods_are_hashable_jit_static_arguments():
+  assert sampling.TopK(3, 0.5) == sampling.TopK(3, 0.5)
+  assert hash(sampling.TopP(0.9)) == hash(sampling.TopP(0.9))
+  assert len({sampling.Greedy(), sampling.Greedy(), sampling.Temperature(1.0)}) == 2
+  f = jax.jit(lambda logits, key, method: method.sample(logits, key), static_argnums=2)
+  assert f(jnp.zeros((2, 4)), jax.random.key(0), sampling.Greedy()).shape == (2,)
+
+
+def test_from_config_and_validation():
+  assert sampling.from_config(0.0) == sampling.Greedy()
+  assert sampling.from_config(1.0) == sampling.Temperature(1.0)
+  assert sampling.from_config(0.6, top_p=0.95) == sampling.TopP(0.95, 0.6)
+  assert sampling.from_config(0.6, top_k=20) == sampling.TopK(20, 0.6)
+  with pytest.raises(ValueError):
+    sampling.from_config(1.0, top_k=5, top_p=0.9)
+  with pytest.raises(ValueError):
+    sampling.Temperature(0.0)
+  with pytest.raises(ValueError):
+    sampling.TopP(0.0)
+  with pytest.raises(ValueError):
+    sampling.TopK(0)
