@@ -1,5 +1,6 @@
 """Two JAX processes on 127.0.0.1 (CPU, gloo) train like one process with the same global batch."""
 
+import json
 import os
 import subprocess
 import sys
@@ -52,3 +53,7 @@ def test_two_processes_match_one(tmp_path):
   assert "step     2" in outs[0] and "step     2" not in outs[1]
   for a, b in zip(final_params(str(one), 2), final_params(str(two), 2)):
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+  # Process 0's metrics cover the global batch, not just its own half.
+  rows = [[json.loads(line) for line in open(w / "metrics.jsonl")] for w in (one, two)]
+  for a, b in zip(*rows):
+    assert a["reward/mean"] == b["reward/mean"] and a["response_length/mean"] == b["response_length/mean"]

@@ -171,6 +171,7 @@ class Trainer:
 
     instruction = cfg.data.instruction or None
     train_records, self.skipped_rows = load_split(cfg.data.train, cfg, cfg.data.synthetic_train_size, cfg.seed)
+    self.source_names = sorted({r["data_source"] for r in train_records})
     self.pipeline = pipeline_lib.PromptPipeline(
         train_records, self.tokenizer, batch_size=cfg.train.batch_prompts, seed=cfg.seed,
         max_prompt_length=self.P, instruction=instruction,
@@ -296,7 +297,7 @@ class Trainer:
     metrics = self.update(rb)
     t_update = time.perf_counter()
 
-    metrics.update(rollout_metrics(rb, reward_stats))
+    metrics.update(rollout_metrics(rb, reward_stats, self.source_names))
     tokens = float(np.sum(attention_mask)) * jax.process_count()
     step_s = t_update - t0
     metrics.update({"timing/rollout_s": t_rollout - t0, "timing/reward_s": t_reward - t_rollout,
@@ -401,15 +402,24 @@ class Trainer:
     return last
 
 
-def rollout_metrics(rb: RolloutBatch, reward_stats: dict) -> dict[str, float]:
-  lengths = rb.response_mask.sum(-1)
-  m = {"reward/mean": float(np.mean(rb.rewards)),
+def rollout_metrics(rb: RolloutBatch, reward_stats: dict, source_names: list[str]) -> dict[str, float]:
+  """Reward, accuracy per data source, response lengths: over every process's rows (the global batch)."""
+  source_ids = np.asarray([source_names.index(s) for s in rb.data_sources], np.float32)
+  finished_by_length = np.asarray([r == "length" for r in rb.finish_reasons], np.float32)
+  counts = np.asarray([reward_stats.get("errors", 0), reward_stats.get("timeouts", 0)], np.float32)
+  rows = np.stack([rb.rewards, rb.response_mask.sum(-1), finished_by_length, source_ids], axis=1)  # [rows, 4]
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
+    counts = np.asarray(multihost_utils.process_allgather(counts)).sum(0)
+  rewards, lengths, clipped, ids = rows.T
+  m = {"reward/mean": float(np.mean(rewards)),
        "response_length/mean": float(np.mean(lengths)),
        "response_length/max": float(np.max(lengths)),
-       "response_length/clip_ratio": float(np.mean([r == "length" for r in rb.finish_reasons])),
-       "reward/errors": float(reward_stats.get("errors", 0)),
-       "reward/timeouts": float(reward_stats.get("timeouts", 0))}
-  m.update(per_source_mean(rb.rewards, rb.data_sources, "accuracy"))
+       "response_length/clip_ratio": float(np.mean(clipped)),
+       "reward/errors": float(counts[0]),
+       "reward/timeouts": float(counts[1])}
+  m.update(per_source_mean(rewards, [source_names[int(i)] for i in ids], "accuracy"))
   return m
 
 
