@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -5,7 +5,6 @@ Without flags it trains a tiny random Qwen2 on the built-in synthetic task on CP
 """
 
 import os
-import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags

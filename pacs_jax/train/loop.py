@@ -102,7 +102,7 @@ class RolloutBatch:
   finish_reasons: list[str]
 
 
-def pack_rows(prompts: list[list[int]], completions: list[engine_lib.Completion], n: int, P: int, R: int,
+def pack_rows(prompts: list[list[int]], completions: list[engine_lib.Completion], P: int, R: int,
               pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Prompt left-padded to P, response right-padded to R: (input_ids, attention_mask, response_mask)."""
   rows = len(completions)
@@ -275,7 +275,7 @@ class Trainer:
 
   def train_one_step(self, batch: dict[str, Any], scorer) -> dict[str, Any]:
     """One step on this process's share of a batch of prompts (a pipeline batch: lists per field)."""
-    cfg, n = self.cfg, self.cfg.rollout.n
+    n = self.cfg.rollout.n
     t0 = time.perf_counter()
     seed = self._step_seed()
     prompts = [ids.tolist() for ids in batch["prompt_ids"]]
@@ -291,7 +291,7 @@ class Trainer:
     scores, reward_stats = scorer.score_batch(texts, answers, data_sources)
     t_reward = time.perf_counter()
 
-    input_ids, attention_mask, response_mask = pack_rows(prompts, completions, n, self.P, self.R, self.pad_id)
+    input_ids, attention_mask, response_mask = pack_rows(prompts, completions, self.P, self.R, self.pad_id)
     rb = RolloutBatch(input_ids, attention_mask, response_mask, np.asarray(scores, np.float32), data_sources,
                       [c.finish_reason for c in completions])
     metrics = self.update(rb)
@@ -351,17 +351,14 @@ class Trainer:
 
   # -- checkpoints -----------------------------------------------------------------------------
 
-  def _checkpoint_tree(self):
-    return self.state
-
   def save(self, step: int):
-    self.checkpointer.save(step, self._checkpoint_tree(), self.data_iter.get_state(), self.cfg)
+    self.checkpointer.save(step, self.state, self.data_iter.get_state(), self.cfg)
 
   def maybe_restore(self) -> int:
     step = self.checkpointer.latest_step()
     if step is None:
       return 0
-    abstract = checkpoint_lib.abstract_like(self._checkpoint_tree())
+    abstract = checkpoint_lib.abstract_like(self.state)
     self.state, data_state = self.checkpointer.restore(step, abstract)
     self.data_iter = self.pipeline.iterator(data_state)
     logging.info("resumed from %s at step %d", self.checkpointer.directory, step)
