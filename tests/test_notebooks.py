@@ -6,12 +6,11 @@ import pathlib
 import sys
 import time
 
+import ipykernel  # noqa: F401 -- the kernel the notebooks run in
 import jax
+import nbclient
+import nbformat
 import pytest
-
-nbclient = pytest.importorskip("nbclient")
-nbformat = pytest.importorskip("nbformat")
-pytest.importorskip("ipykernel")
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 KERNEL_NAME = "pacs-jax-test"

@@ -147,7 +147,7 @@ def test_parquet_round_trip(shared_data, tmp_path):
 
 def test_released_parquet_written_by_pandas(tmp_path):
   # The released preprocessing writes with pandas (answer kept in extra_info, repeat suffix in data_source).
-  pd = pytest.importorskip("pandas")
+  import pandas as pd
   rows = [{"data_source": "aime_2024_1", "prompt": [{"role": "user", "content": "Find x. " + sources.MATH_INSTRUCTION}],
            "ability": "math", "reward_model": {"style": "rule", "ground_truth": "204"},
            "extra_info": {"split": "train", "index": 0, "answer": "solution text"}}]
@@ -157,7 +157,7 @@ def test_released_parquet_written_by_pandas(tmp_path):
 
 
 def test_hub_spec_goes_through_datasets(monkeypatch):
-  datasets = pytest.importorskip("datasets")
+  import datasets
   calls = []
 
   def fake_load_dataset(name, config=None, split=None):
