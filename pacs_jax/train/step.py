@@ -131,7 +131,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
 
   def train_step(state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
     grads, metrics = accumulate(micro_loss, state.params, minibatch, lambda m: loss_normaliser(cfg, m))
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     params, opt_state = apply(optimizer, state.params, state.opt_state, grads)
     metrics["skipped_updates"] = skipped_updates(opt_state).astype(jnp.float32)
     metrics["lr"] = last_lr(opt_state)
@@ -140,7 +140,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
       value_tokens = lambda m: jnp.sum(m["response_mask"].astype(jnp.float32))
       critic_grads, critic_metrics = accumulate(critic_loss, critic_params, minibatch, value_tokens)
       metrics.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in critic_metrics.items()})
-      metrics["critic/grad_norm"] = optax.global_norm(critic_grads)
+      metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
       critic_params, critic_opt_state = apply(critic_optimizer, critic_params, critic_opt_state, critic_grads)
     state = state.replace(params=params, opt_state=opt_state, critic_params=critic_params,
                           critic_opt_state=critic_opt_state)
