@@ -106,18 +106,24 @@ def test_orchestrator_matches_in_process_generate(setup, monkeypatch):
     return out
 
   async def all_requests():
-    work = asyncio.gather(*(decode(p) for p in prompts))
-    while not work.done():
-      if errors:  # a dead driver thread would leave the streams waiting forever
-        work.cancel()
-        raise errors[0]
-      await asyncio.wait([work], timeout=0.2)
-    return work.result()
+    try:
+      work = asyncio.gather(*(decode(p) for p in prompts))
+      while not work.done():
+        if errors:  # a dead driver thread would leave the streams waiting forever
+          work.cancel()
+          raise errors[0]
+        await asyncio.wait([work], timeout=0.2)
+      return work.result()
+    finally:
+      # Stop (and join) the driver while the loop still runs: JetStream's detokenize thread closes a
+      # stream with two call_soon_threadsafe calls, and the client may finish between them; once
+      # asyncio.run has closed the loop, the second raises "Event loop is closed" in that thread.
+      await asyncio.to_thread(driver.stop)
 
   try:
     streamed = asyncio.run(asyncio.wait_for(all_requests(), timeout=300))
   finally:
-    driver.stop()
+    driver.stop()  # idempotent; covers a failure before the loop started
   assert not errors, errors
   for got, want in zip(streamed, expected):
     # JetStream ends a stream at a stop token without streaming it.
