@@ -16,6 +16,7 @@ def get_config():
   c = released_recipe("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B")
   c.hardware.num_devices = 1
   c.hardware.hbm_gb = 80.0
+  c.hardware.num_processes = 1
   c.mesh.data = 1
   c.mesh.fsdp = 1
   c.mesh.tensor = 1

@@ -11,6 +11,7 @@ def get_config():
   c = released_recipe("qwen2.5-3b", "Qwen/Qwen2.5-3B")
   c.hardware.num_devices = 8
   c.hardware.hbm_gb = 80.0
+  c.hardware.num_processes = 1
   c.mesh.data = 1
   c.mesh.fsdp = 8
   c.mesh.tensor = 1

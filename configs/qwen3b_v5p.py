@@ -11,9 +11,10 @@ def get_config():
   c = released_recipe("qwen2.5-3b", "Qwen/Qwen2.5-3B")
   c.hardware.num_devices = 32
   c.hardware.hbm_gb = 95.0
+  c.hardware.num_processes = 8  # 4 chips per v5p host; each host feeds whole prompt groups
   c.mesh.data = 1
   c.mesh.fsdp = 16  # weights and Adam state sharded 16 ways, batch rows over fsdp
   c.mesh.tensor = 2  # 16 query / 2 kv heads split over 2 chips: halves attention and KV cache per chip
-  c.train.micro_batch_prompts = 4  # 32 rows of 4,608 tokens per micro-batch = 2 rows per chip
+  c.train.micro_batch_prompts = 8  # 64 rows of 4,608 tokens per micro-batch = 4 rows per fsdp shard; 1 prompt per host
   c.rollout.slots = 2048  # concurrent sequences (128 per chip); the rest queue (continuous batching)
   return c

@@ -11,9 +11,10 @@ def get_config():
   c = released_recipe("qwen2.5-7b", "Qwen/Qwen2.5-7B")
   c.hardware.num_devices = 64
   c.hardware.hbm_gb = 95.0
+  c.hardware.num_processes = 16  # 4 chips per v5p host; each host feeds whole prompt groups
   c.mesh.data = 1
   c.mesh.fsdp = 32
   c.mesh.tensor = 2  # 28 query / 4 kv heads
-  c.train.micro_batch_prompts = 4  # 32 rows per micro-batch = 1 row per chip
+  c.train.micro_batch_prompts = 16  # 128 rows per micro-batch = 4 rows per fsdp shard; 1 prompt per host
   c.rollout.slots = 2048
   return c

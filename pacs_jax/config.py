@@ -108,6 +108,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.hardware = ml_collections.ConfigDict()
   c.hardware.num_devices = 0  # accelerator chips of the target slice (0 = the devices present)
   c.hardware.hbm_gb = 0.0  # memory per chip, e.g. 95 on TPU v5p, 80 on H100
+  c.hardware.num_processes = 0  # JAX processes (hosts) of the target slice, e.g. chips / 4 on v5p (0 = 1)
 
   # Multi-host: empty = auto-detect on TPU VMs (or single process elsewhere).
   c.distributed = ml_collections.ConfigDict()
@@ -181,6 +182,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
            f"micro-batch rows ({micro} prompts x n={c.rollout.n} = {micro_rows}) must be divisible by data*fsdp = {batch_shards}")
   _check(t.batch_prompts % num_processes == 0, "train.batch_prompts",
          f"must be divisible by the {num_processes} processes (each feeds an equal share)")
+  # Each process contributes its own rows to every micro-batch (and so to every mini-batch); with fewer
+  # prompts than processes per micro-batch a prompt's group would be cut across processes and the
+  # loss would compare responses of different prompts.
+  _check(micro % num_processes == 0, "train.micro_batch_prompts",
+         f"micro-batch prompts ({micro}) must be divisible by the {num_processes} processes, so that each "
+         "process feeds whole groups to every micro-batch")
 
 
 def load_config_file(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:

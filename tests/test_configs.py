@@ -23,7 +23,7 @@ def test_the_expected_configs_exist():
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_config_loads_and_validates(path):
   cfg = config_lib.load_config_file(path)
-  config_lib.validate(cfg, cfg.hardware.num_devices or 1)
+  config_lib.validate(cfg, cfg.hardware.num_devices or 1, cfg.hardware.num_processes or 1)
 
 
 def test_released_recipe_fields():

@@ -61,7 +61,7 @@ def model_config(cfg: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
 
 def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, float]:
   """Per-device bytes of each part of a training run on `num_devices` devices."""
-  config_lib.validate(cfg, num_devices)
+  config_lib.validate(cfg, num_devices, cfg.hardware.num_processes or 1)
   mesh = abstract_mesh(cfg, num_devices)
   mesh_shape = dict(mesh.shape)
   mc = model_config(cfg)
@@ -124,7 +124,7 @@ def report(cfg: ml_collections.ConfigDict, num_devices: int, hbm_gb: float | Non
   parts = estimate(cfg, num_devices)
   total = sum(parts.values())
   mesh = dict(abstract_mesh(cfg, num_devices).shape)
-  lines = [f"dry run: {cfg.model.preset} on {num_devices} devices, mesh {mesh}",
+  lines = [f"dry run: {cfg.model.preset} on {num_devices} devices ({cfg.hardware.num_processes or 1} processes), mesh {mesh}",
            f"{'part':<18}{'GB / device':>12}"]
   lines += [f"{k:<18}{v / GB:>12.2f}" for k, v in parts.items()]
   lines.append(f"{'total':<18}{total / GB:>12.2f}")

@@ -81,6 +81,11 @@ def test_config_validation_names_the_field():
   cfg = tiny(**{"mesh.fsdp": 3})
   with pytest.raises(config_lib.ConfigError, match=r"config\.mesh\.fsdp"):
     config_lib.validate(cfg, 8)
+  # 8 processes cannot each feed whole groups to a micro-batch of 4 prompts.
+  cfg = tiny(**{"train.micro_batch_prompts": 4})
+  config_lib.validate(cfg, 1, num_processes=4)
+  with pytest.raises(config_lib.ConfigError, match=r"config\.train\.micro_batch_prompts.*8 processes"):
+    config_lib.validate(cfg, 1, num_processes=8)
   cfg = tiny(**{"pacs.adv_estimator": "gae"})
   with pytest.raises(config_lib.ConfigError, match=r"config\.pacs\.adv_estimator"):
     config_lib.validate(cfg, 1)
