@@ -16,6 +16,9 @@ def released_recipe(preset: str, hf_path: str):
   c.model.dtype = "bfloat16"
   c.model.remat = True
   c.data.train = DEEPSCALER
+  # Greedy validation every 5 steps, accuracy per data source. Add the other evaluation sets from local
+  # files with --config.data.val=math500/test.jsonl,aime2024/test.jsonl,aime2025/test.jsonl,amc23/test.jsonl
+  # (see README "Data"); after training, `python -m pacs_jax.evaluate` reports pass@k on all of them.
   c.data.val = MATH500
   c.data.max_prompt_length = 512
   c.data.skip_bad_rows = True  # a long run logs and counts malformed rows instead of stopping
@@ -33,6 +36,10 @@ def released_recipe(preset: str, hf_path: str):
   c.pacs.adv_estimator = "rloo"
   c.pacs.use_weight = True
   c.pacs.weight_mode = "question"
+  # This project's default reference is the frozen initial model. The released code uses the policy that
+  # sampled each step (r̂ = 0 on every step's first mini-batch): set --config.pacs.reference_policy=rollout
+  # to replicate the paper's numbers exactly (PACS.md, "Reference policy").
+  c.pacs.reference_policy = "frozen"
   c.eval_every = 5
   c.checkpoint.every = 20
   c.checkpoint.keep = 3
