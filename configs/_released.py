@@ -15,6 +15,7 @@ def released_recipe(preset: str, hf_path: str):
   c.model.param_dtype = "float32"  # AdamW on fp32 master weights
   c.model.dtype = "bfloat16"
   c.model.remat = True
+  c.model.attention_chunk = 512  # 4,608-token rows: fp32 scores for 512 queries at a time, not all 4,608
   c.data.train = DEEPSCALER
   # Greedy validation every 5 steps, accuracy per data source. Add the other evaluation sets from local
   # files with --config.data.val=math500/test.jsonl,aime2024/test.jsonl,aime2025/test.jsonl,amc23/test.jsonl

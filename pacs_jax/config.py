@@ -24,6 +24,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.param_dtype = "float32"
   c.model.dtype = "float32"  # compute dtype; bfloat16 on GPU/TPU
   c.model.remat = False  # rematerialise decoder layers in the backward pass
+  c.model.attention_chunk = 0  # >0: attention over blocks of this many queries (memory of long sequences)
   c.model.vocab_size = 0  # >0 overrides the preset's vocab (the synthetic task's tokenizer is small)
 
   # Tokenizer: "synthetic" (built in, for the synthetic task) or a path (defaults to model.hf_path).
@@ -159,6 +160,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", f"float32 | bfloat16, got {c.model.dtype!r}")
   _check(c.model.param_dtype in ("float32", "bfloat16"), "model.param_dtype",
          f"float32 | bfloat16, got {c.model.param_dtype!r}")
+  _check(c.model.attention_chunk >= 0, "model.attention_chunk", "must be >= 0 (0 = all queries at once)")
   _check(c.data.max_prompt_length > 0, "data.max_prompt_length", "must be positive")
   _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
   _check(c.checkpoint.keep > 0, "checkpoint.keep", "must be positive")

@@ -40,6 +40,9 @@ class Qwen2Config:
   param_dtype: Any = jnp.float32
   dtype: Any = jnp.float32  # compute dtype of matmuls (bf16 on accelerators)
   remat: bool = False  # rematerialise each decoder layer in the backward pass
+  # >0: attend `attention_chunk` queries at a time, each block rematerialised in the backward pass, so the
+  # fp32 scores peak at [B, K, G, chunk, S] instead of [B, K, G, T, S] (long responses). 0 = all at once.
+  attention_chunk: int = 0
 
   def __post_init__(self):
     if self.head_dim is None:  # transformers' default; stored so configs compare equal after a round trip
@@ -221,13 +224,39 @@ class Attention(nnx.Module):
     B, T, N, H = q.shape
     K = k.shape[2]
     q = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(B, T, N, H)
-    out = sharding.constrain(out, ("batch", None, "heads", None))
+    if c.attention_chunk and T > c.attention_chunk:
+      out = _attend_in_chunks(q, k, v, mask, c.attention_chunk)
+    else:
+      out = _attend(q, k, v, mask)
+    out = sharding.constrain(out.reshape(B, T, N, H), ("batch", None, "heads", None))
     y = jnp.einsum("BTNH,NHD->BTD", out, self.o_kernel[...].astype(dt))
     return y, new_cache
+
+
+def _attend(q, k, v, mask):
+  """Softmax attention. q: [B, T, K, G, H]; k, v: [B, S, K, H]; mask: [B, T, S] -> [B, T, K, G, H]."""
+  H = q.shape[-1]
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
+  scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+
+
+def _attend_in_chunks(q, k, v, mask, chunk: int):
+  """`_attend` on blocks of `chunk` queries in a loop, each block rematerialised in the backward pass.
+
+  Every query row sees all S keys, so each row's softmax is the one `_attend` computes; only the peak
+  memory changes, from [B, K, G, T, S] fp32 scores to [B, K, G, chunk, S].
+  """
+  B, T = q.shape[:2]
+  n = -(-T // chunk)
+  pad = n * chunk - T  # padded query rows see no key (a uniform softmax) and are dropped below
+  q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+  mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
+  blocks = (jnp.moveaxis(q.reshape(B, n, chunk, *q.shape[2:]), 1, 0),  # [n, B, chunk, K, G, H]
+            jnp.moveaxis(mask.reshape(B, n, chunk, mask.shape[-1]), 1, 0))  # [n, B, chunk, S]
+  out = jax.lax.map(jax.checkpoint(lambda block: _attend(block[0], k, v, block[1])), blocks)
+  return jnp.moveaxis(out, 0, 1).reshape(B, n * chunk, *q.shape[2:])[:, :T]
 
 
 class MLP(nnx.Module):

@@ -50,7 +50,8 @@ def load_tokenizer(cfg: ml_collections.ConfigDict):
 
 
 def model_config(cfg: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
-  overrides = dict(param_dtype=DTYPES[cfg.model.param_dtype], dtype=DTYPES[cfg.model.dtype], remat=cfg.model.remat)
+  overrides = dict(param_dtype=DTYPES[cfg.model.param_dtype], dtype=DTYPES[cfg.model.dtype], remat=cfg.model.remat,
+                   attention_chunk=cfg.model.attention_chunk)
   if cfg.model.hf_path:
     return hf.load_config(cfg.model.hf_path, **overrides)
   if cfg.model.vocab_size:
@@ -63,7 +64,7 @@ def build_policy(cfg: ml_collections.ConfigDict, mesh) -> qwen2.Qwen2ForCausalLM
   if cfg.model.hf_path:
     mc = model_config(cfg)
     model, _ = hf.load_pretrained(cfg.model.hf_path, dtype=mc.param_dtype, mesh=mesh, compute_dtype=mc.dtype,
-                                  remat=mc.remat)
+                                  remat=mc.remat, attention_chunk=mc.attention_chunk)
     return model
   mc = model_config(cfg)
   return sharding.create_sharded(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")

@@ -53,7 +53,8 @@ def tree_bytes_per_device(tree: Any, specs: Any, mesh_shape: dict[str, int]) -> 
 
 def model_config(cfg: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
   """Shapes come from the preset (a dry run never reads a checkpoint or the hub)."""
-  overrides = dict(param_dtype=DTYPES[cfg.model.param_dtype], dtype=DTYPES[cfg.model.dtype], remat=cfg.model.remat)
+  overrides = dict(param_dtype=DTYPES[cfg.model.param_dtype], dtype=DTYPES[cfg.model.dtype], remat=cfg.model.remat,
+                   attention_chunk=cfg.model.attention_chunk)
   if cfg.model.vocab_size:
     overrides["vocab_size"] = cfg.model.vocab_size
   return qwen2.get_preset(cfg.model.preset, **overrides)
@@ -104,7 +105,7 @@ def activation_bytes(cfg, mc: qwen2.Qwen2Config, batch_shards: int, tensor: int,
   """Peak of one micro-batch's forward + backward on a device (estimate).
 
   With remat, each layer keeps its input [m, T, D]; one layer at a time holds its internals: fp32
-  attention scores and probabilities [m, N/t, T, T], q/k/v/out and the MLP's [m, T, F/t] activations;
+  attention scores and probabilities [m, N/t, T or attention_chunk, T], q/k/v/out and the MLP's [m, T, F/t] activations;
   the log-prob head holds one chunk of fp32 logits [m, C, V/t] (and its gradient).
   """
   micro_prompts = cfg.train.micro_batch_prompts or cfg.train.mini_batch_prompts
@@ -114,7 +115,8 @@ def activation_bytes(cfg, mc: qwen2.Qwen2Config, batch_shards: int, tensor: int,
   heads = N / tensor if N % tensor == 0 else N
   residuals = (mc.num_hidden_layers if mc.remat else 0) * m * T * D * b
   per_layer_saved = (0 if mc.remat else mc.num_hidden_layers) * m * T * (6 * D + 3 * F / tensor) * b
-  attention = 2 * m * heads * T * T * 4 + 4 * m * T * N * mc.head_size / tensor * b
+  queries = min(T, mc.attention_chunk or T)  # query rows whose scores are live at once
+  attention = 2 * m * heads * queries * T * 4 + 4 * m * T * N * mc.head_size / tensor * b
   mlp = 3 * m * T * F / tensor * b
   logits_chunk = 3 * m * 128 * V / tensor * 4
   return residuals + per_layer_saved + 2 * (attention + mlp) + logits_chunk + 4 * m * T * D * 4
