@@ -46,6 +46,8 @@ def main():
   parser.add_argument("--memory_bandwidth_gbps", type=float, default=None,
                       help="memory bandwidth of one device in GB/s for the roofline (e.g. 3350 H100, 2765 v5p, 819 v5e)")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--min_decode_window", type=int, default=512,
+                      help="smallest decode window (cache rows read per step); 0 = always read the whole cache")
   args = parser.parse_args()
 
   dtype = jnp.dtype(args.dtype)
@@ -54,7 +56,8 @@ def main():
   model = sharding.create_sharded(lambda: qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)), mesh, "sample")
   S, P, N = args.batch, args.prompt_len, args.new_tokens
   engine = engine_lib.Engine(model, max_concurrent_decodes=S, max_prefill_length=P, max_decode_length=N,
-                             mesh=mesh, steps_per_call=args.steps_per_call)
+                             mesh=mesh, steps_per_call=args.steps_per_call,
+                             min_decode_window=args.min_decode_window or P + N)
   params = engine.load_params(model)
   del model
   method, no_eos = sampling.Temperature(1.0), ()
@@ -72,37 +75,44 @@ def main():
     return jax.block_until_ready(state)
 
   def decode(state):
-    steps, active = 0, True
-    while active:  # until every slot has generated N tokens (budget and cache both end there)
-      state, _, _, emitted, active = engine.decode(params, state, S + 1, method, no_eos)
-      steps += int(np.asarray(emitted).any(axis=0).sum())  # the host reads results each call, as `generate` does
-      active = bool(np.asarray(active).any())
-    return jax.block_until_ready(state), steps
+    """Until every slot has generated N tokens (budget and cache both end there); returns the state,
+    the decode steps and the cache rows each step read (summed), with windows chosen as `generate` does."""
+    steps, rows_read, rows, active = 0, 0, P, True
+    while active:
+      window = engine.decode_window(rows + engine.steps_per_call)
+      state, _, _, emitted, active, lengths = engine.decode(params, state, S + 1, method, no_eos, window)
+      done = int(np.asarray(emitted).any(axis=0).sum())  # the host reads results each call, as `generate` does
+      steps, rows_read = steps + done, rows_read + done * window
+      rows, active = int(np.asarray(lengths).max()), bool(np.asarray(active).any())
+    return jax.block_until_ready(state), steps, rows_read
 
-  # Bytes one device reads per decode step: its shard of every weight, and of every layer's whole
-  # KV cache (the cached attention reads all cache rows each step, masked).
+  # Bytes one device reads per decode step: its shard of every weight, and of every layer's KV cache
+  # rows in the step's window (the cached attention reads all of them, masked).
   shard_bytes = lambda x: x.addressable_shards[0].data.nbytes
   param_bytes = sum(shard_bytes(x) for x in jax.tree.leaves(params))
   state = fill()
   kv_bytes = sum(shard_bytes(x) for x in jax.tree.leaves(state.cache))
-  decode(state)  # compiles (the state is donated)
+  decode(state)  # compiles every window (the state is donated)
   best = math.inf
   for _ in range(args.repeats):
     state = fill()
     start = time.perf_counter()
-    _, steps = decode(state)
+    _, steps, rows_read = decode(state)
     best = min(best, (time.perf_counter() - start) / steps)
   step_s = best
+  kv_step_bytes = kv_bytes * rows_read / steps / engine.cache_length
 
   print(f"backend={jax.default_backend()} devices={jax.device_count()} preset={args.preset} dtype={dtype.name} "
         f"slots={S} prompt_len={P} new_tokens={N} cache_rows={engine.cache_length} "
         f"params={sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M")
   print(f"prefill: {S * P / prefill_s:12,.0f} tokens/s  ({prefill_s * 1e3:.1f} ms for {S}x{P})")
   print(f"decode:  {S / step_s:12,.0f} tokens/s  ({step_s * 1e3:.2f} ms/step, {S} slots)")
+  print(f"decode windows {engine.decode_windows}: {rows_read / steps:,.0f} of {engine.cache_length} cache rows "
+        f"read per step on average")
   print(f"bytes read per decode step and device: weights {param_bytes / 1e6:,.1f} MB + KV cache "
-        f"{kv_bytes / 1e6:,.1f} MB")
+        f"{kv_step_bytes / 1e6:,.1f} MB (whole cache {kv_bytes / 1e6:,.1f} MB)")
   if args.memory_bandwidth_gbps:
-    roofline_s = (param_bytes + kv_bytes) / (args.memory_bandwidth_gbps * 1e9)
+    roofline_s = (param_bytes + kv_step_bytes) / (args.memory_bandwidth_gbps * 1e9)
     print(f"roofline: {roofline_s * 1e3:.2f} ms/step at {args.memory_bandwidth_gbps:g} GB/s -> "
           f"{roofline_s / step_s:.1%} of the bandwidth roofline")
 

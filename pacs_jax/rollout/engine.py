@@ -152,15 +152,17 @@ def insert_rows(state: DecodeState, prefix: Prefix, slots: jax.Array, budgets: j
 
 
 def decode_step(model: qwen2.Qwen2ForCausalLM, state: DecodeState, sampling: sampling_lib.SamplingMethod,
-                eos_ids: jax.Array):
+                eos_ids: jax.Array, max_length: int | None = None):
   """Feeds every slot's pending token and samples the next one.
 
   Returns (state, tokens [S], logprobs [S], emitted [S] bool, logits [S, V] fp32); only active slots
-  emit and advance. A slot stops at an EOS id, at its budget, or when its cache is full.
+  emit and advance. A slot stops at an EOS id, at its budget, or when its cache (`max_length` rows;
+  default: the rows in `state.cache`, which may be a window of the first rows) is full.
   """
-  L = state.cache[0].k.shape[1]
+  W = state.cache[0].k.shape[1]
+  L = W if max_length is None else max_length
   # Finished slots may sit at L; clamp so their (ignored) write stays in bounds.
-  position = jnp.minimum(state.lengths, L - 1)
+  position = jnp.minimum(state.lengths, W - 1)
   logits, cache = model.forward_with_cache(state.tokens[:, None], position[:, None], state.cache, position)
   logits = logits[:, 0].astype(jnp.float32)  # [S, V]
   tokens, logprobs = sampling.sample_with_logprobs(logits, _step_keys(state.keys, state.steps))
@@ -174,29 +176,43 @@ def decode_step(model: qwen2.Qwen2ForCausalLM, state: DecodeState, sampling: sam
 
 
 def decode_chunk(model: qwen2.Qwen2ForCausalLM, state: DecodeState, num_steps: int, stop_after_finished: jax.Array,
-                 sampling: sampling_lib.SamplingMethod, eos_ids: jax.Array):
+                 sampling: sampling_lib.SamplingMethod, eos_ids: jax.Array, window: int | None = None):
   """Up to `num_steps` decode steps in one device call (`lax.while_loop`).
 
   Stops early when no slot is active or once `stop_after_finished` slots have finished, so the host
-  can refill them. Returns (state, tokens [S, num_steps], logprobs [S, num_steps], emitted [S, num_steps]).
+  can refill them. With a `window` W < L, the steps attend over (and write) only the first W cache rows:
+  each step reads W rows per slot instead of L. The loop then also stops before any active slot would
+  need row W, so a window chosen too small costs an early return, never a wrong token.
+  Returns (state, tokens [S, num_steps], logprobs [S, num_steps], emitted [S, num_steps]).
   """
   S = state.tokens.shape[0]
+  L = state.cache[0].k.shape[1]
+  W = L if window is None else min(window, L)
+  full_cache = state.cache
+  if W < L:
+    state = state.replace(cache=tuple(LayerCache(k=c.k[:, :W], v=c.v[:, :W]) for c in full_cache))
   out = (jnp.zeros((S, num_steps), jnp.int32), jnp.zeros((S, num_steps), jnp.float32),
          jnp.zeros((S, num_steps), bool))
 
   def cond(carry):
     i, state, _, finished = carry
-    return (i < num_steps) & jnp.any(state.active) & (finished < stop_after_finished)
+    fits = jnp.all(~state.active | (state.lengths < W))  # always true when W == L
+    return (i < num_steps) & jnp.any(state.active) & (finished < stop_after_finished) & fits
 
   def body(carry):
     i, state, (out_tokens, out_logprobs, out_emitted), finished = carry
-    new_state, tokens, logprobs, emitted, _ = decode_step(model, state, sampling, eos_ids)
+    new_state, tokens, logprobs, emitted, _ = decode_step(model, state, sampling, eos_ids, max_length=L)
     column = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], i, axis=1)
     out = (column(out_tokens, tokens), column(out_logprobs, logprobs), column(out_emitted, emitted))
     finished = finished + jnp.sum(state.active & ~new_state.active)
     return i + 1, new_state, out, finished
 
   _, state, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out, jnp.int32(0)))
+  if W < L:
+    state = state.replace(cache=tuple(
+        LayerCache(k=jax.lax.dynamic_update_slice_in_dim(f.k, w.k, 0, axis=1),
+                   v=jax.lax.dynamic_update_slice_in_dim(f.v, w.v, 0, axis=1))
+        for f, w in zip(full_cache, state.cache)))
   return (state,) + out
 
 
@@ -226,8 +242,14 @@ class Engine:
   def __init__(self, model: qwen2.Qwen2ForCausalLM, *, max_concurrent_decodes: int, max_prefill_length: int,
                max_decode_length: int, mesh: jax.sharding.Mesh | None = None,
                sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), eos_ids: Sequence[int] = (),
-               steps_per_call: int = 16, min_prefill_bucket: int = 16, seed: int = 0):
-    """`model` may be abstract (`nnx.eval_shape`): only its structure and shapes are kept."""
+               steps_per_call: int = 16, min_prefill_bucket: int = 16, min_decode_window: int = 512,
+               seed: int = 0):
+    """`model` may be abstract (`nnx.eval_shape`): only its structure and shapes are kept.
+
+    Decode reads a window of the first W cache rows, W the smallest of `decode_windows` (powers of
+    two from `min_decode_window`, and the whole cache) that holds every busy slot for the next
+    `steps_per_call` steps: a decode program is compiled per window used.
+    """
     self.config: qwen2.Qwen2Config = model.config
     self.graphdef, abstract = nnx.split(model)
     self._slots = max_concurrent_decodes
@@ -243,6 +265,8 @@ class Engine:
     # Powers of two from min_prefill_bucket, capped by (and ending at) max_prefill_length.
     self.prefill_buckets = sorted({min(_next_pow2(min_prefill_bucket) << i, max_prefill_length)
                                    for i in range(max(1, max_prefill_length).bit_length() + 1)})
+    self.decode_windows = sorted({min(_next_pow2(min_decode_window) << i, self.cache_length)
+                                  for i in range(max(1, self.cache_length).bit_length() + 1)})
 
     if mesh is not None:
       self.param_shardings = sharding.state_shardings(abstract, mesh, "sample")
@@ -258,7 +282,7 @@ class Engine:
     self._insert_requests_jit = jax.jit(self._insert_requests_impl, static_argnames=("sampling",),
                                         donate_argnums=(0,))
     self._generate_jit = jax.jit(self._generate_impl, static_argnames=("sampling",), donate_argnums=(1,))
-    self._decode_chunk_jit = jax.jit(self._decode_chunk_impl, static_argnames=("num_steps", "sampling"),
+    self._decode_chunk_jit = jax.jit(self._decode_chunk_impl, static_argnames=("num_steps", "sampling", "window"),
                                      donate_argnums=(1,))
     self._init_jit = jax.jit(self._init_impl)
 
@@ -346,6 +370,10 @@ class Engine:
     with self._mesh_context():
       return self._init_jit()
 
+  def decode_window(self, rows: int) -> int:
+    """The decode window (cache rows read per step) for slots that need `rows` rows."""
+    return next((w for w in self.decode_windows if w >= rows), self.cache_length)
+
   def bucket_length(self, length: int) -> int:
     """The prefill bucket (padded length) for a prompt of `length` tokens."""
     if not 0 < length <= self._max_prefill_length:
@@ -389,9 +417,10 @@ class Engine:
     data = jnp.stack([tokens, emitted.astype(jnp.int32), state.steps], axis=-1)  # [S, 3]
     return self._constrain(state), ResultTokens(data=self._replicate(data))
 
-  def _decode_chunk_impl(self, params, state, stop_after_finished, eos_ids, num_steps, sampling):
-    state, *out = decode_chunk(self._model(params), state, num_steps, stop_after_finished, sampling, eos_ids)
-    return (self._constrain(state), *self._replicate((*out, state.active)))
+  def _decode_chunk_impl(self, params, state, stop_after_finished, eos_ids, num_steps, sampling, window):
+    state, *out = decode_chunk(self._model(params), state, num_steps, stop_after_finished, sampling, eos_ids,
+                               window)
+    return (self._constrain(state), *self._replicate((*out, state.active, state.lengths)))
 
   # -- JetStream Engine methods -----------------------------------------------------------------
 
@@ -491,15 +520,17 @@ class Engine:
     return decode_state, firsts
 
   def decode(self, params, decode_state: DecodeState, stop_after_finished: int,
-             sampling: sampling_lib.SamplingMethod, eos_ids: Sequence[int]):
-    """Up to `steps_per_call` decode steps in one call (see `decode_chunk`).
+             sampling: sampling_lib.SamplingMethod, eos_ids: Sequence[int], window: int | None = None):
+    """Up to `steps_per_call` decode steps in one call over the first `window` cache rows (default:
+    all; see `decode_chunk` and `decode_window`).
 
-    Returns (state, tokens [S, steps], logprobs [S, steps], emitted [S, steps], active [S]); all but
-    the state are replicated so the host can read them.
+    Returns (state, tokens [S, steps], logprobs [S, steps], emitted [S, steps], active [S], lengths [S]);
+    all but the state are replicated so the host can read them.
     """
+    window = self.cache_length if window is None else min(int(window), self.cache_length)
     with self._mesh_context():
       return self._decode_chunk_jit(params, decode_state, np.int32(stop_after_finished), eos_array(eos_ids),
-                                    num_steps=self.steps_per_call, sampling=sampling)
+                                    num_steps=self.steps_per_call, sampling=sampling, window=window)
 
   def generate_completions(self, params, prompts: Sequence[Sequence[int]], n: int = 1,
                            max_new_tokens: int | None = None,
@@ -554,6 +585,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   if not queue:
     return []
   slot_request: list[tuple[int, int] | None] = [None] * S
+  slot_rows = np.zeros(S, np.int64)  # filled cache rows of each busy slot (the pending token's position)
   tokens: dict[tuple[int, int], list[int]] = {}
   logprobs: dict[tuple[int, int], list[float]] = {}
   done: dict[tuple[int, int], Completion] = {}
@@ -579,16 +611,22 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
           [prompt_ids[p] for p, _ in take], [s for _, s in take], [max_new_tokens] * len(take), seed, sampling, eos)
       for slot, req in zip(free, take):
         slot_request[slot] = req
+        slot_rows[slot] = len(prompts[req[0]])
         tokens[req], logprobs[req] = [], []
       firsts = [([take[r] for r in reqs], first, lp) for reqs, first, lp in firsts]
     stop_after = min(refill_at, len(queue)) if queue else S + 1
-    state, out_tokens, out_logprobs, out_emitted, active = engine.decode(params, state, stop_after, sampling, eos)
+    busy = [slot_rows[i] for i, r in enumerate(slot_request) if r is not None]
+    window = engine.decode_window(max(busy, default=0) + engine.steps_per_call)
+    state, out_tokens, out_logprobs, out_emitted, active, rows = engine.decode(params, state, stop_after, sampling,
+                                                                               eos, window)
     # Host reads after the decode call is queued, so device work and transfers overlap.
     for reqs, first, lp in firsts:
       for req, t, l in zip(reqs, np.asarray(first).tolist(), np.asarray(lp).tolist()):
         tokens[req].append(t)
         logprobs[req].append(l)
-    out_tokens, out_logprobs, out_emitted, active = jax.device_get((out_tokens, out_logprobs, out_emitted, active))
+    out_tokens, out_logprobs, out_emitted, active, rows = jax.device_get(
+        (out_tokens, out_logprobs, out_emitted, active, rows))
+    slot_rows = np.array(rows, np.int64)
     for slot, req in enumerate(slot_request):
       if req is None:
         continue

@@ -48,8 +48,9 @@ def model(hf_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model):
+  # Decode windows of 8, 16, 32 and all 56 cache rows: every test below runs through windowed decode.
   return engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
-                           max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8)
+                           max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, min_decode_window=8)
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +254,49 @@ def test_more_requests_than_slots_independent_of_order(engine, params, prompts):
         continue
       assert other.tokens == c.tokens and other.finish_reason == c.finish_reason
       np.testing.assert_allclose(other.logprobs, c.logprobs, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decode windows: reading only the cache rows in use changes no token and no log-prob
+
+
+def test_decode_windows_equal_reading_the_whole_cache(engine, model, params, prompts, monkeypatch):
+  assert engine.decode_windows == [8, 16, 32, MAX_PREFILL + MAX_DECODE]
+  whole = engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
+                            max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8,
+                            min_decode_window=MAX_PREFILL + MAX_DECODE)
+  assert whole.decode_windows == [MAX_PREFILL + MAX_DECODE]
+  windows = []
+  decode = engine.decode
+  monkeypatch.setattr(engine, "decode", lambda *a: windows.append(a[-1]) or decode(*a))
+  kw = dict(n=3, max_new_tokens=MAX_DECODE, sampling=sampling.Temperature(1.0), seed=5, eos_ids=[1, 2, 3])
+  windowed, full = (engine_lib.generate(e, params, prompts, **kw) for e in (engine, whole))
+  assert {16, 32, MAX_PREFILL + MAX_DECODE} <= set(windows), windows  # short rows read less
+  assert len({len(c.tokens) for c in windowed}) > 2
+  for a, b in zip(windowed, full):
+    assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_a_window_too_small_returns_early_and_loses_nothing(engine, params, prompts, greedy_32):
+  state = engine.init_decode_state()
+  state, firsts = engine.prefill_insert(params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0], [20, 20], 0,
+                                        sampling.Greedy(), ())
+  tokens = [[], []]
+  for requests, first, _ in firsts:
+    for r, t in zip(requests, np.asarray(first)):
+      tokens[r].append(int(t))
+  # Prompts of 3 and 7 tokens: with a window of 8 rows, slot 1 can take one step (row 7), then needs row 8.
+  state, out, _, emitted, active, rows = engine.decode(params, state, 5, sampling.Greedy(), (), 8)
+  assert np.asarray(emitted)[:2].sum(axis=1).tolist() == [1, 1]
+  assert np.asarray(rows)[:2].tolist() == [4, 8] and np.asarray(active)[:2].all()
+  while True:
+    for r in range(2):
+      tokens[r].extend(np.asarray(out)[r, np.asarray(emitted)[r]].tolist())
+    if not np.asarray(active).any():
+      break
+    state, out, _, emitted, active, rows = engine.decode(params, state, 5, sampling.Greedy(), ())
+  assert tokens == [c.tokens[:20] for c in greedy_32[:2]]
 
 
 # ----------------------------------------------------------------------------------------------
