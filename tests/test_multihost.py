@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import portpicker
@@ -39,14 +41,19 @@ def run_one(workdir, *extra):
                  check=True, capture_output=True, timeout=900)
 
 
-def run_two(workdir, *extra) -> list[str]:
-  """Two processes on 127.0.0.1, one CPU device each; returns their outputs."""
+def start_two(workdir, *extra) -> list[subprocess.Popen]:
+  """Two processes on 127.0.0.1, one CPU device each."""
   port = portpicker.pick_unused_port()
-  procs = [subprocess.Popen([sys.executable, "-m", "pacs_jax.train", *ARGS, *extra, "--workdir", str(workdir),
-                             f"--config.distributed.coordinator_address=127.0.0.1:{port}",
-                             "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
-                            env=env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+  return [subprocess.Popen([sys.executable, "-m", "pacs_jax.train", *ARGS, *extra, "--workdir", str(workdir),
+                            f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+                            "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
+                           env=env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+          for i in range(2)]
+
+
+def run_two(workdir, *extra) -> list[str]:
+  """Runs `start_two` to the end; returns the two outputs."""
+  procs = start_two(workdir, *extra)
   outs = [p.communicate(timeout=900)[0] for p in procs]
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out
@@ -88,3 +95,28 @@ def test_two_processes_micro_batches_hold_whole_groups(tmp_path):
   assert a["reward/mean"] == b["reward/mean"]
   for key in ("loss", "grad_norm", "pacs/score_mean", "pacs/weight_mean"):
     np.testing.assert_allclose(b[key], a[key], rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_host_stops_every_host_after_the_same_step(tmp_path):
+  """A preemption notice reaches one host: both save the same step collectively and exit 0 (no host
+  is left waiting in a collective the other never enters)."""
+  workdir = tmp_path / "run"
+  procs = start_two(workdir, "--config.steps=60")
+  try:
+    deadline = time.time() + 600
+    while not (os.path.exists(workdir / "metrics.jsonl") and len(metrics(workdir)) >= 3):
+      assert time.time() < deadline and all(p.poll() is None for p in procs), "trainer did not start"
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)  # process 1 only; process 0 writes the metrics
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out
+  stopped = metrics(workdir)[-1]["step"]
+  assert stopped < 60
+  saved = sorted(int(d.name) for d in (workdir / "checkpoints").iterdir() if d.name.isdigit())
+  assert saved[-1] == stopped
+  assert f"preempted: saved step {stopped}" in outs[1]

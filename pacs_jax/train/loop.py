@@ -154,6 +154,16 @@ class _Preemption:
     logging.warning("SIGTERM received: finishing this step, then saving a checkpoint and exiting")
     self.requested = True
 
+  def agreed(self) -> bool:
+    """Whether any process has been asked to stop. Every process calls this once per step, at the same
+    point: a signal that reaches the hosts in different steps must still stop them all after the same
+    step, or one would wait in a collective (checkpoint save, allgather) the others never enter."""
+    if jax.process_count() == 1:
+      return self.requested
+    from jax.experimental import multihost_utils
+    flags = multihost_utils.process_allgather(np.array([self.requested], np.int32))
+    return bool(np.asarray(flags).any())
+
   def restore(self):
     signal.signal(signal.SIGTERM, self._previous)
 
@@ -388,9 +398,10 @@ class Trainer:
             last.update(self.validate(scorer))
           if step % cfg.log_every == 0 or step == cfg.steps:
             writer.write(step, last)
-          if step % cfg.checkpoint.every == 0 or step == cfg.steps or preemption.requested:
+          stop = preemption.agreed()
+          if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop:
             self.save(step)
-          if preemption.requested:
+          if stop:
             logging.warning("preempted: saved step %d, exiting", step)
             break
     finally:
