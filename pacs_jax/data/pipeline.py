@@ -117,11 +117,9 @@ class PromptPipeline:
     self.dataset = steps.map(self._make_batch)
 
   def _local_slice(self, size: int) -> slice:
-    """This process's contiguous share of a global batch of `size` prompts."""
-    if size == self.batch_size:
-      per = size // self.process_count
-      return slice(self.process_index * per, (self.process_index + 1) * per)
-    bounds = np.linspace(0, size, self.process_count + 1).astype(int)  # last, partial batch
+    """This process's contiguous share of a global batch of `size` prompts: equal shares when the
+    processes divide `size` (always, with drop_remainder), else shares differing by one prompt."""
+    bounds = np.linspace(0, size, self.process_count + 1).astype(int)
     return slice(bounds[self.process_index], bounds[self.process_index + 1])
 
   def _make_batch(self, step: int) -> dict[str, Any]:

@@ -160,6 +160,14 @@ def test_two_processes_get_disjoint_shards_that_cover_each_batch(tokenizer):
     assert part0["step"] == part1["step"] == full["step"]
 
 
+def test_without_drop_remainder_uneven_shares_still_cover_every_prompt(tokenizer):
+  records = _records(10)
+  shards = [list(_pipeline(tokenizer, records, batch_size=5, num_epochs=1, drop_remainder=False,
+                           process_index=p, process_count=2)) for p in range(2)]
+  seen = [i for shard in shards for batch in shard for i in batch["index"].tolist()]
+  assert sorted(seen) == list(range(10))
+
+
 def test_uneven_processes_are_an_error(tokenizer):
   with pytest.raises(ValueError, match="not divisible by the 3 processes"):
     _pipeline(tokenizer, _records(40), process_index=0, process_count=3)
