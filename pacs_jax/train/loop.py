@@ -143,6 +143,24 @@ def to_minibatches(batch: RolloutBatch, mesh, num_minibatches: int, micro_per_mi
 # The loop
 
 
+# Fields that decide the prompt order; the data iterator's saved position means nothing without them.
+DATA_ORDER_FIELDS = ("seed", "data.train", "data.synthetic_train_size", "data.max_prompt_length",
+                     "data.skip_bad_rows", "train.batch_prompts")
+
+
+def changed_data_fields(saved: dict, cfg: ml_collections.ConfigDict) -> dict[str, tuple[Any, Any]]:
+  """{field: (saved value, current value)} for the data-order fields that differ from a checkpoint's config."""
+  changed = {}
+  for field in DATA_ORDER_FIELDS:
+    old, new = saved, cfg
+    for part in field.split("."):
+      old = old.get(part) if isinstance(old, dict) else None
+      new = new.get(part) if new is not None else None
+    if old is not None and old != new:
+      changed[field] = (old, new)
+  return changed
+
+
 class _Preemption:
   """SIGTERM (TPU preemption) sets a flag; the loop finishes its step, saves, and exits cleanly."""
 
@@ -369,6 +387,9 @@ class Trainer:
     step = self.checkpointer.latest_step()
     if step is None:
       return 0
+    for field, (old, new) in changed_data_fields(self.checkpointer.restore_config(step), self.cfg).items():
+      logging.warning("config.%s changed since the checkpoint (%r -> %r): the restored data position refers "
+                      "to the old prompt order", field, old, new)
     abstract = checkpoint_lib.abstract_like(self.state)
     self.state, data_state = self.checkpointer.restore(step, abstract)
     self.data_iter = self.pipeline.iterator(data_state)

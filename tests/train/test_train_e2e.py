@@ -89,3 +89,12 @@ def test_config_validation_names_the_field():
   cfg = tiny(**{"pacs.adv_estimator": "gae"})
   with pytest.raises(config_lib.ConfigError, match=r"config\.pacs\.adv_estimator"):
     config_lib.validate(cfg, 1)
+
+
+def test_resume_names_changed_data_order_fields():
+  cfg = tiny()
+  saved = json.loads(cfg.to_json_best_effort())
+  assert loop.changed_data_fields(saved, cfg) == {}
+  assert loop.changed_data_fields(saved, tiny(steps=50, **{"train.lr": 0.5})) == {}  # longer runs are fine
+  changed = loop.changed_data_fields(saved, tiny(seed=9, **{"train.batch_prompts": 16}))
+  assert changed == {"seed": (cfg.seed, 9), "train.batch_prompts": (8, 16)}
