@@ -224,6 +224,11 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
+def _pow2_ladder(start: int, cap: int) -> list[int]:
+  """Powers of two from `start` (rounded up), capped by and ending at `cap`."""
+  return sorted({min(_next_pow2(start) << i, cap) for i in range(max(1, cap).bit_length() + 1)})
+
+
 class Engine:
   """Prefill / insert / generate over `max_concurrent_decodes` slots, JetStream-style.
 
@@ -262,11 +267,8 @@ class Engine:
     self.steps_per_call = steps_per_call
     self.seed = seed
     self._prefill_count = 0  # request counter that keys JetStream-style prefills
-    # Powers of two from min_prefill_bucket, capped by (and ending at) max_prefill_length.
-    self.prefill_buckets = sorted({min(_next_pow2(min_prefill_bucket) << i, max_prefill_length)
-                                   for i in range(max(1, max_prefill_length).bit_length() + 1)})
-    self.decode_windows = sorted({min(_next_pow2(min_decode_window) << i, self.cache_length)
-                                  for i in range(max(1, self.cache_length).bit_length() + 1)})
+    self.prefill_buckets = _pow2_ladder(min_prefill_bucket, max_prefill_length)
+    self.decode_windows = _pow2_ladder(min_decode_window, self.cache_length)
 
     if mesh is not None:
       self.param_shardings = sharding.state_shardings(abstract, mesh, "sample")

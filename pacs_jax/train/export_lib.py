@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.models import hf, qwen2
 from pacs_jax.train import checkpoint as checkpoint_lib
+from pacs_jax.train.memory import DTYPES
 
 MODEL_DIR = "model"  # workdir/model: the policy's HF config.json and tokenizer, written when training starts
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def write_model_card(workdir: str, config: qwen2.Qwen2Config, tokenizer) -> None:

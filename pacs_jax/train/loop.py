@@ -31,11 +31,12 @@ from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.train import checkpoint as checkpoint_lib
 from pacs_jax.train import export_lib
+from pacs_jax.train import memory
 from pacs_jax.train import metrics as metrics_lib
 from pacs_jax.train import state as state_lib
 from pacs_jax.train import step as step_lib
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = memory.DTYPES
 
 
 # ----------------------------------------------------------------------------------------------
@@ -50,23 +51,18 @@ def load_tokenizer(cfg: ml_collections.ConfigDict):
 
 
 def model_config(cfg: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
-  overrides = dict(param_dtype=DTYPES[cfg.model.param_dtype], dtype=DTYPES[cfg.model.dtype], remat=cfg.model.remat,
-                   attention_chunk=cfg.model.attention_chunk)
   if cfg.model.hf_path:
-    return hf.load_config(cfg.model.hf_path, **overrides)
-  if cfg.model.vocab_size:
-    overrides["vocab_size"] = cfg.model.vocab_size
-  return qwen2.get_preset(cfg.model.preset, **overrides)
+    return hf.load_config(cfg.model.hf_path, **memory.model_overrides(cfg))
+  return memory.model_config(cfg)
 
 
 def build_policy(cfg: ml_collections.ConfigDict, mesh) -> qwen2.Qwen2ForCausalLM:
   """The initial policy in its train-mode shardings: a HF checkpoint, or a seeded random init."""
+  mc = model_config(cfg)
   if cfg.model.hf_path:
-    mc = model_config(cfg)
     model, _ = hf.load_pretrained(cfg.model.hf_path, dtype=mc.param_dtype, mesh=mesh, compute_dtype=mc.dtype,
                                   remat=mc.remat, attention_chunk=mc.attention_chunk)
     return model
-  mc = model_config(cfg)
   return sharding.create_sharded(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")
 
 

@@ -51,10 +51,15 @@ def tree_bytes_per_device(tree: Any, specs: Any, mesh_shape: dict[str, int]) -> 
   return sum(_shard_bytes(x.shape, x.dtype, s, mesh_shape) for x, s in zip(leaves, spec_leaves, strict=True))
 
 
+def model_overrides(cfg: ml_collections.ConfigDict) -> dict:
+  """The `Qwen2Config` fields a run config sets on top of a preset or a checkpoint's config.json."""
+  return dict(param_dtype=DTYPES[cfg.model.param_dtype], dtype=DTYPES[cfg.model.dtype], remat=cfg.model.remat,
+              attention_chunk=cfg.model.attention_chunk)
+
+
 def model_config(cfg: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
   """Shapes come from the preset (a dry run never reads a checkpoint or the hub)."""
-  overrides = dict(param_dtype=DTYPES[cfg.model.param_dtype], dtype=DTYPES[cfg.model.dtype], remat=cfg.model.remat,
-                   attention_chunk=cfg.model.attention_chunk)
+  overrides = model_overrides(cfg)
   if cfg.model.vocab_size:
     overrides["vocab_size"] = cfg.model.vocab_size
   return qwen2.get_preset(cfg.model.preset, **overrides)
