@@ -12,8 +12,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _released import released_recipe  # noqa: E402
 
 
-def get_config():
-  c = released_recipe("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B")
+def get_config(algorithm: str = "pacs"):
+  c = released_recipe("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B", algorithm)
   c.hardware.num_devices = 1
   c.hardware.hbm_gb = 80.0
   c.hardware.num_processes = 1

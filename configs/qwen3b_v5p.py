@@ -7,8 +7,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _released import released_recipe  # noqa: E402
 
 
-def get_config():
-  c = released_recipe("qwen2.5-3b", "Qwen/Qwen2.5-3B")
+def get_config(algorithm: str = "pacs"):
+  c = released_recipe("qwen2.5-3b", "Qwen/Qwen2.5-3B", algorithm)
   c.hardware.num_devices = 32
   c.hardware.hbm_gb = 95.0
   c.hardware.num_processes = 8  # 4 chips per v5p host; each host feeds whole prompt groups

@@ -7,8 +7,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _released import released_recipe  # noqa: E402
 
 
-def get_config():
-  c = released_recipe("qwen2.5-7b", "Qwen/Qwen2.5-7B")
+def get_config(algorithm: str = "pacs"):
+  c = released_recipe("qwen2.5-7b", "Qwen/Qwen2.5-7B", algorithm)
   c.hardware.num_devices = 64
   c.hardware.hbm_gb = 95.0
   c.hardware.num_processes = 16  # 4 chips per v5p host; each host feeds whole prompt groups

@@ -40,6 +40,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.instruction = "Please reason step by step, and put your final answer within \\boxed{}."
   c.data.skip_bad_rows = False
   c.data.val_max_examples = 0  # >0: evaluate on the first N validation problems only
+  # A folder of the released evaluation sets (<name>/test.jsonl for gsm8k, math500, aime2024, aime2025,
+  # amc23, as in ../shared/data); every file found there is validated on, beside data.val.
+  c.data.val_dir = ""
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.n = 8  # responses per prompt (group size)
@@ -49,6 +52,14 @@ def default_config() -> ml_collections.ConfigDict:
   c.rollout.max_new_tokens = 4096
   c.rollout.slots = 0  # concurrent decode slots; 0 = the whole rollout batch
   c.rollout.val_max_new_tokens = 0  # 0 = max_new_tokens
+  # Which tokens end a response, and how far the response mask runs (PACS.md "Padding and stopping"):
+  #   "released": the tokenizer's EOS plus generation_config.json's eos_token_id (config.json's when there is
+  #     none), as verl's vLLM rollout; the mask runs up to and including the first generation-config EOS
+  #     (verl's get_response_mask), the rest is padded with the pad token.
+  #   "chat": the released set plus Qwen's chat stop tokens <|im_end|> and <|endoftext|>; the mask runs up
+  #     to and including the token that stopped the response.
+  #   "151643,151645": exactly these ids, as "chat" otherwise.
+  c.rollout.stop_tokens = "released"
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_prompts = 1024  # prompts per step (each sampled rollout.n times)
@@ -62,7 +73,12 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.b1 = 0.9
   c.train.b2 = 0.999
   c.train.eps = 1e-8
-  c.train.grad_clip = 1.0
+  c.train.grad_clip = 1.0  # global-norm clip; 0 = off (the released PACS actor never clips; GRPO/PPO clip at 1)
+  # verl's ppo_micro_batch_size_per_gpu of the released runs (actor and critic). Numerics only, not memory
+  # (that is micro_batch_prompts): under "seq-mean-token-sum-norm" the released GRPO/PPO losses sum this many
+  # rows per micro-batch and average the micro-batches, so their gradient is this many times the per-sequence
+  # mean (before the clip); pacs.exact_padding_replication packs rows in groups of this many.
+  c.train.verl_micro_batch_rows = 8
 
   # PACS (PACS.md): r̂ from log-prob ratios, ψ = advantage of r̂ in the group, BCE(ψ, R) with weights.
   c.pacs = ml_collections.ConfigDict()
@@ -73,6 +89,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.pacs.use_weight = True
   c.pacs.weight_mode = "question"  # question | only_positive | only_negative
   c.pacs.reference_policy = "frozen"  # frozen (initial model) | rollout (the sampling policy, as released)
+  # Off: r̂ sums the masked response tokens (PACS.md). On: it also sums the term verl's remove-padding forward
+  # leaves at the first padding position of a response that ended early: the log-prob of the next packed row's
+  # first token given this row (rows packed in groups of train.verl_micro_batch_rows; the last wraps to the first).
+  c.pacs.exact_padding_replication = False
 
   c.grpo = ml_collections.ConfigDict()
   c.grpo.clip_ratio_low = 0.2
@@ -97,10 +117,14 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 20  # steps; the last step is always saved
-  c.checkpoint.keep = 3
+  c.checkpoint.keep = 3  # the newest K checkpoints are kept; 0 = keep every one (the released runs)
   c.checkpoint.async_save = True
 
   c.eval_every = 5  # validation (greedy, per-source accuracy); 0 = off
+  # Per-step JSONL dumps of the generations, as the released trainer.rollout_data_dir / validation_data_dir
+  # ("" = off): one line per response {input, output, score, step, data_source, ground_truth}, file <step>.jsonl.
+  c.rollout_data_dir = ""
+  c.validation_data_dir = ""
   c.log_every = 1
   c.reward_workers = 2
   c.reward_timeout_s = 10.0
@@ -117,6 +141,19 @@ def default_config() -> ml_collections.ConfigDict:
   c.distributed.num_processes = 0
   c.distributed.process_id = -1
   return c
+
+
+def parse_stop_tokens(value) -> str | tuple[int, ...] | None:
+  """rollout.stop_tokens -> "released" | "chat" | a tuple of ids; None when it is none of these."""
+  if value in ("released", "chat"):
+    return value
+  if isinstance(value, int) and not isinstance(value, bool):
+    return (value,)
+  try:
+    ids = tuple(int(v) for v in str(value).split(",") if v.strip())
+  except ValueError:
+    return None
+  return ids if ids and min(ids) >= 0 else None
 
 
 class ConfigError(ValueError):
@@ -147,7 +184,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
          f"must divide train.mini_batch_prompts={t.mini_batch_prompts} (micro-batches hold whole groups), got {micro}")
   _check(t.lr > 0, "train.lr", "must be positive")
   _check(t.schedule in ("constant", "cosine"), "train.schedule", f"constant | cosine, got {t.schedule!r}")
-  _check(t.grad_clip > 0, "train.grad_clip", "must be positive")
+  _check(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = no clipping), got {t.grad_clip}")
+  _check(t.verl_micro_batch_rows >= 1, "train.verl_micro_batch_rows", f"must be >= 1, got {t.verl_micro_batch_rows}")
+  _check(parse_stop_tokens(c.rollout.stop_tokens) is not None, "rollout.stop_tokens",
+         f'"released" | "chat" | comma-separated token ids, got {c.rollout.stop_tokens!r}')
   p = c.pacs
   _check(p.reward_method in ("1", "2"), "pacs.reward_method", f'"1" | "2", got {p.reward_method!r}')
   _check(p.adv_estimator in ("rloo", "grpo", "naive"), "pacs.adv_estimator", f"rloo | grpo | naive, got {p.adv_estimator!r}")
@@ -163,7 +203,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(c.model.attention_chunk >= 0, "model.attention_chunk", "must be >= 0 (0 = all queries at once)")
   _check(c.data.max_prompt_length > 0, "data.max_prompt_length", "must be positive")
   _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
-  _check(c.checkpoint.keep > 0, "checkpoint.keep", "must be positive")
+  _check(c.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0 (0 = keep every checkpoint)")
   sizes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor}
   for axis, size in sizes.items():
     _check(size == -1 or size >= 1, f"mesh.{axis}", f"must be >= 1 or -1, got {size}")

@@ -1,6 +1,6 @@
 """Orbax checkpoints of the whole training state: params, optimizer, step, RNG, data-iterator state, config.
 
-Saves are asynchronous and keep the last K; Orbax commits a step atomically (written under a temporary
+Saves are asynchronous and keep the last K (or all, as the released runs); Orbax commits a step atomically (written under a temporary
 name, renamed when complete), so a process killed mid-write resumes from the last complete step.
 """
 
@@ -17,8 +17,10 @@ import orbax.checkpoint as ocp
 
 class Checkpointer:
   def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+    """`keep`: the newest `keep` checkpoints stay; 0 keeps every one (Orbax max_to_keep=None, as verl's
+    trainer.max_actor_ckpt_to_keep: null in the released runs)."""
     self.directory = os.path.abspath(directory) if "://" not in directory else directory
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep or None, enable_async_checkpointing=async_save,
                                            create=True, cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data", "config"))

@@ -99,22 +99,34 @@ class RolloutBatch:
   finish_reasons: list[str]
 
 
+def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
+  """[rows, R] -> 1 up to and including each row's first token in `eos_ids`, 0 after (float32).
+
+  verl's get_response_mask (verl/utils/torch_functional.py): (cumsum(is_eos) − is_eos) == 0.
+  """
+  is_eos = np.isin(responses, np.asarray(list(eos_ids))).astype(np.int64)
+  return ((np.cumsum(is_eos, axis=1) - is_eos) == 0).astype(np.float32)
+
+
 def pack_rows(prompts: list[list[int]], completions: list[engine_lib.Completion], P: int, R: int,
-              pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Prompt left-padded to P, response right-padded to R: (input_ids, attention_mask, response_mask)."""
+              pad_id: int, mask_eos_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Prompt left-padded to P, response right-padded to R with `pad_id`: (input_ids, attention_mask, response_mask).
+
+  As verl's vLLM rollout: the response mask (and the response part of the attention mask) runs up to and
+  including the first of `mask_eos_ids` in the padded response, or to R without one.
+  """
   rows = len(completions)
   input_ids = np.full((rows, P + R), pad_id, np.int32)
   attention_mask = np.zeros((rows, P + R), np.int32)
-  response_mask = np.zeros((rows, R), np.float32)
   for row, comp in enumerate(completions):
     prompt = prompts[comp.prompt_index]
     input_ids[row, P - len(prompt):P] = prompt
     attention_mask[row, P - len(prompt):P] = 1
     toks = comp.tokens[:R]
     input_ids[row, P:P + len(toks)] = toks
-    attention_mask[row, P:P + len(toks)] = 1
-    response_mask[row, :len(toks)] = 1.0
-  return input_ids, attention_mask, response_mask
+  mask = response_mask(input_ids[:, P:], mask_eos_ids)  # [rows, R]
+  attention_mask[:, P:] = mask.astype(np.int32)
+  return input_ids, attention_mask, mask
 
 
 def to_minibatches(batch: RolloutBatch, mesh, num_minibatches: int, micro_per_minibatch: int) -> list[dict]:
@@ -190,8 +202,10 @@ class Trainer:
     self.cfg, self.workdir = cfg, workdir
     self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     self.tokenizer = load_tokenizer(cfg)
-    self.eos_ids = hf.eos_token_ids(self.tokenizer, cfg.model.hf_path and hf.resolve_path(cfg.model.hf_path))
-    self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+    # Ids that stop a response, and those whose first occurrence ends its mask (config.rollout.stop_tokens).
+    self.eos_ids, self.mask_eos_ids = hf.stop_and_mask_ids(
+        self.tokenizer, cfg.model.hf_path and hf.resolve_path(cfg.model.hf_path), cfg.rollout.stop_tokens)
+    self.pad_id = hf.pad_token_id(self.tokenizer)
     self.P, self.R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
 
     instruction = cfg.data.instruction or None
@@ -316,8 +330,9 @@ class Trainer:
     scores, reward_stats = scorer.score_batch(texts, answers, data_sources)
     t_reward = time.perf_counter()
 
-    input_ids, attention_mask, response_mask = pack_rows(prompts, completions, self.P, self.R, self.pad_id)
-    rb = RolloutBatch(input_ids, attention_mask, response_mask, np.asarray(scores, np.float32), data_sources,
+    input_ids, attention_mask, resp_mask = pack_rows(prompts, completions, self.P, self.R, self.pad_id,
+                                                     self.mask_eos_ids)
+    rb = RolloutBatch(input_ids, attention_mask, resp_mask, np.asarray(scores, np.float32), data_sources,
                       [c.finish_reason for c in completions])
     metrics = self.update(rb)
     t_update = time.perf_counter()

@@ -1,4 +1,4 @@
-"""TrainState pytree, the optimizer (AdamW + global-norm clip + schedule, non-finite updates skipped) and sharded creation."""
+"""TrainState pytree, the optimizer (AdamW + optional global-norm clip + schedule, non-finite updates skipped) and sharded creation."""
 
 from __future__ import annotations
 
@@ -40,10 +40,18 @@ def learning_rate_schedule(train: ml_collections.ConfigDict, lr: float, total_up
 
 
 def make_optimizer(train: ml_collections.ConfigDict, lr: float, total_updates: int) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping; an update whose gradient has a NaN/Inf is skipped and counted."""
+  """AdamW, with global-norm clipping when `train.grad_clip` > 0; an update whose gradient has a NaN/Inf is
+  skipped and counted.
+
+  grad_clip = 0 is the released PACS actor: its `_optimizer_step` (ritzz-ai/PACS src/pacs/pacs_actor.py)
+  replaces verl's, computes the norm only to skip non-finite steps, and never clips. verl's own
+  `_optimizer_step` (dp_actor.py, dp_critic.py) clips at grad_clip = 1.0: the GRPO and PPO baselines.
+  """
   schedule = learning_rate_schedule(train, lr, total_updates)
+  # The clip stays in the chain as identity when off, so the state layout (and `last_lr`) is the same.
+  clip = optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity()
   inner = optax.chain(
-      optax.clip_by_global_norm(train.grad_clip),
+      clip,
       # inject_hyperparams keeps the learning rate of the last update in the state, for logging.
       optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b1=train.b1, b2=train.b2, eps=train.eps,
                                             weight_decay=train.weight_decay),
