@@ -31,16 +31,19 @@ def group_advantages(rewards: jax.Array, *, group_size: int, norm_adv_by_std: bo
   return centred.reshape(-1)
 
 
-def agg_loss(loss_mat: jax.Array, loss_mask: jax.Array, loss_agg_mode: str = "token-mean") -> jax.Array:
+def agg_loss(loss_mat: jax.Array, loss_mask: jax.Array, loss_agg_mode: str = "token-mean",
+             micro_batch_rows: int = 1) -> jax.Array:
   """A scalar from per-token losses [N, T] (verl's agg_loss; masked positions never count).
 
     token-mean:               Σ_{i,t} m·ℓ / Σ_{i,t} m
     seq-mean-token-sum:       mean_i Σ_t m·ℓ
     seq-mean-token-mean:      mean_i (Σ_t m·ℓ / Σ_t m)
-    seq-mean-token-sum-norm:  mean_i (Σ_t m·ℓ / T),  T = loss_mat.shape[-1] (the max response length, Dr. GRPO)
+    seq-mean-token-sum-norm:  b · mean_i (Σ_t m·ℓ / T),  T = loss_mat.shape[-1] (the max response length, Dr. GRPO)
 
-  verl's last mode divides the micro-batch *sum* by T (so its scale grows with the micro-batch size); here it
-  is a mean over sequences, which does not depend on how a mini-batch is split.
+  verl's last mode divides the micro-batch *sum* by T, and verl then averages its micro-batches of b rows
+  (dp_actor.update_policy: loss / gradient_accumulation, FSDP averages the ranks): the released gradient is
+  b = ppo_micro_batch_size_per_gpu times the per-sequence mean. `micro_batch_rows` is that b, a number of the
+  recipe, so the scale does not depend on how this project splits a mini-batch for memory.
   """
   if loss_agg_mode == "token-mean":
     return masked_mean(loss_mat, loss_mask)
@@ -50,7 +53,7 @@ def agg_loss(loss_mat: jax.Array, loss_mask: jax.Array, loss_agg_mode: str = "to
   if loss_agg_mode == "seq-mean-token-mean":
     return jnp.mean(seq_sums / jnp.maximum(jnp.sum((loss_mask > 0).astype(jnp.float32), axis=-1), 1.0))
   if loss_agg_mode == "seq-mean-token-sum-norm":
-    return jnp.mean(seq_sums) / loss_mat.shape[-1]
+    return micro_batch_rows * jnp.mean(seq_sums) / loss_mat.shape[-1]
   raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
 
 
@@ -77,14 +80,17 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, kl_type: str = "low
 
 def clipped_policy_loss(old_logprobs: jax.Array, logprobs: jax.Array, advantages: jax.Array,
                         response_mask: jax.Array, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                        clip_ratio_c: float = 3.0,
-                        loss_agg_mode: str = "token-mean") -> tuple[jax.Array, dict[str, jax.Array]]:
+                        clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
+                        micro_batch_rows: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO clipped-ratio loss with dual clip (verl's compute_policy_loss_vanilla); all inputs [N, T].
 
     ρ = exp(clip(logp − old, −20, 20))
     ℓ₁ = max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high))
     ℓ = min(ℓ₁, −A·c) where A < 0 (dual clip: a negative advantage cannot push by more than c), else ℓ₁
   `advantages` may be [N] (one per response) or [N, T]. Returns (agg_loss(ℓ), metrics).
+  The released verl clamps nothing; the ±20 clamp of log ρ keeps exp finite (a 0 · inf would make the step NaN
+  and skipped) and changes gradients by at most A·e⁻²⁰: beyond +20 the clip (A > 0) or dual clip (A < 0) holds ℓ
+  constant, below −20 ρ is that small.
   """
   if clip_ratio_c <= 1.0:
     raise ValueError(f"clip_ratio_c must be > 1 (dual-clip lower bound), got {clip_ratio_c}")
@@ -100,7 +106,7 @@ def clipped_policy_loss(old_logprobs: jax.Array, logprobs: jax.Array, advantages
   losses3 = -advantages * clip_ratio_c
   negative = advantages < 0
   per_token = jnp.where(negative, jnp.minimum(losses3, clipped1), clipped1)
-  loss = agg_loss(per_token, response_mask, loss_agg_mode)
+  loss = agg_loss(per_token, response_mask, loss_agg_mode, micro_batch_rows)
   sg = jax.lax.stop_gradient
   metrics = {
       "actor/pg_loss": sg(loss),
@@ -116,21 +122,22 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Ar
               clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
               loss_agg_mode: str = "seq-mean-token-sum-norm", kl_loss_coef: float = 0.0,
               kl_loss_type: str = "low_var_kl", entropy: jax.Array | None = None,
-              entropy_coeff: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+              entropy_coeff: float = 0.0, micro_batch_rows: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
   """GRPO actor loss: pg_loss(A = group_advantages(R)) + kl_coef · agg(KL(π_θ‖π_ref)) − ent_coef · agg(H).
 
   logprobs, old_logprobs, ref_logprobs, response_mask, entropy: [N, T]; rewards: [N]. The KL term is used when
   kl_loss_coef > 0 (needs ref_logprobs), the entropy bonus when entropy_coeff != 0 (needs entropy). Defaults
-  are the paper's baseline: clip 0.2, seq-mean-token-sum-norm, no KL, no entropy.
+  are the paper's baseline: clip 0.2, seq-mean-token-sum-norm, no KL, no entropy; `micro_batch_rows`: see agg_loss.
   """
   advantages = group_advantages(rewards, group_size=group_size, norm_adv_by_std=norm_adv_by_std)  # [N]
   loss, metrics = clipped_policy_loss(old_logprobs, logprobs, advantages, response_mask,
                                       clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                                      clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode)
+                                      clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
+                                      micro_batch_rows=micro_batch_rows)
   if entropy_coeff and entropy is None:
     raise ValueError("entropy_coeff != 0 needs per-token entropy")
   if entropy is not None:
-    entropy_loss = agg_loss(entropy.astype(jnp.float32), response_mask, loss_agg_mode)
+    entropy_loss = agg_loss(entropy.astype(jnp.float32), response_mask, loss_agg_mode, micro_batch_rows)
     loss = loss - entropy_coeff * entropy_loss
     metrics["actor/entropy"] = jax.lax.stop_gradient(entropy_loss)
   if kl_loss_coef:
@@ -138,7 +145,7 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Ar
       raise ValueError("kl_loss_coef > 0 needs ref_logprobs")
     kl = kl_penalty(logprobs.astype(jnp.float32), jax.lax.stop_gradient(ref_logprobs.astype(jnp.float32)),
                     kl_loss_type)
-    kl_loss = agg_loss(kl, response_mask, loss_agg_mode)
+    kl_loss = agg_loss(kl, response_mask, loss_agg_mode, micro_batch_rows)
     loss = loss + kl_loss_coef * kl_loss
     metrics["actor/kl_loss"] = jax.lax.stop_gradient(kl_loss)
   metrics["actor/loss"] = jax.lax.stop_gradient(loss)

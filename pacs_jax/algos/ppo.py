@@ -55,13 +55,24 @@ def masked_whiten(values: jax.Array, mask: jax.Array, eps: float = 1e-8) -> jax.
   return (values - mean) * jax.lax.rsqrt(var + eps)
 
 
+def critic_mask(attention_mask: jax.Array, response_len: int) -> jax.Array:
+  """[B, L] -> [B, R]: attention_mask[:, -R-1:-1], the states the released critic is trained on (dp_critic.py
+  update_critic, and compute_values zeroes the values outside it): the last prompt token's state (always
+  real) and each response token's but the last, so a response that ended early also has the state after
+  its EOS, with return 0."""
+  L = attention_mask.shape[-1]
+  return attention_mask[:, L - response_len - 1:L - 1]
+
+
 def gae_advantages(token_level_rewards: jax.Array, values: jax.Array, response_mask: jax.Array, *,
                    gamma: float = 1.0, lam: float = 1.0) -> tuple[jax.Array, jax.Array]:
-  """(advantages, returns), both [N, T], by verl's compute_gae_advantage_return (no gradient).
+  """(advantages, returns), both [N, T], by the released verl's compute_gae_advantage_return (no gradient).
 
-  Backwards over t, skipping masked positions (they carry the next value and running GAE through):
-    δ_t = r_t + γ·V_next − V_t,   Â_t = δ_t + γλ·Â_next
-  returns = Â + V; the advantages are then whitened over the mask (masked positions set to 0).
+  Backwards over every position t (the released version has no mask in the loop; values are zero past the
+  critic mask, see `critic_mask`):
+    δ_t = r_t + γ·V_{t+1} − V_t  (V_T = 0),   Â_t = δ_t + γλ·Â_{t+1}
+  returns = Â + V; the advantages are then whitened over `response_mask` (positions outside it set to 0; the
+  actor loss never reads them).
   """
   sg = jax.lax.stop_gradient
   rewards = sg(token_level_rewards.astype(jnp.float32))
@@ -70,15 +81,12 @@ def gae_advantages(token_level_rewards: jax.Array, values: jax.Array, response_m
 
   def step(carry, xs):
     next_value, next_gae = carry  # [N], [N]
-    r, v, m = xs  # [N] each: position t
-    delta = r + gamma * next_value - v
-    gae = delta + gamma * lam * next_gae
-    next_value = v * m + (1.0 - m) * next_value
-    next_gae = gae * m + (1.0 - m) * next_gae
-    return (next_value, next_gae), next_gae
+    r, v = xs  # [N] each: position t
+    gae = r + gamma * next_value - v + gamma * lam * next_gae
+    return (v, gae), gae
 
   zeros = jnp.zeros(rewards.shape[:1], jnp.float32)
-  _, advantages = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)  # [T, N]
+  _, advantages = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T), reverse=True)  # [T, N]
   advantages = advantages.T
   returns = advantages + values
   advantages = jnp.where(mask > 0, masked_whiten(advantages, mask), 0.0)
@@ -86,11 +94,13 @@ def gae_advantages(token_level_rewards: jax.Array, values: jax.Array, response_m
 
 
 def clipped_value_loss(values_pred: jax.Array, returns: jax.Array, old_values: jax.Array,
-                       response_mask: jax.Array, *, cliprange_value: float = 0.5,
-                       loss_agg_mode: str = "token-mean") -> tuple[jax.Array, dict[str, jax.Array]]:
-  """½ · agg(max((v − R)², (v_clip − R)²)), v_clip = old + clip(v − old, −c, c); inputs [N, T] (verl).
+                       mask: jax.Array, *, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
+                       micro_batch_rows: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """agg(max((v − R)², (v_clip − R)²)), v_clip = old + clip(v − old, −c, c); inputs [N, T].
 
-  The max means a prediction that moved more than c from the rollout-time value is only ever penalised more.
+  The released verl's compute_value_loss: no ½, the actor's loss_agg_mode (critic.loss_agg_mode follows it in
+  ppo_trainer.yaml), and `mask` = `critic_mask`. The max means a prediction that moved more than c from the
+  rollout-time value is only ever penalised more.
   """
   returns = jax.lax.stop_gradient(returns.astype(jnp.float32))
   old_values = jax.lax.stop_gradient(old_values.astype(jnp.float32))
@@ -98,10 +108,10 @@ def clipped_value_loss(values_pred: jax.Array, returns: jax.Array, old_values: j
   clipped = old_values + jnp.clip(values_pred - old_values, -cliprange_value, cliprange_value)
   losses1 = (values_pred - returns) ** 2
   losses2 = (clipped - returns) ** 2
-  loss = 0.5 * agg_loss(jnp.maximum(losses1, losses2), response_mask, loss_agg_mode)
+  loss = agg_loss(jnp.maximum(losses1, losses2), mask, loss_agg_mode, micro_batch_rows)
   metrics = {
       "critic/vf_loss": jax.lax.stop_gradient(loss),
-      "critic/vf_clipfrac": masked_mean((losses2 > losses1).astype(jnp.float32), response_mask),
-      "critic/vpred_mean": jax.lax.stop_gradient(masked_mean(values_pred, response_mask)),
+      "critic/vf_clipfrac": masked_mean((losses2 > losses1).astype(jnp.float32), mask),
+      "critic/vpred_mean": jax.lax.stop_gradient(masked_mean(values_pred, mask)),
   }
   return loss, metrics

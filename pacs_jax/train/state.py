@@ -39,6 +39,11 @@ def learning_rate_schedule(train: ml_collections.ConfigDict, lr: float, total_up
                                             end_value=lr * train.min_lr_ratio)
 
 
+def gradient_clip(train: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """Global-norm clipping at `train.grad_clip`, or identity when it is 0 (same state layout either way)."""
+  return optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity()
+
+
 def make_optimizer(train: ml_collections.ConfigDict, lr: float, total_updates: int) -> optax.GradientTransformation:
   """AdamW, with global-norm clipping when `train.grad_clip` > 0; an update whose gradient has a NaN/Inf is
   skipped and counted.
@@ -48,10 +53,8 @@ def make_optimizer(train: ml_collections.ConfigDict, lr: float, total_updates: i
   `_optimizer_step` (dp_actor.py, dp_critic.py) clips at grad_clip = 1.0: the GRPO and PPO baselines.
   """
   schedule = learning_rate_schedule(train, lr, total_updates)
-  # The clip stays in the chain as identity when off, so the state layout (and `last_lr`) is the same.
-  clip = optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity()
   inner = optax.chain(
-      clip,
+      gradient_clip(train),
       # inject_hyperparams keeps the learning rate of the last update in the state, for logging.
       optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b1=train.b1, b2=train.b2, eps=train.eps,
                                             weight_decay=train.weight_decay),

@@ -44,14 +44,14 @@ def response_values(critic, input_ids, attention_mask, response_len: int):
   return values[:, L - response_len - 1:L - 1]
 
 
-def loss_normaliser(cfg: ml_collections.ConfigDict, micro: Batch) -> jax.Array:
-  """What the policy loss is a mean over, for this micro-batch (its accumulation weight)."""
+def loss_normaliser(cfg: ml_collections.ConfigDict, micro: Batch, mask: jax.Array | None = None) -> jax.Array:
+  """What a loss over `mask` (default: the response mask) is a mean over, for this micro-batch: its
+  accumulation weight."""
   rows = jnp.asarray(micro["rewards"].shape[0], jnp.float32)
   if cfg.algorithm == "pacs":
     return rows
-  mode = cfg.grpo.loss_agg_mode
-  if mode == "token-mean":
-    return jnp.sum(micro["response_mask"].astype(jnp.float32))
+  if cfg.grpo.loss_agg_mode == "token-mean":
+    return jnp.sum((micro["response_mask"] if mask is None else mask).astype(jnp.float32))
   return rows
 
 
@@ -70,10 +70,11 @@ def policy_loss(cfg: ml_collections.ConfigDict, logp, entropy, micro: Batch):
                           clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
                           clip_ratio_c=g.clip_ratio_c, loss_agg_mode=g.loss_agg_mode,
                           kl_loss_coef=g.kl_coef if g.use_kl_loss else 0.0, entropy=entropy,
-                          entropy_coeff=g.entropy_coeff)
+                          entropy_coeff=g.entropy_coeff, micro_batch_rows=cfg.train.verl_micro_batch_rows)
   loss, metrics = ppo.policy_loss(micro["old_logprobs"], logp, micro["advantages"], mask,
                                   clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
-                                  clip_ratio_c=g.clip_ratio_c, loss_agg_mode=g.loss_agg_mode)
+                                  clip_ratio_c=g.clip_ratio_c, loss_agg_mode=g.loss_agg_mode,
+                                  micro_batch_rows=cfg.train.verl_micro_batch_rows)
   return loss, metrics
 
 
@@ -99,8 +100,11 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     critic = nnx.merge(critic_graphdef, critic_params)
     R = micro["response_mask"].shape[-1]
     values = response_values(critic, micro["input_ids"], micro["attention_mask"], R)
-    return ppo.clipped_value_loss(values, micro["returns"], micro["old_values"], micro["response_mask"],
-                                  cliprange_value=cfg.ppo.cliprange_value, loss_agg_mode="token-mean")
+    # The released critic (dp_critic.py update_critic): mask attention_mask[:, -R-1:-1], the actor's agg mode.
+    return ppo.clipped_value_loss(values, micro["returns"], micro["old_values"],
+                                  ppo.critic_mask(micro["attention_mask"], R),
+                                  cliprange_value=cfg.ppo.cliprange_value, loss_agg_mode=cfg.grpo.loss_agg_mode,
+                                  micro_batch_rows=cfg.train.verl_micro_batch_rows)
 
   def accumulate(loss_fn, params, minibatch, weight_fn):
     """Σ_j c_j ∇L_j / Σ_j c_j over micro-batches j (c_j = the loss normaliser of micro-batch j)."""
@@ -137,8 +141,8 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     metrics["lr"] = last_lr(opt_state)
     critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
     if critic_graphdef is not None:
-      value_tokens = lambda m: jnp.sum(m["response_mask"].astype(jnp.float32))
-      critic_grads, critic_metrics = accumulate(critic_loss, critic_params, minibatch, value_tokens)
+      value_weight = lambda m: loss_normaliser(cfg, m, ppo.critic_mask(m["attention_mask"], m["response_mask"].shape[-1]))
+      critic_grads, critic_metrics = accumulate(critic_loss, critic_params, minibatch, value_weight)
       metrics.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in critic_metrics.items()})
       metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
       critic_params, critic_opt_state = apply(critic_optimizer, critic_params, critic_opt_state, critic_grads)
@@ -162,12 +166,17 @@ def make_logprob_fn(graphdef, temperature: float) -> Callable[[nnx.State, Batch]
 
 
 def make_value_fn(critic_graphdef) -> Callable[[nnx.State, Batch], jax.Array]:
-  """(critic params, minibatch [k, m, ...]) -> values [k, m, R]."""
+  """(critic params, minibatch [k, m, ...]) -> values [k, m, R], zero outside `ppo.critic_mask` (as the released
+  dp_critic.compute_values: values * attention_mask[:, -R-1:-1])."""
 
   def fn(critic_params, minibatch):
     critic = nnx.merge(critic_graphdef, critic_params)
     R = minibatch["response_mask"].shape[-1]
-    one = lambda micro: response_values(critic, micro["input_ids"], micro["attention_mask"], R)
+
+    def one(micro):
+      values = response_values(critic, micro["input_ids"], micro["attention_mask"], R)
+      return values * ppo.critic_mask(micro["attention_mask"], R).astype(values.dtype)
+
     return jax.lax.map(one, {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")})
 
   return fn
