@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pacs_jax.algos.logprobs import masked_sum
 
@@ -17,18 +18,23 @@ GRPO_EPS = 1e-6
 
 
 def reward_proxy(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: jax.Array, *, beta: float = 1.0,
-                 reward_method: str = "1") -> jax.Array:
+                 reward_method: str = "1", sum_mask: jax.Array | None = None) -> jax.Array:
   """r̂_i [N] from per-token log-probs [N, T].
 
-    "1":  r̂_i = β · Σ_t mask_t · (log π_θ − log π_ref)
-    "2":  r̂_i = β · Σ_t mask_t · log π_θ / |o_i|,   |o_i| = Σ_t mask_t  (ref unused)
+    "1":  r̂_i = β · Σ_t s_t · (log π_θ − log π_ref)
+    "2":  r̂_i = β · Σ_t s_t · log π_θ / |o_i|,   |o_i| = Σ_t mask_t  (ref unused)
+
+  s = `sum_mask`, by default the response mask. The released compute_reward (pacs_core_algos.py) sums every
+  position of the response slice; `padding_replication_inputs` gives the s (and log-prob targets) that make
+  this sum equal to it.
   """
   reward_method = str(reward_method)
+  sum_mask = response_mask if sum_mask is None else sum_mask
   if reward_method == "1":
-    return beta * masked_sum(logprobs - ref_logprobs, response_mask, axis=-1)
+    return beta * masked_sum(logprobs - ref_logprobs, sum_mask, axis=-1)
   if reward_method == "2":
     length = jnp.sum((response_mask > 0).astype(jnp.float32), axis=-1)  # [N]
-    return beta * masked_sum(logprobs, response_mask, axis=-1) / jnp.maximum(length, 1.0)
+    return beta * masked_sum(logprobs, sum_mask, axis=-1) / jnp.maximum(length, 1.0)
   raise ValueError(f"reward_method must be one of {REWARD_METHODS}, got {reward_method!r}")
 
 
@@ -119,17 +125,19 @@ def bce_with_logits(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def pacs_loss(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: jax.Array, rewards: jax.Array, *,
               group_size: int, beta: float = 1.0, reward_method: str = "1", adv_estimator: str = "rloo",
-              norm_adv_by_std: bool = True, use_weight: bool = True,
-              weight_mode: str = "question") -> tuple[jax.Array, dict[str, jax.Array]]:
+              norm_adv_by_std: bool = True, use_weight: bool = True, weight_mode: str = "question",
+              sum_mask: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """L = (1/N) Σ_i w_i · BCEWithLogits(ψ_i, R_i)  (mean over N, not divided by Σ w).
 
   logprobs, ref_logprobs, response_mask: [N, T]; rewards: [N] in {0, 1}. ref_logprobs carries no gradient.
-  ∇L = −(1/N) Σ_i w_i (R_i − σ(ψ_i)) ∇ψ_i. Returns (loss, metrics).
+  `sum_mask`: the positions r̂ sums (see `reward_proxy`). ∇L = −(1/N) Σ_i w_i (R_i − σ(ψ_i)) ∇ψ_i.
+  Returns (loss, metrics).
   """
   logprobs = logprobs.astype(jnp.float32)
   ref_logprobs = jax.lax.stop_gradient(ref_logprobs.astype(jnp.float32))
   rewards = rewards.astype(jnp.float32)
-  r_hat = reward_proxy(logprobs, ref_logprobs, response_mask, beta=beta, reward_method=reward_method)  # [N]
+  r_hat = reward_proxy(logprobs, ref_logprobs, response_mask, beta=beta, reward_method=reward_method,
+                       sum_mask=sum_mask)  # [N]
   psi = score(r_hat, group_size=group_size, adv_estimator=adv_estimator, norm_adv_by_std=norm_adv_by_std)  # [N]
   weights = class_weights(rewards, group_size=group_size, use_weight=use_weight, weight_mode=weight_mode)  # [N]
   per_response = bce_with_logits(psi, rewards)  # [N]
@@ -148,6 +156,8 @@ def pacs_loss(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: jax.A
       "pacs/score_pos_mean": jnp.sum(jnp.where(positive, psi, 0.0)) / jnp.maximum(num_pos, 1),
       "pacs/score_neg_mean": jnp.sum(jnp.where(positive, 0.0, psi)) / jnp.maximum(num_neg, 1),
       "pacs/reward_proxy_mean": jnp.mean(r_hat),
+      # 0 on each step's first mini-batch with the rollout policy as reference (the policy has not moved yet).
+      "pacs/reward_proxy_abs_mean": jnp.mean(jnp.abs(r_hat)),
       "pacs/weight_mean": jnp.mean(weights),
       "pacs/prob_mean": jnp.mean(prob),
       # σ(ψ) > 0.5 (i.e. ψ > 0) read as "predicts correct": how often the implicit critic is right.
@@ -156,3 +166,33 @@ def pacs_loss(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: jax.A
       "pacs/response_length_mean": jnp.mean(jnp.sum((response_mask > 0).astype(jnp.float32), axis=-1)),
   }
   return loss, metrics
+
+
+def padding_replication_inputs(input_ids: np.ndarray, attention_mask: np.ndarray, response_len: int,
+                               pack_rows: int) -> tuple[np.ndarray, np.ndarray]:
+  """(log-prob targets [N, R], sum mask [N, R]) that make r̂ the released one, term for term.
+
+  The released actor (dp_actor._forward_micro_batch, use_remove_padding) packs a micro-batch's real tokens
+  into one row (unpad_input), reads each position's log-prob of the next packed token (torch.roll by −1),
+  scatters them back (pad_input: 0 at padding) and slices [:, -R-1:-1]; compute_reward then sums that slice
+  without a mask. So a response of length ℓ < R adds, at slice position ℓ, the log-prob of the next packed
+  row's first real token given this whole row; the last row of a micro-batch wraps to its first row's. Rows
+  are packed in groups of `pack_rows` (ppo_micro_batch_size_per_gpu). The targets are the response tokens with
+  that token at position ℓ, and the sum mask is the response mask plus position ℓ.
+
+  input_ids, attention_mask: [N, P + R] host arrays, prompts left-padded, responses right-padded.
+  """
+  N, L = input_ids.shape
+  P = L - response_len
+  if N % pack_rows:
+    raise ValueError(f"{N} rows do not split into verl micro-batches of {pack_rows} rows")
+  first = input_ids[np.arange(N), np.argmax(attention_mask > 0, axis=1)]  # [N] first real token of each row
+  following = np.arange(N) + 1
+  following[pack_rows - 1::pack_rows] -= pack_rows  # the last row of each packed micro-batch wraps to its first
+  lengths = attention_mask[:, P:].sum(axis=1)  # [N] response lengths
+  targets = input_ids[:, P:].copy()
+  sum_mask = attention_mask[:, P:].astype(np.float32)
+  early = np.nonzero(lengths < response_len)[0]
+  targets[early, lengths[early]] = first[following[early]]
+  sum_mask[early, lengths[early]] = 1.0
+  return targets, sum_mask

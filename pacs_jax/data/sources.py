@@ -29,6 +29,21 @@ _KNOWN_SOURCES = (
 )
 
 
+# The sets the released runs validate on (scripts/pacs/*.sh data.val_files), as <name>/test.jsonl in a folder
+# laid out like ../shared/data.
+RELEASED_EVAL_SETS = ("gsm8k", "math500", "aime2024", "aime2025", "amc23")
+
+
+def released_eval_files(directory: str) -> list[str]:
+  """`directory`/<name>/test.jsonl for each of RELEASED_EVAL_SETS; a missing one is an error naming it."""
+  paths = [os.path.join(directory, name, "test.jsonl") for name in RELEASED_EVAL_SETS]
+  missing = [p for p in paths if not os.path.isfile(p)]
+  if missing:
+    raise FileNotFoundError(f"data.val_dir={directory!r} lacks {missing} (expected <name>/test.jsonl for each of "
+                            f"{RELEASED_EVAL_SETS})")
+  return paths
+
+
 class DataError(ValueError):
   """A malformed file or row; the message names the file and the 1-based line (JSON Lines) or the
   0-based row index (JSON arrays, parquet, hub datasets)."""

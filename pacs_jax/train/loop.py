@@ -7,6 +7,7 @@ of the prompts; mini- and micro-batches take whole groups from every process's s
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import time
@@ -22,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
+from pacs_jax.algos import pacs as pacs_lib
 from pacs_jax.algos import ppo
 from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import sources, synthetic
@@ -97,6 +99,9 @@ class RolloutBatch:
   rewards: np.ndarray  # [rows] float32
   data_sources: list[str]
   finish_reasons: list[str]
+  # pacs.exact_padding_replication: the log-prob targets and the positions r̂ sums ([rows, R] each).
+  logprob_targets: np.ndarray | None = None
+  proxy_mask: np.ndarray | None = None
 
 
 def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
@@ -133,6 +138,8 @@ def to_minibatches(batch: RolloutBatch, mesh, num_minibatches: int, micro_per_mi
   """Splits local rows into mini-batches [k, m, ...] of whole groups, as global arrays over (data, fsdp)."""
   arrays = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
             "response_mask": batch.response_mask, "rewards": batch.rewards}
+  if batch.logprob_targets is not None:
+    arrays.update(logprob_targets=batch.logprob_targets, proxy_mask=batch.proxy_mask)
   rows = batch.rewards.shape[0]
   per_mb = rows // num_minibatches
   out = []
@@ -145,6 +152,35 @@ def to_minibatches(batch: RolloutBatch, mesh, num_minibatches: int, micro_per_mi
       mb[name] = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local, global_shape)
     out.append(mb)
   return out
+
+
+def check_groups(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, n: int) -> None:
+  """Raises unless each group of n consecutive rows holds one prompt (the group baselines compare its
+  responses); the released compute_pacs_loss asserts the same (pacs_core_algos.py)."""
+  prompts = np.where(attention_mask[:, :prompt_len] > 0, input_ids[:, :prompt_len], -1)  # [rows, P]
+  if prompts.shape[0] % n:
+    raise ValueError(f"{prompts.shape[0]} rows do not split into groups of n={n}")
+  groups = prompts.reshape(-1, n, prompt_len)
+  differs = np.any(groups != groups[:, :1], axis=(1, 2))
+  if differs.any():
+    g = int(np.argmax(differs))
+    raise ValueError(f"rows {g * n}..{g * n + n - 1} should be the n={n} responses of one prompt, but their prompts "
+                     "differ: the batch is not grouped prompt-major (row = prompt * n + sample)")
+
+
+def dump_generations(directory: str, step: int, inputs: list[str], outputs: list[str], scores, data_sources,
+                     ground_truths, extra: dict[str, list] | None = None) -> str:
+  """Writes `directory/<step>.jsonl`, one line per response, as the released RayPPOTrainer._dump_generations:
+  {input, output, score, step} plus the reward function's extra fields (data_source, ground_truth)."""
+  os.makedirs(directory, exist_ok=True)
+  name = f"{step}.jsonl" if jax.process_count() == 1 else f"{step}.process{jax.process_index()}.jsonl"
+  path = os.path.join(directory, name)
+  columns = {"input": inputs, "output": outputs, "score": [float(x) for x in scores], "step": [step] * len(inputs),
+             "data_source": list(data_sources), "ground_truth": list(ground_truths), **(extra or {})}
+  with open(path, "w", encoding="utf-8") as f:
+    for i in range(len(inputs)):
+      f.write(json.dumps({k: v[i] for k, v in columns.items()}, ensure_ascii=False) + "\n")
+  return path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,8 +253,10 @@ class Trainer:
         process_index=jax.process_index(), process_count=jax.process_count())
     self.data_iter = self.pipeline.iterator()
     self.val_records = []
-    if cfg.data.val and cfg.eval_every:
-      self.val_records, _ = load_split(cfg.data.val, cfg, cfg.data.synthetic_val_size, cfg.seed + 12345)
+    # data.val_dir: the released runs' five validation sets, in place of data.val.
+    val_spec = ",".join(sources.released_eval_files(cfg.data.val_dir)) if cfg.data.val_dir else cfg.data.val
+    if val_spec and cfg.eval_every:
+      self.val_records, _ = load_split(val_spec, cfg, cfg.data.synthetic_val_size, cfg.seed + 12345)
       if cfg.data.val_max_examples:
         self.val_records = self.val_records[:cfg.data.val_max_examples]
     val_ids = pipeline_lib.encode_prompts(self.tokenizer, [r["problem"] for r in self.val_records], instruction)
@@ -332,9 +370,17 @@ class Trainer:
 
     input_ids, attention_mask, resp_mask = pack_rows(prompts, completions, self.P, self.R, self.pad_id,
                                                      self.mask_eos_ids)
+    check_groups(input_ids, attention_mask, self.P, n)
     rb = RolloutBatch(input_ids, attention_mask, resp_mask, np.asarray(scores, np.float32), data_sources,
                       [c.finish_reason for c in completions])
+    if self.cfg.algorithm == "pacs" and self.cfg.pacs.exact_padding_replication:
+      rb.logprob_targets, rb.proxy_mask = pacs_lib.padding_replication_inputs(
+          input_ids, attention_mask, self.R, self.cfg.train.verl_micro_batch_rows)
     metrics = self.update(rb)
+    if self.cfg.rollout_data_dir:
+      step = int(self.state.step)
+      dump_generations(self.cfg.rollout_data_dir, step, self._decode(prompts, [c.prompt_index for c in completions]),
+                       texts, scores, data_sources, answers)
     t_update = time.perf_counter()
 
     metrics.update(rollout_metrics(rb, reward_stats, self.source_names))
@@ -369,6 +415,8 @@ class Trainer:
         self.state, m = self.train_step(self.state, mb)
         all_metrics.append(m)
     self.state = self.state.replace(step=self.state.step + 1)
+    # Each mini-batch's own metrics, for inspection (e.g. r̂ = 0 on the first one with the rollout reference).
+    self.minibatch_metrics = [{k: float(np.asarray(v)) for k, v in m.items()} for m in all_metrics]
     return {k: float(np.mean([np.asarray(m[k]) for m in all_metrics])) if k != "skipped_updates"
             else float(np.asarray(all_metrics[-1][k])) for k in all_metrics[0]}
 
@@ -385,9 +433,18 @@ class Trainer:
                                         max_new_tokens=min(max_new, self.R), sampling=sampling_lib.Greedy(),
                                         seed=0, eos_ids=self.eos_ids)
     texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
-    scores, _ = scorer.score_batch(texts, [r["answer"] for r in self.val_records],
-                                   [r["data_source"] for r in self.val_records])
-    return per_source_mean(scores, [r["data_source"] for r in self.val_records], "val/accuracy")
+    answers, data_sources = [r["answer"] for r in self.val_records], [r["data_source"] for r in self.val_records]
+    scores, _ = scorer.score_batch(texts, answers, data_sources)
+    if cfg.validation_data_dir and jax.process_index() == 0:  # every process ran the same validation
+      inputs = self._decode(self.val_prompts, [c.prompt_index for c in completions])
+      dump_generations(cfg.validation_data_dir, int(self.state.step), inputs, texts, scores, data_sources, answers,
+                       extra={"reward": [float(x) for x in scores]})
+    return per_source_mean(scores, data_sources, "val/accuracy")
+
+  def _decode(self, prompts: list[list[int]], indices: list[int]) -> list[str]:
+    """Prompt texts as the released dumps show them (special tokens dropped), one per row."""
+    texts = {i: self.tokenizer.decode(prompts[i], skip_special_tokens=True) for i in set(indices)}
+    return [texts[i] for i in indices]
 
   # -- checkpoints -----------------------------------------------------------------------------
 

@@ -24,8 +24,9 @@ Batch = dict[str, jax.Array]
 
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float,
-                      with_entropy: bool = False):
-  """Log-probs [B, R] (and entropies) of the response tokens input_ids[:, P:] under logits / temperature.
+                      with_entropy: bool = False, targets=None):
+  """Log-probs [B, R] (and entropies) of the response tokens input_ids[:, P:] (or `targets` [B, R]) under
+  logits / temperature.
 
   The hidden state at position t predicts token t + 1, so the response's predictors are [P-1, L-1).
   Logits are built chunk by chunk from hidden states, never as a full fp32 [B, R, V].
@@ -33,7 +34,8 @@ def response_logprobs(model, input_ids, attention_mask, response_len: int, tempe
   hidden = model.model(input_ids, attention_mask)  # [B, L, D]
   L = input_ids.shape[1]
   P = L - response_len
-  return logprobs_lib.token_logprobs_from_hidden(hidden[:, P - 1:L - 1], model.logits, input_ids[:, P:],
+  targets = input_ids[:, P:] if targets is None else targets
+  return logprobs_lib.token_logprobs_from_hidden(hidden[:, P - 1:L - 1], model.logits, targets,
                                                  temperature, with_entropy=with_entropy)
 
 
@@ -62,7 +64,8 @@ def policy_loss(cfg: ml_collections.ConfigDict, logp, entropy, micro: Batch):
     p = cfg.pacs
     return pacs.pacs_loss(logp, micro["ref_logprobs"], mask, micro["rewards"], group_size=cfg.rollout.n,
                           beta=p.beta, reward_method=p.reward_method, adv_estimator=p.adv_estimator,
-                          norm_adv_by_std=p.norm_adv_by_std, use_weight=p.use_weight, weight_mode=p.weight_mode)
+                          norm_adv_by_std=p.norm_adv_by_std, use_weight=p.use_weight, weight_mode=p.weight_mode,
+                          sum_mask=micro.get("proxy_mask"))
   g = cfg.grpo
   if cfg.algorithm == "grpo":
     return grpo.grpo_loss(logp, micro["old_logprobs"], micro.get("ref_logprobs"), mask, micro["rewards"],
@@ -88,7 +91,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     model = nnx.merge(graphdef, params)
     R = micro["response_mask"].shape[-1]
     logp, entropy = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
-                                      with_entropy=True)
+                                      with_entropy=True, targets=micro.get("logprob_targets"))
     # The entropy only carries gradient when it is part of the objective (GRPO's entropy bonus).
     bonus = cfg.algorithm != "pacs" and cfg.grpo.entropy_coeff != 0
     loss, metrics = policy_loss(cfg, logp, entropy if bonus else jax.lax.stop_gradient(entropy), micro)
@@ -154,13 +157,16 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
 
 
 def make_logprob_fn(graphdef, temperature: float) -> Callable[[nnx.State, Batch], jax.Array]:
-  """(params, minibatch [k, m, ...]) -> log-probs [k, m, R] of the responses, one micro-batch at a time."""
+  """(params, minibatch [k, m, ...]) -> log-probs [k, m, R] of the responses (or of `logprob_targets`), one
+  micro-batch at a time."""
 
   def fn(params, minibatch):
     model = nnx.merge(graphdef, params)
     R = minibatch["response_mask"].shape[-1]
-    one = lambda micro: response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature)
-    return jax.lax.map(one, {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")})
+    one = lambda micro: response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
+                                          targets=micro.get("logprob_targets"))
+    keys = ("input_ids", "attention_mask", "response_mask", "logprob_targets")
+    return jax.lax.map(one, {k: minibatch[k] for k in keys if k in minibatch})
 
   return fn
 
