@@ -32,7 +32,8 @@ def _chunk_stats(logits_chunk: jax.Array, tokens_chunk: jax.Array, temperature: 
     x = logits / temperature (fp32),  lse = log Σ_v exp x_v,
     log p(token) = x_token − lse,      H = Σ_v p_v · (lse − x_v),  p = softmax(x)
   """
-  x = logits_chunk.astype(jnp.float32) / temperature  # [B, C, V]
+  # At least fp32 (bf16 logits are upcast); fp64 stays fp64 under jax_enable_x64 (exactness tests).
+  x = logits_chunk.astype(jnp.promote_types(logits_chunk.dtype, jnp.float32)) / temperature  # [B, C, V]
   lse = jax.nn.logsumexp(x, axis=-1)  # [B, C]
   # A select + sum instead of take_along_axis: with the vocab sharded over devices a gather along it makes
   # XLA all-gather the chunk, while the select + sum stays sharded (one all-reduce of [B, C]).
@@ -46,7 +47,8 @@ def _chunk_stats(logits_chunk: jax.Array, tokens_chunk: jax.Array, temperature: 
   return logp, jnp.sum(jnp.exp(-neg_logp_all) * neg_logp_all, axis=-1)
 
 
-def _scan_chunks(chunk_fn: Callable, batch: int, length: int, chunk_size: int, n_out: int, carried=None):
+def _scan_chunks(chunk_fn: Callable, batch: int, length: int, chunk_size: int, n_out: int, carried=None,
+                 dtype=jnp.float32):
   """Runs `chunk_fn(carried, start, size) -> n_out arrays [B, size]` over [0, length); returns n_out [B, length].
 
   The last chunk is shifted back to end at `length`: it overlaps the one before and rewrites equal values, so
@@ -67,7 +69,7 @@ def _scan_chunks(chunk_fn: Callable, batch: int, length: int, chunk_size: int, n
     outs = tuple(lax.dynamic_update_slice_in_dim(o, v, start, axis=1) for o, v in zip(outs, values))
     return outs, carried
 
-  init = tuple(jnp.zeros((batch, length), jnp.float32) for _ in range(n_out))
+  init = tuple(jnp.zeros((batch, length), dtype) for _ in range(n_out))
   if num_chunks == 1:
     return body(0, (init, carried))[0]
   return lax.fori_loop(0, num_chunks, body, (init, carried))[0]
@@ -159,5 +161,6 @@ def token_logprobs_from_hidden(hidden: jax.Array, lm_head, tokens: jax.Array, te
     h = lax.dynamic_slice_in_dim(hidden, start, size, axis=1)  # [B, C, D]
     return _chunk_stats(head(h), lax.dynamic_slice_in_dim(tokens, start, size, axis=1), temperature, with_entropy)
 
-  outs = _scan_chunks(chunk_fn, B, T, chunk_size, 2 if with_entropy else 1)
+  outs = _scan_chunks(chunk_fn, B, T, chunk_size, 2 if with_entropy else 1,
+                      dtype=jnp.promote_types(hidden.dtype, jnp.float32))
   return tuple(outs) if with_entropy else outs[0]
