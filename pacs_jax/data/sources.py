@@ -96,11 +96,35 @@ def _problem_from_prompt(prompt: Any) -> str:
   return content.removesuffix(" " + MATH_INSTRUCTION)
 
 
-def normalize_row(row: Any, data_source: str | None = None, default_source: str | None = None) -> dict:
+def solution_text(row: dict, answer: str) -> str:
+  """What the released preprocessing keeps in extra_info.answer (src/preprocess_dataset.py): the row's worked
+  solution (MATH-500 `solution`, AIME 2024 `Solution`, AIME 2025 `solution`, GSM8K's whole `answer`), else the
+  answer itself (DeepScaleR, AMC23)."""
+  extra = row.get("extra_info")
+  if isinstance(extra, dict) and isinstance(extra.get("answer"), str):  # already the released layout
+    return extra["answer"]
+  for key in ("solution", "Solution"):
+    if isinstance(row.get(key), str) and row[key].strip():
+      return row[key]
+  if isinstance(row.get("answer"), str) and "####" in row["answer"]:
+    return row["answer"]
+  return answer
+
+
+def normalize_row(row: Any, data_source: str | None = None, default_source: str | None = None,
+                  with_solution: bool = False) -> dict:
   """One raw row (any supported layout) -> record; raises ValueError saying what is wrong.
 
-  data_source overrides the row's own; default_source names rows that have none.
+  data_source overrides the row's own; default_source names rows that have none. `with_solution` adds
+  "solution" (`solution_text`, for the released parquet's extra_info.answer).
   """
+  record = _normalize_row(row, data_source, default_source)
+  if with_solution:
+    record["solution"] = solution_text(row, record["answer"])
+  return record
+
+
+def _normalize_row(row: Any, data_source: str | None, default_source: str | None) -> dict:
   if not isinstance(row, dict):
     raise ValueError(f"row is a {type(row).__name__}, expected an object")
   if "reward_model" in row:  # released (verl) layout
@@ -125,7 +149,7 @@ def normalize_row(row: Any, data_source: str | None = None, default_source: str 
 
 
 def _collect(rows: Iterable[tuple[str, Any]], path: str, data_source: str | None,
-             skip_bad_rows: bool, default_source: str | None = None) -> ReadResult:
+             skip_bad_rows: bool, default_source: str | None = None, with_solution: bool = False) -> ReadResult:
   """rows: (location, raw row or a ValueError raised while reading it)."""
   default_source = default_source or infer_data_source(path)
   records, skipped = [], 0
@@ -133,7 +157,7 @@ def _collect(rows: Iterable[tuple[str, Any]], path: str, data_source: str | None
     try:
       if isinstance(row, Exception):
         raise row
-      records.append(normalize_row(row, data_source, default_source))
+      records.append(normalize_row(row, data_source, default_source, with_solution))
     except (ValueError, TypeError) as e:
       if not skip_bad_rows:
         raise DataError(f"{path}: {where}: {e} (pass skip_bad_rows=True to skip bad rows)") from e
@@ -155,33 +179,39 @@ def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
         yield f"line {line_number}", ValueError(f"broken JSON ({e.msg} at column {e.colno})")
 
 
-def read_json(path: str, data_source: str | None = None, skip_bad_rows: bool = False) -> ReadResult:
+def read_json(path: str, data_source: str | None = None, skip_bad_rows: bool = False,
+              with_solution: bool = False) -> ReadResult:
   """A JSON array of rows (DeepScaleR); a file holding JSON Lines is read as such."""
   with open(path, encoding="utf-8") as f:
     text = f.read()
   if not text.lstrip().startswith("["):
-    return read_jsonl(path, data_source, skip_bad_rows)
+    return read_jsonl(path, data_source, skip_bad_rows, with_solution)
   try:
     rows = json.loads(text)
   except json.JSONDecodeError as e:
     raise DataError(f"{path}: line {e.lineno}: broken JSON ({e.msg} at column {e.colno})") from e
-  return _collect(((f"row {i}", row) for i, row in enumerate(rows)), path, data_source, skip_bad_rows)
+  return _collect(((f"row {i}", row) for i, row in enumerate(rows)), path, data_source, skip_bad_rows,
+                  with_solution=with_solution)
 
 
-def read_jsonl(path: str, data_source: str | None = None, skip_bad_rows: bool = False) -> ReadResult:
+def read_jsonl(path: str, data_source: str | None = None, skip_bad_rows: bool = False,
+               with_solution: bool = False) -> ReadResult:
   """JSON Lines (MATH-500, AIME 2024/2025, AMC23, GSM8K); errors name the 1-based line."""
-  return _collect(_jsonl_rows(path), path, data_source, skip_bad_rows)
+  return _collect(_jsonl_rows(path), path, data_source, skip_bad_rows, with_solution=with_solution)
 
 
-def read_parquet(path: str, data_source: str | None = None, skip_bad_rows: bool = False) -> ReadResult:
+def read_parquet(path: str, data_source: str | None = None, skip_bad_rows: bool = False,
+                 with_solution: bool = False) -> ReadResult:
   """The released preprocessed parquet (or any parquet with problem/answer columns)."""
   import pyarrow.parquet as pq
 
   rows = pq.read_table(path).to_pylist()
-  return _collect(((f"row {i}", row) for i, row in enumerate(rows)), path, data_source, skip_bad_rows)
+  return _collect(((f"row {i}", row) for i, row in enumerate(rows)), path, data_source, skip_bad_rows,
+                  with_solution=with_solution)
 
 
-def read_hub(spec: str, data_source: str | None = None, skip_bad_rows: bool = False) -> ReadResult:
+def read_hub(spec: str, data_source: str | None = None, skip_bad_rows: bool = False,
+             with_solution: bool = False) -> ReadResult:
   """`hf://owner/name[@config][:split]` (split defaults to train) through `datasets.load_dataset`."""
   import datasets  # optional dependency (the `hub` extra)
 
@@ -194,17 +224,18 @@ def read_hub(spec: str, data_source: str | None = None, skip_bad_rows: bool = Fa
     name, config = name.split("@", 1)
   dataset = datasets.load_dataset(name, config, split=split)
   return _collect(((f"row {i}", row) for i, row in enumerate(dataset)), spec, data_source, skip_bad_rows,
-                  default_source=infer_data_source(name))
+                  default_source=infer_data_source(name), with_solution=with_solution)
 
 
 def load_records(spec: str, *, data_source: str | None = None, skip_bad_rows: bool = False,
-                 synthetic_size: int = 4096, seed: int = 0) -> ReadResult:
+                 synthetic_size: int = 4096, seed: int = 0, with_solution: bool = False) -> ReadResult:
   """Records from a file path (.json, .jsonl, .parquet), a hub path (`hf://...`) or a built-in
   synthetic task (`synthetic/<name>`: `synthetic_size` problems drawn with `seed`)."""
   if synthetic.is_synthetic(spec):
-    return ReadResult(synthetic.get_task(spec).records(synthetic_size, seed), 0)
+    records = synthetic.get_task(spec).records(synthetic_size, seed)
+    return ReadResult([dict(r, solution=r["answer"]) for r in records] if with_solution else records, 0)
   if spec.startswith(HUB_PREFIX):
-    return read_hub(spec, data_source, skip_bad_rows)
+    return read_hub(spec, data_source, skip_bad_rows, with_solution)
   if not os.path.isfile(spec):
     raise FileNotFoundError(f"no data file at {spec!r} (expected a .json/.jsonl/.parquet file, "
                             f"hf://owner/name or synthetic/<task>)")
@@ -212,31 +243,45 @@ def load_records(spec: str, *, data_source: str | None = None, skip_bad_rows: bo
   readers = {".json": read_json, ".jsonl": read_jsonl, ".parquet": read_parquet}
   if extension not in readers:
     raise DataError(f"{spec}: unsupported file type {extension!r}; use .json, .jsonl or .parquet")
-  return readers[extension](spec, data_source, skip_bad_rows)
+  return readers[extension](spec, data_source, skip_bad_rows, with_solution)
 
 
-def to_verl_rows(records: list[dict], split: str = "train") -> list[dict]:
-  """Records -> rows of the released parquet format (prompt with the instruction, rule reward)."""
-  return [{
-      "data_source": r["data_source"],
+# Sources whose released data_source carries the `_{repeat}` suffix (preprocess_dataset.py process_aime_2024,
+# process_aime_2025, process_amc23: "aime_2024_1" even without repetition).
+REPEAT_SUFFIXED = ("aime_2024", "aime_2025", "amc23")
+
+
+def released_data_source(source: str, repeat: int = 1) -> str:
+  return f"{source}_{repeat}" if source in REPEAT_SUFFIXED else source
+
+
+def to_verl_rows(records: list[dict], split: str = "train", repeat: int = 1) -> list[dict]:
+  """Records -> rows of the released parquet format (src/preprocess_dataset.py): prompt with the instruction, rule
+  reward, extra_info {split, index, answer}; AIME/AMC data sources get the `_{repeat}` suffix, and the whole
+  list is repeated `repeat` times (indices restart with each copy, as `data * repeat` there)."""
+  rows = [{
+      "data_source": released_data_source(r["data_source"], repeat),
       "prompt": [{"role": "user", "content": f"{r['problem']} {MATH_INSTRUCTION}"}],
       "ability": "math",
       "reward_model": {"style": "rule", "ground_truth": r["answer"]},
-      "extra_info": {"split": split, "index": i},
+      "extra_info": {"split": split, "index": i, "answer": r.get("solution", r["answer"])},
   } for i, r in enumerate(records)]
+  return rows * repeat
 
 
-def write_parquet(records: list[dict], path: str, split: str = "train") -> None:
+def write_parquet(records: list[dict], path: str, split: str = "train", repeat: int = 1) -> None:
   """Writes records in the released (verl) parquet format; `read_parquet` gives them back."""
   import pyarrow as pa
   import pyarrow.parquet as pq
 
+  if repeat < 1:
+    raise ValueError(f"repeat must be >= 1, got {repeat}")
   schema = pa.schema([
       ("data_source", pa.string()),
       ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
       ("ability", pa.string()),
       ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-      ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64())])),
+      ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string())])),
   ])
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  pq.write_table(pa.Table.from_pylist(to_verl_rows(records, split), schema=schema), path)
+  pq.write_table(pa.Table.from_pylist(to_verl_rows(records, split, repeat), schema=schema), path)

@@ -140,7 +140,7 @@ def test_parquet_round_trip(shared_data, tmp_path):
                                              "final answer within \\boxed{}."}],
       "ability": "math",
       "reward_model": {"style": "rule", "ground_truth": records[0]["answer"]},
-      "extra_info": {"split": "test", "index": 0},
+      "extra_info": {"split": "test", "index": 0, "answer": records[0]["answer"]},
   }
   assert [r["extra_info"]["index"] for r in rows] == list(range(100))
 
@@ -178,7 +178,61 @@ def test_prepare_cli(shared_data, tmp_path):
        "--output", output, "--data_source", "amc23_1"],
       capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
   assert result.returncode == 0, result.stderr
-  assert "40 records, 0 skipped" in result.stdout
+  assert "40 rows (40 records x 1), 0 skipped" in result.stdout
   records, _ = sources.load_records(output)
   expected, _ = sources.load_records(os.path.join(shared_data, "amc23/test.jsonl"), data_source="amc23_1")
   assert records == expected
+
+
+def released_preprocess(example, idx, source, repeat):
+  """ritzz-ai/PACS src/preprocess_dataset.py process_* for our files' field names (AIME 2024's Problem/Solution/
+  Answer are lower-case here; AIME 2025 has no solution: its extra_info.answer falls back to the answer)."""
+  instruction = "Please reason step by step, and put your final answer within \\boxed{}."
+  question, answer = example.get("problem", example.get("question")), example["answer"]
+  extra_answer = {"gsm8k": answer, "math_500": example.get("solution"), "aime_2024": example.get("solution"),
+                  "aime_2025": example.get("solution"), "amc23": answer}[source]
+  ground_truth = answer.split("####")[-1].strip() if source == "gsm8k" else answer
+  data_source = f"{source}_{repeat}" if source in ("aime_2024", "aime_2025", "amc23") else source
+  return {"data_source": data_source, "prompt": [{"role": "user", "content": f"{question} {instruction}"}],
+          "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(ground_truth)},
+          "extra_info": {"split": "train", "index": idx, "answer": str(extra_answer or answer)}}
+
+
+@pytest.mark.parametrize("name, source, repeat", [("aime2024", "aime_2024", 2), ("aime2025", "aime_2025", 1),
+                                                  ("amc23", "amc23", 8), ("math500", "math_500", 1),
+                                                  ("gsm8k", "gsm8k", 1)])
+def test_prepare_writes_the_released_schema(shared_data, tmp_path, name, source, repeat):
+  """extra_info.answer and `--repeat` (rows repeated whole, `_{repeat}` suffix for AIME/AMC) as released."""
+  import pandas as pd
+  src = os.path.join(shared_data, name, "test.jsonl")
+  output = str(tmp_path / f"{name}.parquet")
+  result = subprocess.run([sys.executable, "-m", "pacs_jax.data.prepare", "--input", src, "--output", output,
+                           "--repeat", str(repeat)], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+  assert result.returncode == 0, result.stderr
+  with open(src) as f:
+    raw = [json.loads(line) for line in f][:20]
+  frame = pd.read_parquet(output)  # as the released code reads it (datasets/pandas)
+  assert list(frame.columns) == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+  rows = frame.to_dict("records")
+  count = len(rows) // repeat
+  assert len(rows) == count * repeat
+  for i, example in enumerate(raw):
+    want = released_preprocess(example, i, source, repeat)
+    got = rows[i]
+    assert got["data_source"] == want["data_source"]
+    assert [dict(m) for m in got["prompt"]] == want["prompt"]
+    assert got["reward_model"]["ground_truth"] == normalize(want["reward_model"]["ground_truth"], source)
+    if source == "amc23":  # extra_info.answer is the ground truth there
+      want["extra_info"]["answer"] = normalize(want["extra_info"]["answer"], source)
+    assert dict(got["extra_info"]) == want["extra_info"], i
+  assert rows[count]["extra_info"]["index"] == 0 if repeat > 1 else True  # the copy restarts its indices
+  assert {r["data_source"] for r in rows} == {released_preprocess(raw[0], 0, source, repeat)["data_source"]}
+
+
+def normalize(answer: str, source: str) -> str:
+  """This project's documented ground-truth normalisation (README, differences): AMC's "27.0" -> "27", GSM8K's
+  "1,234" -> "1234"."""
+  if source == "amc23":
+    return sources.normalize_answer(float(answer))
+  return sources.normalize_answer(answer.replace(",", "") if source == "gsm8k" else answer)
