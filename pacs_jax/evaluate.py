@@ -1,5 +1,6 @@
 """`python -m pacs_jax.evaluate --model DIR_OR_WORKDIR --data math500,aime2024 --data_dir DIR --n 32`: pass@k per
-data source, written as `eval_rollout.jsonl` and `eval_metrics.json` beside the weights (resumable)."""
+data source, written in the released layouts (`eval_rollout.jsonl`, `eval_metrics.json`) beside the weights, with
+`eval_summary.json` (resumable)."""
 
 import os
 
@@ -26,6 +27,8 @@ _CHUNK = flags.DEFINE_integer("chunk_problems", 0, "Problems per generate call a
 _LIMIT = flags.DEFINE_integer("limit", None, "Only the first N problems of each data set.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Weights and compute dtype.")
+_STOP = flags.DEFINE_string("stop_tokens", "released", '"released" (the tokenizer\'s EOS + generation_config.json\'s, '
+                            'as the released inference.py with vLLM), "chat" (also <|im_end|>, <|endoftext|>), or ids.')
 _TENSOR = flags.DEFINE_integer("tensor_parallel", 1, "Devices per model replica; the slots are split over the "
                                "replicas (all local devices).")
 _WORKERS = flags.DEFINE_integer("reward_workers", 4, "math-verify worker processes.")
@@ -51,6 +54,7 @@ def main(argv):
   settings = runner.EvalSettings(
       n=_N.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
       max_new_tokens=_MAX_NEW.value, max_prompt_length=_MAX_PROMPT.value, seed=_SEED.value, dtype=_DTYPE.value,
+      stop_tokens=_STOP.value,
       batch_slots=_SLOTS.value, chunk_problems=_CHUNK.value, limit=_LIMIT.value)
   mesh = None
   if jax.device_count() > 1:
@@ -59,7 +63,7 @@ def main(argv):
                             reward_workers=_WORKERS.value, reward_timeout_s=_TIMEOUT.value)
   print(runner.summary_table(metrics))
   out_dir = _OUT.value or metrics["settings"]["model"]
-  print(f"wrote {os.path.join(os.path.abspath(out_dir), runner.METRICS_FILE)} and {runner.ROLLOUT_FILE}")
+  print(f"wrote {runner.ROLLOUT_FILE}, {runner.METRICS_FILE} and {runner.SUMMARY_FILE} in {os.path.abspath(out_dir)}")
 
 
 if __name__ == "__main__":

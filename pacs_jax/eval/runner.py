@@ -1,5 +1,7 @@
-"""pass@k evaluation: n sampled responses per problem, scored, appended to `eval_rollout.jsonl` chunk by chunk
-(so a restart skips what is written) and summarised per data source in `eval_metrics.json`."""
+"""pass@k evaluation: n sampled responses per problem, scored, written in the released layouts (ritzz-ai/PACS
+src/inference.py): `eval_rollout.jsonl` (one line per problem, appended once all its samples are scored, so a
+restart skips what is written) and `eval_metrics.json` ({data_source: {"pass@k": value}}); settings, counts and
+accuracies in `eval_summary.json`."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
+import shutil
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -20,12 +24,18 @@ from pacs_jax.eval import passk
 logger = logging.getLogger(__name__)
 
 ROLLOUT_FILE = "eval_rollout.jsonl"
-METRICS_FILE = "eval_metrics.json"
+METRICS_FILE = "eval_metrics.json"  # exactly the released file: {data_source: {"pass@k": value}}
+SUMMARY_FILE = "eval_summary.json"  # this project's: settings (for resuming), counts, accuracy, truncation
+# The key of this project's lines in eval_rollout.jsonl, written first: lines without it are someone else's
+# (e.g. the released inference.py's) and are never rewritten or removed.
+OWN_KEY = "pacs_jax"
+_OWN_PREFIX = '{"' + OWN_KEY + '":'
+RELEASED_KS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # inference.py's pass@k list
 # Dataset names accepted by `--data`, as files under `--data_dir` (the layout of the prepared test sets).
 KNOWN_DATASETS = {name: f"{name}/test.jsonl" for name in ("math500", "aime2024", "aime2025", "amc23", "gsm8k")}
 DTYPES = ("bfloat16", "float32")
 # Settings that change the responses themselves: rows written under other values must not be mixed in.
-_RESPONSE_SETTINGS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "seed", "dtype")
+_RESPONSE_SETTINGS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "seed", "dtype", "stop_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +48,7 @@ class EvalSettings:
   max_prompt_length: int = 1024  # longer prompts are dropped (and counted), never truncated
   seed: int = 0
   dtype: str = "bfloat16"  # weights and compute
+  stop_tokens: str = "released"  # as config.rollout.stop_tokens; inference.py stops as the released rollout
   batch_slots: int = 256  # concurrent decodes; each holds a KV cache of max_prompt_length + max_new_tokens rows
   chunk_problems: int = 0  # problems per generate call and file append; 0: enough for 4x batch_slots responses
   limit: int | None = None  # first `limit` problems of each data file
@@ -62,6 +73,7 @@ class Problem:
   index: int  # position among its data source's records (before overlong prompts are dropped)
   answer: str
   prompt_ids: list[int]
+  user_message: str = ""  # the prompt's user message (the released data row's prompt[0]["content"])
 
   @property
   def key(self) -> tuple[str, int]:
@@ -108,6 +120,7 @@ def load_problems(specs: Sequence[str], tokenizer, max_prompt_length: int, limit
     instruction = None if synthetic.is_synthetic(spec) else sources.MATH_INSTRUCTION
     prompt_ids = _encode(tokenizer, [r["problem"] for r in records], instruction)
     for record, ids in zip(records, prompt_ids):
+      message = f"{record['problem']} {instruction}" if instruction else record["problem"]
       source = record["data_source"]
       index = next_index.get(source, 0)
       next_index[source] = index + 1
@@ -115,7 +128,7 @@ def load_problems(specs: Sequence[str], tokenizer, max_prompt_length: int, limit
       if len(ids) > max_prompt_length:
         dropped[source] += 1
         continue
-      problems.append(Problem(source, index, record["answer"], ids.tolist()))
+      problems.append(Problem(source, index, record["answer"], ids.tolist(), message))
   for source, count in dropped.items():
     if count:
       logger.warning("%s: dropped %d prompts longer than %d tokens", source, count, max_prompt_length)
@@ -157,32 +170,80 @@ def resolve_model(path: str, step: int | None = None) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# The files
+# The files (small functions: every read and write of the output directory is here)
 
 
-def read_rollout(path: str) -> dict[tuple[str, int, int], dict]:
-  """Rows of an existing rollout file by (data_source, problem_index, sample_index), first one kept.
+def problem_line(problem: Problem, samples: Sequence[dict]) -> dict:
+  """One eval_rollout.jsonl line: the released data row (preprocess_dataset.py layout) plus `rollout`, a list of
+  {output, score: {score, data_source, ground_truth}} (reward_function.compute_score's dict) with this
+  project's extras; our key comes first (see OWN_KEY)."""
+  return {
+      OWN_KEY: {"data_source": problem.data_source, "index": problem.index},
+      "data_source": problem.data_source,
+      "prompt": [{"role": "user", "content": problem.user_message}],
+      "ability": "math",
+      "reward_model": {"style": "rule", "ground_truth": problem.answer},
+      "extra_info": {"split": "test", "index": problem.index, "answer": problem.answer},
+      "rollout": [{"output": s["output"],
+                   "score": {"score": s["score"], "data_source": problem.data_source, "ground_truth": problem.answer},
+                   "finish_reason": s["finish_reason"], "num_tokens": s["num_tokens"]} for s in samples],
+  }
 
-  A line cut short by a crash, or a duplicated row, is dropped and the file rewritten without it, so
-  appends after it start on a clean line.
-  """
+
+def own_key(line: dict) -> tuple[str, int] | None:
+  """(data_source, problem index) of a line this project wrote; None for anyone else's."""
+  own = line.get(OWN_KEY) if isinstance(line, dict) else None
+  if not isinstance(own, dict):
+    return None
+  try:
+    return (own["data_source"], int(own["index"]))
+  except (KeyError, TypeError, ValueError):
+    return None
+
+
+def read_rollout(path: str) -> tuple[dict[tuple[str, int], dict], int]:
+  """(this project's complete lines by (data_source, index), the number of other lines). Reads only."""
   if not os.path.isfile(path):
-    return {}
-  rows, clean = {}, True
+    return {}, 0
+  own, others = {}, 0
   with open(path, encoding="utf-8") as f:
-    for line_number, line in enumerate(f, start=1):
+    for line in f:
+      if not line.endswith("\n"):
+        break  # cut short by a crash: `repair_tail` deals with it
       try:
         row = json.loads(line)
-        key = (row["data_source"], int(row["problem_index"]), int(row["sample_index"]))
-      except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        logger.warning("%s: line %d is not a complete row; dropping it", path, line_number)
-        clean = False
+      except json.JSONDecodeError:
+        others += 1
         continue
-      clean &= line.endswith("\n") and key not in rows
-      rows.setdefault(key, row)
-  if not clean:
-    _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows.values()))
-  return rows
+      key = own_key(row)
+      if key is None:
+        others += 1
+      else:
+        own.setdefault(key, row)
+  return own, others
+
+
+def repair_tail(path: str) -> None:
+  """Makes appends start on a fresh line: a last line of ours cut short by a crash is cut off (we wrote it);
+  anything else is left as it is and only followed by a newline."""
+  if not os.path.isfile(path):
+    return
+  with open(path, "rb+") as f:
+    data = f.read()
+    if not data or data.endswith(b"\n"):
+      return
+    start = data.rfind(b"\n") + 1
+    if data[start:].startswith(_OWN_PREFIX.encode()):
+      f.truncate(start)
+    else:
+      f.write(b"\n")
+
+
+def append_lines(path: str, lines: Sequence[dict]) -> None:
+  with open(path, "a", encoding="utf-8") as f:
+    f.write("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -194,28 +255,74 @@ def _write_atomic(path: str, text: str) -> None:
   os.replace(tmp, path)
 
 
-def check_resumable(out_dir: str, settings: dict, rows: dict, problems: Sequence[Problem]) -> None:
-  """Refuses to mix in rows written with other sampling settings, another model or other answers."""
+def read_summary(out_dir: str) -> dict | None:
+  path = os.path.join(out_dir, SUMMARY_FILE)
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def write_summary(out_dir: str, summary: dict) -> None:
+  _write_atomic(os.path.join(out_dir, SUMMARY_FILE), json.dumps(summary, indent=2) + "\n")
+
+
+def keep_foreign_metrics(out_dir: str) -> None:
+  """An eval_metrics.json this project did not write (no summary of ours beside it) is copied to
+  eval_metrics.orig.json before the first rewrite, so nothing someone else wrote is lost."""
   path = os.path.join(out_dir, METRICS_FILE)
-  if os.path.isfile(path):
-    with open(path) as f:
-      before = json.load(f).get("settings", {})
-    for name in _RESPONSE_SETTINGS + ("model",):
-      if name in before and before[name] != settings[name]:
-        raise ValueError(f"{out_dir} holds an evaluation with {name}={before[name]!r}, not {settings[name]!r}: "
-                         f"use another --out, or delete {ROLLOUT_FILE} and {METRICS_FILE} there")
+  backup = os.path.join(out_dir, "eval_metrics.orig.json")
+  if os.path.isfile(path) and read_summary(out_dir) is None and not os.path.exists(backup):
+    shutil.copyfile(path, backup)
+
+
+def write_released_metrics(out_dir: str) -> dict[str, dict[str, float]]:
+  """eval_metrics.json as inference.py computes it from every line of eval_rollout.jsonl (ours and anyone
+  else's): per data source, rollouts merged by prompt text, n = the first problem's count, and
+  pass@k = mean(1 − C(n − c, k) / C(n, k)) with c the samples scoring 1, for k in 1, 2, 4, ..., 256 <= n."""
+  by_source: dict[str, dict[str, list[float]]] = {}
+  with open(os.path.join(out_dir, ROLLOUT_FILE), encoding="utf-8") as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+        source, prompt = row["data_source"], row["prompt"][0]["content"]
+        scores = [r["score"]["score"] for r in row["rollout"]]
+      except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+        continue  # a line inference.py could not read either
+      by_source.setdefault(source, {}).setdefault(prompt, []).extend(scores)
+  metrics = {}
+  for source, merged in by_source.items():
+    problems = list(merged.values())
+    n = len(problems[0])
+    metrics[source] = {}
+    for k in (k for k in RELEASED_KS if k <= n):
+      total = sum(1 - math.comb(n - s.count(1), k) / math.comb(n, k) for s in problems)
+      metrics[source][f"pass@{k}"] = total / len(problems)
+  _write_atomic(os.path.join(out_dir, METRICS_FILE), json.dumps(metrics) + "\n")
+  return metrics
+
+
+def check_resumable(out_dir: str, settings: dict, lines: dict, problems: Sequence[Problem]) -> None:
+  """Refuses to mix in lines written with other sampling settings, another model or other answers."""
+  before = (read_summary(out_dir) or {}).get("settings", {})
+  for name in _RESPONSE_SETTINGS + ("model",):
+    if name in before and before[name] != settings[name]:
+      raise ValueError(f"{out_dir} holds an evaluation with {name}={before[name]!r}, not {settings[name]!r}: "
+                       f"use another --out, or move {ROLLOUT_FILE} and {SUMMARY_FILE} away")
   answers = {p.key: p.answer for p in problems}
-  for (source, index, sample), row in rows.items():
-    if sample >= settings["n"]:
-      raise ValueError(f"{out_dir}/{ROLLOUT_FILE} has sample {sample} of {source} #{index}, beyond n={settings['n']}")
-    if (source, index) in answers and row.get("answer") != answers[(source, index)]:
-      raise ValueError(f"{out_dir}/{ROLLOUT_FILE}: {source} #{index} has answer {row.get('answer')!r} there but "
+  for (source, index), line in lines.items():
+    if len(line.get("rollout", ())) != settings["n"]:
+      raise ValueError(f"{out_dir}/{ROLLOUT_FILE}: {source} #{index} has {len(line.get('rollout', ()))} samples, "
+                       f"not n={settings['n']}")
+    answer = line.get("reward_model", {}).get("ground_truth")
+    if (source, index) in answers and answer != answers[(source, index)]:
+      raise ValueError(f"{out_dir}/{ROLLOUT_FILE}: {source} #{index} has answer {answer!r} there but "
                        f"{answers[(source, index)]!r} in the data: the data changed; use another --out")
 
 
-def compute_metrics(rows: dict, problems: Sequence[Problem], n: int, dropped: dict[str, int]) -> dict[str, Any]:
-  """Per data source: pass@k (k = 1, 2, 4, ... <= n) over problems with all n samples scored, mean accuracy,
-  counts, truncation; plus the overall mean accuracy."""
+def compute_metrics(lines: dict, problems: Sequence[Problem], n: int, dropped: dict[str, int]) -> dict[str, Any]:
+  """Over this project's lines, per data source: pass@k (k = 1, 2, 4, ... <= n) over the problems scored, mean
+  accuracy, counts, truncation; plus the overall mean accuracy."""
   per_source: dict[str, list[Problem]] = {source: [] for source in dropped}
   for p in problems:
     per_source.setdefault(p.data_source, []).append(p)
@@ -223,13 +330,13 @@ def compute_metrics(rows: dict, problems: Sequence[Problem], n: int, dropped: di
   for source, source_problems in per_source.items():
     counts, scores, tokens, truncated = [], [], [], 0
     for p in source_problems:
-      samples = [rows.get(p.key + (s,)) for s in range(n)]
-      if any(r is None for r in samples):
+      if p.key not in lines:
         continue
-      counts.append(int(sum(r["score"] > 0.5 for r in samples)))
-      scores += [float(r["score"]) for r in samples]
-      tokens += [int(r["num_tokens"]) for r in samples]
-      truncated += sum(r["finish_reason"] == "length" for r in samples)
+      samples = lines[p.key]["rollout"]
+      counts.append(int(sum(s["score"]["score"] > 0.5 for s in samples)))
+      scores += [float(s["score"]["score"]) for s in samples]
+      tokens += [int(s["num_tokens"]) for s in samples]
+      truncated += sum(s["finish_reason"] == "length" for s in samples)
     entry = passk.pass_at_k_table({source: counts}, n)[source] if counts else {}
     out[source] = {f"pass@{k}": v for k, v in entry.items()}
     out[source].update({
@@ -253,7 +360,8 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
              data_dir: str | None = None, step: int | None = None, mesh=None, scorer=None, reward_workers: int = 2,
              reward_timeout_s: float = 10.0, progress: bool = True) -> dict[str, Any]:
   """Samples, scores and writes what is missing from `out_dir` (default: beside the evaluated weights);
-  returns the metrics written to `eval_metrics.json`.
+  returns the summary written to `eval_summary.json` (settings, and per data source pass@k and counts over
+  this evaluation's problems).
 
   `scorer`: anything with `score_batch(responses, answers, data_sources) -> (scores, stats)`
   (default: a math-verify `RewardScorer` with `reward_workers` processes).
@@ -280,21 +388,26 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
   n = settings.n
   recorded = dataclasses.asdict(settings) | {"model": os.path.realpath(model_dir), "data": specs}
   rollout_path = os.path.join(out_dir, ROLLOUT_FILE)
-  rows = read_rollout(rollout_path)
-  check_resumable(out_dir, recorded, rows, problems)
+  lines, others = read_rollout(rollout_path)
+  if others:
+    logger.warning("%s holds %d lines this project did not write: they are kept as they are", rollout_path, others)
+  check_resumable(out_dir, recorded, lines, problems)
+  keep_foreign_metrics(out_dir)
 
   def write_metrics(complete: bool) -> dict[str, Any]:
-    metrics = {"complete": complete, "settings": recorded} | compute_metrics(rows, problems, n, dropped)
-    _write_atomic(os.path.join(out_dir, METRICS_FILE), json.dumps(metrics, indent=2) + "\n")
-    return metrics
+    summary = {"complete": complete, "settings": recorded} | compute_metrics(lines, problems, n, dropped)
+    write_summary(out_dir, summary)
+    if os.path.isfile(rollout_path):
+      write_released_metrics(out_dir)
+    return summary
 
-  todo = [p for p in problems if any(p.key + (s,) not in rows for s in range(n))]
-  metrics = write_metrics(complete=not todo)  # records the settings before the first (long) chunk
+  todo = [p for p in problems if p.key not in lines]
+  summary = write_metrics(complete=not todo)  # records the settings before the first (long) chunk
   if not todo:
-    return metrics
+    return summary
 
   dtype = getattr(jnp, settings.dtype)
-  eos = hf.eos_token_ids(tokenizer, model_dir)
+  eos, _ = hf.stop_and_mask_ids(tokenizer, model_dir, settings.stop_tokens)
   chunk = settings.problems_per_chunk()
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     policy, _ = hf.load_pretrained(model_dir, dtype=dtype, mesh=mesh, compute_dtype=dtype)
@@ -312,37 +425,31 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
     scorer = rewards_lib.RewardScorer(num_workers=reward_workers, timeout_s=reward_timeout_s)
   bar = tqdm(total=len(problems) * n, initial=len(problems) * n - len(todo) * n, unit="response",
              desc="eval", disable=not progress, dynamic_ncols=True)
+  repair_tail(rollout_path)
   try:
-    with open(rollout_path, "a", encoding="utf-8") as f:
-      for start in range(0, len(todo), chunk):
-        batch = todo[start:start + chunk]
-        completions = engine_lib.generate(
-            engine, params, [p.prompt_ids for p in batch], n=n, max_new_tokens=settings.max_new_tokens,
-            sampling=sampling, seed=settings.seed, eos_ids=eos, prompt_ids=[p.seed_id for p in batch])
-        # Samples already on file (a problem cut short by a crash) are redrawn identically and not written twice.
-        completions = [c for c in completions if batch[c.prompt_index].key + (c.sample_index,) not in rows]
-        texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
-        scores, _ = scorer.score_batch(texts, [batch[c.prompt_index].answer for c in completions],
-                                       [batch[c.prompt_index].data_source for c in completions])
-        new = []
-        for c, text, score in zip(completions, texts, scores):
-          p = batch[c.prompt_index]
-          row = {"data_source": p.data_source, "problem_index": p.index, "sample_index": c.sample_index,
-                 "answer": p.answer, "score": float(score), "finish_reason": c.finish_reason,
-                 "num_tokens": len(c.tokens), "response": text}
-          rows[p.key + (c.sample_index,)] = row
-          new.append(json.dumps(row) + "\n")
-        f.write("".join(new))
-        f.flush()
-        os.fsync(f.fileno())
-        metrics = write_metrics(complete=start + chunk >= len(todo))
-        bar.update(len(batch) * n)
-        bar.set_postfix(accuracy=f"{metrics['overall']['mean_accuracy'] or 0:.3f}")
+    for start in range(0, len(todo), chunk):
+      batch = todo[start:start + chunk]
+      completions = engine_lib.generate(
+          engine, params, [p.prompt_ids for p in batch], n=n, max_new_tokens=settings.max_new_tokens,
+          sampling=sampling, seed=settings.seed, eos_ids=eos, prompt_ids=[p.seed_id for p in batch])
+      texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+      scores, _ = scorer.score_batch(texts, [batch[c.prompt_index].answer for c in completions],
+                                     [batch[c.prompt_index].data_source for c in completions])
+      samples: list[list[dict]] = [[None] * n for _ in batch]
+      for c, text, score in zip(completions, texts, scores):
+        samples[c.prompt_index][c.sample_index] = {"output": text, "score": float(score),
+                                                   "finish_reason": c.finish_reason, "num_tokens": len(c.tokens)}
+      new = [problem_line(p, s) for p, s in zip(batch, samples)]  # every problem's n samples are scored
+      append_lines(rollout_path, new)
+      lines.update({p.key: line for p, line in zip(batch, new)})
+      summary = write_metrics(complete=start + chunk >= len(todo))
+      bar.update(len(batch) * n)
+      bar.set_postfix(accuracy=f"{summary['overall']['mean_accuracy'] or 0:.3f}")
   finally:
     bar.close()
     if own_scorer:
       scorer.close()
-  return metrics
+  return summary
 
 
 def summary_table(metrics: dict[str, Any]) -> str:

@@ -1,8 +1,12 @@
-"""pass@k evaluation on a tiny random model and ../shared/data subsets: both files, pass@k consistent with the
-rows, every k <= n per data source, exact resume, refusals, and the CLI on a training workdir."""
+"""pass@k evaluation on a tiny random model and ../shared/data subsets: the released file layouts (read back as
+the released inference.py does), pass@k consistent with the lines, every k <= n per data source, exact resume,
+other writers' lines left alone, refusals, and the CLI on a training workdir."""
 
+import collections
+import copy
 import dataclasses
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -110,67 +114,151 @@ def read_lines(out):
     return [json.loads(line) for line in f]
 
 
-def test_writes_both_files_with_every_k_per_source(first_run):
-  out, metrics = first_run
-  with open(os.path.join(out, runner.METRICS_FILE)) as f:
-    assert json.load(f) == json.loads(json.dumps(metrics))
-  assert metrics["complete"]
-  assert set(metrics["sources"]) == set(SOURCES)
-  for source, entry in metrics["sources"].items():
+def read_summary(out):
+  with open(os.path.join(out, runner.SUMMARY_FILE)) as f:
+    return json.load(f)
+
+
+# ritzz-ai/PACS src/inference.py's reader (load_jsonl, merge_rollouts_by_prompt, calculate_pass_at_k, the metric
+# loop), verbatim but for names: what the released code makes of the files.
+def released_calculate_pass_at_k(n, k, data):
+  scores = [[rollout["score"]["score"] for rollout in d["rollout"]] for d in data]
+  total = len(scores)
+  if total == 0:
+    return 0.0
+  all_pass_k = 0
+  for sample_results in scores:
+    c = sample_results.count(1)
+    all_pass_k += 1 - math.comb(n - c, k) / math.comb(n, k)
+  return all_pass_k / total
+
+
+def released_merge_rollouts_by_prompt(data_list):
+  merged_dict = {}
+  for item in data_list:
+    prompt_key = item["prompt"][0]["content"]
+    if prompt_key not in merged_dict:
+      merged_dict[prompt_key] = copy.deepcopy(item)
+    else:
+      merged_dict[prompt_key]["rollout"].extend(item["rollout"])
+  return list(merged_dict.values())
+
+
+def released_metrics(model_path):
+  with open(f"{model_path}/eval_rollout.jsonl", "r") as file:
+    result = [json.loads(line) for line in file]
+  metrics = collections.defaultdict(lambda: collections.defaultdict(list))
+  result_data_source = collections.defaultdict(list)
+  for data in result:
+    result_data_source[data["data_source"]].append(data)
+  for data_source in result_data_source:
+    merged_data = released_merge_rollouts_by_prompt(result_data_source[data_source])
+    n = len(merged_data[0]["rollout"])
+    lst = [x for x in [1, 2, 4, 8, 16, 32, 64, 128, 256] if x <= n]
+    for k in lst:
+      metrics[data_source][f"pass@{k}"] = released_calculate_pass_at_k(n, k, merged_data)
+  return json.loads(json.dumps(metrics))
+
+
+def test_writes_the_released_layouts_with_every_k_per_source(first_run):
+  out, summary = first_run
+  assert read_summary(out) == json.loads(json.dumps(summary))
+  assert summary["complete"]
+  assert set(summary["sources"]) == set(SOURCES)
+  for source, entry in summary["sources"].items():
     assert {name for name in entry if name.startswith("pass@")} == {"pass@1", "pass@2", "pass@4"}
     assert entry["num_problems"] == entry["num_problems_scored"] == KEPT[source]
     assert entry["num_responses"] == 4 * KEPT[source]
-  assert metrics["sources"]["aime_2024"]["num_dropped_overlong"] == 1
-  assert metrics["sources"]["aime_2025"]["num_dropped_overlong"] == 2
-  rows = read_lines(out)
-  assert len(rows) == 4 * sum(KEPT.values())
-  assert len({(r["data_source"], r["problem_index"], r["sample_index"]) for r in rows}) == len(rows)
-  for r in rows:
-    assert set(r) == {"data_source", "problem_index", "sample_index", "answer", "score", "finish_reason",
-                      "num_tokens", "response"}
-    assert r["finish_reason"] in ("eos", "length") and 1 <= r["num_tokens"] <= 8
-  assert {r["problem_index"] for r in rows if r["data_source"] == "aime_2024"} == {1, 2}  # #0 is overlong
+  assert summary["sources"]["aime_2024"]["num_dropped_overlong"] == 1
+  assert summary["sources"]["aime_2025"]["num_dropped_overlong"] == 2
+  lines = read_lines(out)
+  assert len(lines) == sum(KEPT.values())  # one line per problem
+  for line in lines:
+    assert {"data_source", "prompt", "ability", "reward_model", "extra_info", "rollout"} <= set(line)
+    assert line["prompt"][0]["role"] == "user" and line["prompt"][0]["content"].endswith(sources.MATH_INSTRUCTION)
+    assert len(line["rollout"]) == 4
+    for r in line["rollout"]:
+      assert set(r["score"]) == {"score", "data_source", "ground_truth"}
+      assert r["score"]["data_source"] == line["data_source"]
+      assert r["score"]["ground_truth"] == line["reward_model"]["ground_truth"]
+      assert isinstance(r["output"], str) and r["finish_reason"] in ("eos", "length") and 1 <= r["num_tokens"] <= 8
+  assert {line["extra_info"]["index"] for line in lines if line["data_source"] == "aime_2024"} == {1, 2}  # #0 overlong
+  # eval_metrics.json is exactly what the released reader computes from eval_rollout.jsonl.
+  with open(os.path.join(out, runner.METRICS_FILE)) as f:
+    written = json.load(f)
+  assert written == released_metrics(out)
+  assert set(written) == set(SOURCES) and all(set(v) == {"pass@1", "pass@2", "pass@4"} for v in written.values())
 
 
-def test_pass_at_k_matches_the_rows(first_run):
-  out, metrics = first_run
-  counts = {}
-  for r in read_lines(out):
-    key = (r["data_source"], r["problem_index"])
-    counts[key] = counts.get(key, 0) + int(r["score"] == 1.0)
+def test_pass_at_k_matches_the_lines(first_run):
+  out, summary = first_run
+  counts = {(line["data_source"], line["extra_info"]["index"]): sum(r["score"]["score"] == 1.0 for r in line["rollout"])
+            for line in read_lines(out)}
   assert 0 < sum(counts.values()) < 4 * len(counts)  # the scorer gives a mix of 0 and 1
+  with open(os.path.join(out, runner.METRICS_FILE)) as f:
+    written = json.load(f)
   for source in SOURCES:
     per_problem = [c for (s, _), c in counts.items() if s == source]
     for k in (1, 2, 4):
       expected = np.mean([passk.pass_at_k(4, c, k) for c in per_problem])
-      assert metrics["sources"][source][f"pass@{k}"] == pytest.approx(expected, abs=1e-12)
-    scores = [r["score"] for r in read_lines(out) if r["data_source"] == source]
-    assert metrics["sources"][source]["mean_accuracy"] == pytest.approx(np.mean(scores))
-    assert metrics["sources"][source]["pass@1"] == pytest.approx(np.mean(scores))
+      assert summary["sources"][source][f"pass@{k}"] == pytest.approx(expected, abs=1e-12)
+      assert written[source][f"pass@{k}"] == pytest.approx(expected, abs=1e-12)
+    scores = [r["score"]["score"] for line in read_lines(out) if line["data_source"] == source for r in line["rollout"]]
+    assert summary["sources"][source]["mean_accuracy"] == pytest.approx(np.mean(scores))
 
 
-def test_resume_redraws_only_missing_rows_identically(first_run, model_dir, data_dir, tmp_path, monkeypatch):
-  out, metrics = first_run
+def test_resume_redraws_only_missing_problems_identically(first_run, model_dir, data_dir, tmp_path, monkeypatch):
+  out, summary = first_run
   resumed = str(tmp_path / "resumed")
   shutil.copytree(out, resumed)
-  rows = read_lines(out)
-  key = lambda r: (r["data_source"], r["problem_index"], r["sample_index"])
-  # Lost: all samples of one problem and two of another; plus a duplicated row and a line cut short by a crash.
-  lost = {k for k in map(key, rows) if k[:2] == ("math_500", 1) or (k[:2] == ("amc23", 0) and k[2] >= 2)}
-  kept = [r for r in rows if key(r) not in lost]
+  lines = read_lines(out)
+  key = lambda line: (line["data_source"], line["extra_info"]["index"])
+  # Lost: two problems' lines, and a line of ours cut short by a crash.
+  lost = {("math_500", 1), ("amc23", 0)}
+  kept = [line for line in lines if key(line) not in lost]
   with open(os.path.join(resumed, runner.ROLLOUT_FILE), "w") as f:
-    f.write("".join(json.dumps(r) + "\n" for r in kept + kept[:1]) + json.dumps(rows[0])[:30])
+    f.write("".join(json.dumps(line) + "\n" for line in kept) + json.dumps(lines[0])[:30])
   again = runner.evaluate(model_dir, ",".join(NAMES), SETTINGS, out_dir=resumed, data_dir=data_dir,
                           scorer=ParityScorer(), progress=False)
-  after = read_lines(resumed)
-  assert len(after) == len(rows) and {key(r) for r in after} == {key(r) for r in rows}
-  assert sorted(after, key=key) == sorted(rows, key=key)  # same responses, scores, lengths
-  assert again["sources"] == metrics["sources"] and again["complete"]
-
+  after = read_lines(resumed)  # every line parses: the cut line is gone
+  assert sorted(map(key, after)) == sorted(map(key, lines))
+  assert sorted(after, key=key) == sorted(lines, key=key)  # same responses, scores, lengths
+  assert again["sources"] == summary["sources"] and again["complete"]
   # A complete evaluation is not redone: no model is even loaded.
   monkeypatch.setattr(hf, "load_pretrained", lambda *a, **k: pytest.fail("reloaded a complete evaluation"))
   assert runner.evaluate(model_dir, ",".join(NAMES), SETTINGS, out_dir=resumed, data_dir=data_dir,
-                         scorer=ParityScorer(), progress=False)["sources"] == metrics["sources"]
+                         scorer=ParityScorer(), progress=False)["sources"] == summary["sources"]
+
+
+def test_never_rewrites_released_results_beside_it(first_run, model_dir, data_dir, tmp_path, monkeypatch):
+  """Pointed at a directory holding the released inference.py's files: its lines survive byte for byte (even a
+  last line without a newline), its eval_metrics.json is kept aside, ours are appended, and a rerun resumes."""
+  out, summary = first_run
+  released_dir = tmp_path / "released"
+  released_dir.mkdir()
+  foreign = [{"data_source": "math_500", "prompt": [{"role": "user", "content": "What is 1+1? " +
+                                                     sources.MATH_INSTRUCTION}],
+              "ability": "math", "reward_model": {"style": "rule", "ground_truth": "2"},
+              "extra_info": {"split": "train", "index": 0, "answer": "2"},
+              "rollout": [{"output": "\\boxed{2}", "score": {"score": 1.0, "data_source": "math_500",
+                                                                "ground_truth": "2"}}] * 4}]
+  foreign_bytes = "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in foreign)  # save_jsonl
+  foreign_bytes += '{"data_source": "gsm8k", "note": "a line nobody can parse'  # and no final newline
+  (released_dir / runner.ROLLOUT_FILE).write_text(foreign_bytes)
+  (released_dir / runner.METRICS_FILE).write_text('{"math_500": {"pass@1": 1.0}}')
+  runner.evaluate(model_dir, ",".join(NAMES), SETTINGS, out_dir=str(released_dir), data_dir=data_dir,
+                  scorer=ParityScorer(), progress=False)
+  text = (released_dir / runner.ROLLOUT_FILE).read_text()
+  assert text.startswith(foreign_bytes)
+  assert (released_dir / "eval_metrics.orig.json").read_text() == '{"math_500": {"pass@1": 1.0}}'
+  ours = [json.loads(line) for line in text[len(foreign_bytes):].splitlines() if line]
+  assert sorted(ours, key=lambda x: (x["data_source"], x["extra_info"]["index"])) == sorted(
+      read_lines(out), key=lambda x: (x["data_source"], x["extra_info"]["index"]))
+  monkeypatch.setattr(hf, "load_pretrained", lambda *a, **k: pytest.fail("reloaded a complete evaluation"))
+  again = runner.evaluate(model_dir, ",".join(NAMES), SETTINGS, out_dir=str(released_dir), data_dir=data_dir,
+                          scorer=ParityScorer(), progress=False)
+  assert again["sources"] == summary["sources"]
+  assert (released_dir / runner.ROLLOUT_FILE).read_text() == text
 
 
 def test_sharded_over_two_devices_draws_the_same_responses(first_run, model_dir, data_dir, tmp_path):
@@ -184,7 +272,7 @@ def test_sharded_over_two_devices_draws_the_same_responses(first_run, model_dir,
   settings = dataclasses.replace(SETTINGS, limit=1, batch_slots=3)  # 3 slots -> 4, two per device
   runner.evaluate(model_dir, ["aime2025"], settings, out_dir=str(tmp_path), data_dir=data_dir, mesh=mesh,
                   scorer=ParityScorer(), progress=False)
-  expected = [r for r in read_lines(out) if r["data_source"] == "aime_2025" and r["problem_index"] == 0]
+  expected = [line for line in read_lines(out) if line["data_source"] == "aime_2025" and line["extra_info"]["index"] == 0]
   assert read_lines(str(tmp_path)) == expected
 
 
@@ -231,9 +319,10 @@ def test_cli_on_a_training_workdir(data_dir, tokenizer, tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   out = os.path.join(workdir, "export_step_3")
   assert "pass@2" in result.stdout and "amc23" in result.stdout
-  with open(os.path.join(out, runner.METRICS_FILE)) as f:
-    metrics = json.load(f)
-  assert metrics["complete"] and set(metrics["sources"]) == {"amc23", "math_500"}
-  for entry in metrics["sources"].values():
+  summary = read_summary(out)
+  assert summary["complete"] and set(summary["sources"]) == {"amc23", "math_500"}
+  for entry in summary["sources"].values():
     assert {"pass@1", "pass@2"} <= set(entry) and entry["num_responses"] == 4
-  assert len(read_lines(out)) == 8
+  assert len(read_lines(out)) == 4
+  with open(os.path.join(out, runner.METRICS_FILE)) as f:
+    assert json.load(f) == released_metrics(out)
