@@ -194,6 +194,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(p.weight_mode in ("question", "only_positive", "only_negative"), "pacs.weight_mode",
          f"question | only_positive | only_negative, got {p.weight_mode!r}")
   _check(p.reference_policy in ("frozen", "rollout"), "pacs.reference_policy", f"frozen | rollout, got {p.reference_policy!r}")
+  if c.algorithm == "pacs" and p.exact_padding_replication:
+    local_rows = t.batch_prompts * c.rollout.n // max(num_processes, 1)
+    _check(local_rows % t.verl_micro_batch_rows == 0, "train.verl_micro_batch_rows",
+           f"pacs.exact_padding_replication packs each process's {local_rows} rows in groups of "
+           f"{t.verl_micro_batch_rows}, which must divide them")
   _check(c.grpo.loss_agg_mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
          "grpo.loss_agg_mode", f"unknown mode {c.grpo.loss_agg_mode!r}")
   _check(c.model.hf_path or c.model.preset, "model.preset", "set model.preset or model.hf_path")

@@ -377,11 +377,11 @@ class Trainer:
       rb.logprob_targets, rb.proxy_mask = pacs_lib.padding_replication_inputs(
           input_ids, attention_mask, self.R, self.cfg.train.verl_micro_batch_rows)
     metrics = self.update(rb)
-    if self.cfg.rollout_data_dir:
-      step = int(self.state.step)
-      dump_generations(self.cfg.rollout_data_dir, step, self._decode(prompts, [c.prompt_index for c in completions]),
-                       texts, scores, data_sources, answers)
     t_update = time.perf_counter()
+    if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
+      dump_generations(self.cfg.rollout_data_dir, int(self.state.step),
+                       self._decode(prompts, [c.prompt_index for c in completions]), texts, scores, data_sources,
+                       answers)
 
     metrics.update(rollout_metrics(rb, reward_stats, self.source_names))
     tokens = float(np.sum(attention_mask)) * jax.process_count()
