@@ -236,3 +236,12 @@ def normalize(answer: str, source: str) -> str:
   if source == "amc23":
     return sources.normalize_answer(float(answer))
   return sources.normalize_answer(answer.replace(",", "") if source == "gsm8k" else answer)
+
+
+def test_released_eval_files(shared_data, tmp_path):
+  paths = sources.released_eval_files(shared_data)
+  assert [os.path.relpath(p, shared_data) for p in paths] == [
+      "gsm8k/test.jsonl", "math500/test.jsonl", "aime2024/test.jsonl", "aime2025/test.jsonl", "amc23/test.jsonl"]
+  assert {sources.infer_data_source(p) for p in paths} == {"gsm8k", "math_500", "aime_2024", "aime_2025", "amc23"}
+  with pytest.raises(FileNotFoundError, match="gsm8k"):
+    sources.released_eval_files(str(tmp_path))

@@ -114,3 +114,24 @@ def test_rollout_reference_run_with_exact_padding_dumps_and_every_checkpoint(tmp
       rows = [json.loads(line) for line in f]
     assert len(rows) == 8 and set(rows[0]) == {"input", "output", "score", "step", "data_source", "ground_truth",
                                                 "reward"}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("train.grad_clip", -1.0, "grad_clip"), ("rollout.stop_tokens", "eos", "stop_tokens"),
+    ("checkpoint.keep", -1, "checkpoint.keep"), ("train.verl_micro_batch_rows", 0, "verl_micro_batch_rows")])
+def test_new_fields_are_validated(field, value, message):
+  cfg = config_lib.default_config()
+  section, name = field.split(".")
+  cfg[section][name] = value
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(cfg)
+
+
+def test_exact_padding_needs_whole_verl_micro_batches():
+  cfg = config_lib.default_config()
+  cfg.pacs.exact_padding_replication = True
+  cfg.train.verl_micro_batch_rows = 3  # 1024 x 8 rows are not groups of 3
+  with pytest.raises(config_lib.ConfigError, match="verl_micro_batch_rows"):
+    config_lib.validate(cfg)
+  assert config_lib.parse_stop_tokens("151643, 151645") == (151643, 151645)
+  assert config_lib.parse_stop_tokens("chat") == "chat" and config_lib.parse_stop_tokens("x") is None
