@@ -202,7 +202,7 @@ def test_killed_workers_are_replaced(scorer):
     scorer.timeout_s = 2.0
   np.testing.assert_array_equal(scores, [0.0, 0.0, 1.0])
   assert stats == {"errors": 2, "timeouts": 0}
-  assert time.monotonic() - start < 10.0
+  assert time.monotonic() - start < 25.0  # well below the 30 s timeout: the kills, not the timeout, ended them
   assert not set(scorer.worker_pids()) & set(pids)
 
   # A worker that dies while idle is replaced before it is given an item.
