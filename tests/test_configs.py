@@ -54,6 +54,16 @@ def test_dry_run_cli_prints_the_per_device_table():
   for part in ("params", "optimizer", "reference", "kv_cache", "activations", "total"):
     assert re.search(rf"^{part}\s+\d+\.\d+$", out, re.M), out
   assert "fits in 95 GB" in out
+  # libtpu is a test dependency: the mesh is laid out on the v5p-64's chips; the figures are called an estimate.
+  assert "mesh laid out on the 32 chips of v5p:2x4x4" in out
+  assert "ESTIMATE" in out and "--compile_only" in out
+
+
+def test_dry_run_says_it_is_an_estimate_without_a_tpu_target():
+  out = subprocess.run([sys.executable, "-m", "pacs_jax.train", "--config", os.path.join(ROOT, "configs", "qwen3b_gpu.py"),
+                        "--dry_run"], capture_output=True, text=True, check=True, env={**os.environ, "XLA_FLAGS": ""},
+                       timeout=300).stdout
+  assert "ESTIMATE" in out and "no compiled figures here, the config names no TPU topology" in out
 
 
 RELEASED = [p for p in CONFIGS if os.path.basename(p) != "tiny_cpu.py"]
