@@ -26,7 +26,6 @@ from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.train import hlo_cost
-from pacs_jax.train import memory
 from pacs_jax.train import programs as programs_lib
 
 GB = 1e9
