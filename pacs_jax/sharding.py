@@ -22,15 +22,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
-# logical axis -> mesh axis (or tuple of axes, or None = replicated), per mode.
+# logical axis -> mesh axis (or tuple of axes, or None = replicated), per mode. "layers", the leading axis
+# of the stacked decoder layers, is never sharded: the layer scan slices one layer per step on every device.
 PARAM_RULES: dict[str, dict[str, Any]] = {
     "train": {
         "vocab": "tensor", "embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
-        "head_dim": None, "norm": None, "value": None,
+        "head_dim": None, "norm": None, "value": None, "layers": None,
     },
     "sample": {
         "vocab": "tensor", "embed": None, "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
-        "head_dim": None, "norm": None, "value": None,
+        "head_dim": None, "norm": None, "value": None, "layers": None,
     },
 }
 

@@ -153,9 +153,12 @@ def make_logprob_fn(graphdef, temperature: float) -> Callable[[nnx.State, Batch]
   """(params, minibatch [k, m, ...]) -> log-probs [k, m, R] of the responses, one micro-batch at a time."""
 
   def fn(params, minibatch):
-    model = nnx.merge(graphdef, params)
     R = minibatch["response_mask"].shape[-1]
-    one = lambda micro: response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature)
+
+    def one(micro):  # merged inside the mapped function's trace, so no module crosses a trace boundary
+      model = nnx.merge(graphdef, params)
+      return response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature)
+
     return jax.lax.map(one, {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")})
 
   return fn
@@ -165,9 +168,12 @@ def make_value_fn(critic_graphdef) -> Callable[[nnx.State, Batch], jax.Array]:
   """(critic params, minibatch [k, m, ...]) -> values [k, m, R]."""
 
   def fn(critic_params, minibatch):
-    critic = nnx.merge(critic_graphdef, critic_params)
     R = minibatch["response_mask"].shape[-1]
-    one = lambda micro: response_values(critic, micro["input_ids"], micro["attention_mask"], R)
+
+    def one(micro):
+      critic = nnx.merge(critic_graphdef, critic_params)
+      return response_values(critic, micro["input_ids"], micro["attention_mask"], R)
+
     return jax.lax.map(one, {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")})
 
   return fn
