@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import re
 import time
 from typing import Any, Callable
 
@@ -87,8 +89,9 @@ class ProgramReport:
   name: str
   phase: str  # "rollout" | "update"
   calls: float  # calls per training step (rollout programs: an upper bound, every response at full length)
-  model_flops: float  # per call: 2 N (forward) or 6 N (forward + backward) per token, N = matmul parameters
+  model_flops: float  # per call and chip: 2 N (forward) or 6 N (forward + backward) per token / chips
   compile_s: float = 0.0
+  load_average: float = 0.0  # the host's 1-minute load average after compiling (compile times depend on it)
   argument: float = 0.0  # bytes per chip
   output: float = 0.0
   alias: float = 0.0
@@ -100,6 +103,7 @@ class ProgramReport:
   raw_flops: float | None = None  # the compiler's count, each loop body once
   raw_bytes: float | None = None
   raw_optimal_s: float | None = None
+  uncosted: int = 0  # instructions the compiler gave no time estimate (left out of optimal_s)
   cycles: float = 0.0  # the compiler's estimated cycles, loops applied (once: raw_cycles)
   raw_cycles: float = 0.0
   loops: list = dataclasses.field(default_factory=list)  # hlo_cost.Loop
@@ -145,9 +149,10 @@ def measure(report: ProgramReport, lower: Callable[[], Any], resident: Callable[
     compiled = lower().compile()
   except Exception as e:  # XLA's out-of-memory (RESOURCE_EXHAUSTED) or any compile error: reported, not raised
     report.compile_s = time.perf_counter() - start
-    report.error = f"{type(e).__name__}: {e}".splitlines()[0][:600]
+    report.error = f"{type(e).__name__}: {e}"
     return None
   report.compile_s = time.perf_counter() - start
+  report.load_average = os.getloadavg()[0]
   mem = compiled.memory_analysis()
   report.argument, report.output = float(mem.argument_size_in_bytes), float(mem.output_size_in_bytes)
   report.alias, report.temp = float(mem.alias_size_in_bytes), float(mem.temp_size_in_bytes)
@@ -157,6 +162,11 @@ def measure(report: ProgramReport, lower: Callable[[], Any], resident: Callable[
   report.loops = loops.loops
   report.raw_flops, report.raw_bytes = cost.get("flops"), cost.get("bytes accessed")
   report.raw_optimal_s = cost.get("optimal_seconds")
+  if report.raw_optimal_s is not None and report.raw_optimal_s < 0:
+    # The TPU cost model counts -1 s for each instruction it cannot cost (seen: an all-gather of a bool
+    # vector, as the engine's replicated `active` flags): keep the costed part, below 1 s for these programs.
+    report.uncosted = -math.floor(report.raw_optimal_s)
+    report.raw_optimal_s -= math.floor(report.raw_optimal_s)
   if report.raw_flops is not None:
     report.flops = report.raw_flops + loops.total("flops") - loops.total("flops", weighted=False)
   if report.raw_bytes is not None:
@@ -235,7 +245,7 @@ class Report:
 
   def problems(self) -> list[str]:
     """Why the run would not fit (empty when it fits or no memory limit is known)."""
-    out = [f"{p.name} ({p.phase}) does not compile for {self.target.description}: {p.error}" for p in self.failed]
+    out = [_compile_problem(p, self.target.description) for p in self.failed]
     hbm = self.target.hbm_bytes
     if hbm:
       for p in self.programs:
@@ -254,13 +264,27 @@ class Report:
     return not self.problems()
 
 
+_UNITS = {"K": 1e3 / GB, "M": 1e6 / GB, "G": 1.0, "T": 1e3}
+
+
+def _compile_problem(p: ProgramReport, where: str) -> str:
+  """One failed program: XLA's out-of-memory figure (`Used 160.5G of 95.74G hbm`, `... (96.20G) exceeds available
+  HBM (95.74G)`) as GB per chip, else its error."""
+  m = (re.search(r"Used ([\d.]+)([KMGT])? of ([\d.]+)([KMGT])? hbm", p.error) or
+       re.search(r"\(([\d.]+)([KMGT])?\) exceeds available HBM \(([\d.]+)([KMGT])?\)", p.error))
+  if m:
+    used, cap = float(m.group(1)) * _UNITS[m.group(2) or "G"], float(m.group(3)) * _UNITS[m.group(4) or "G"]
+    return f"{p.name} ({p.phase}) needs {used:.2f} GB per chip, more than the {cap:.2f} GB XLA can use on {where}"
+  return f"{p.name} ({p.phase}) does not compile for {where}: {p.error.splitlines()[0][:400]}"
+
+
 def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, validation: bool = True,
                 log: Callable[[str], None] = lambda s: None) -> Report:
   """Compiles every program of a training run of `cfg` for its target; see the module docstring.
 
   Rollout programs are compiled at the largest shapes a step uses: each prefill bucket at the most
   prompts one call can hold, the insert program at the longest bucket, the decode chunk at every
-  window; validation's greedy programs too (`validation`).
+  window; validation's greedy programs at its longest bucket and the full window (`validation`).
   """
   tgt = tgt or target(cfg)
   config_lib.validate(cfg, num_processes=tgt.num_processes, devices=tgt.devices)
@@ -272,7 +296,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   engine = programs_lib.make_engine(cfg, policy, mesh, eos_ids=(0,))
   progs = programs_lib.make_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
                                      engine.param_shardings)
-  N = matmul_params(policy)
+  N = matmul_params(policy) / len(tgt.devices)  # per chip: the model FLOPs split evenly over the chips
   n, P, R = cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
   S = engine.max_concurrent_decodes
   updates = programs_lib.updates_per_step(cfg)
@@ -287,7 +311,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     with jax.set_mesh(mesh), persistent_cache_off():
       compiled = measure(report, lower, resident)
     reports.append(report)
-    log(f"  {report.compile_s:.1f} s" + (f"  FAILED: {report.error}" if report.error else ""))
+    log(f"  {report.compile_s:.1f} s" + (f"  FAILED: {report.error.splitlines()[0][:300]}" if report.error else ""))
     return compiled
 
   params_bytes = per_chip_bytes(state.params)
@@ -305,9 +329,10 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   eos = _i32(4)
   waves = -(-(cfg.train.batch_prompts * n) // S)
 
-  def rollout_programs(tag: str, sampling, rows: int, requests: int, calls_scale: float, prompts: int):
+  def rollout_programs(tag: str, sampling, rows: int, requests: int, calls_scale: float, prompts: int,
+                       largest_only: bool = False):
     prefill_out = None
-    for T in engine.prefill_buckets:
+    for T in engine.prefill_buckets[-1:] if largest_only else engine.prefill_buckets:
       longest = T == engine.prefill_buckets[-1]
       calls = calls_scale * -(-prompts // rows) if longest else 0.0  # bound: every prompt at the longest bucket
       compiled = run(ProgramReport(f"{tag}prefill[B={rows},T={T}]", "rollout", calls, 2.0 * N * rows * T),
@@ -322,7 +347,9 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
       run(ProgramReport(f"{tag}insert[R={requests},T={engine.prefill_buckets[-1]}]", "rollout",
                         calls_scale * -(-prompts // rows), 0.0),
           lambda: engine._insert_requests_jit.lower(*args, sampling=sampling), lambda c: state_bytes)
-    for window, calls in sorted(decode_calls(engine, P, R).items()):
+    calls_at = decode_calls(engine, P, R)  # the bound's calls: slots starting at P rows (shorter prompts: fewer rows)
+    windows = [(w, calls_at.get(w, 0)) for w in engine.decode_windows]
+    for window, calls in windows[-1:] if largest_only else windows:
       run(ProgramReport(f"{tag}decode[W={window}]", "rollout", calls_scale * calls,
                         2.0 * N * S * engine.steps_per_call),
           lambda window=window: engine._decode_chunk_jit.lower(
@@ -339,8 +366,10 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     if not cfg.data.val_max_examples:
       notes.append(f"validation programs are compiled for {S} prompts at once (the slots; set "
                    "data.val_max_examples for the real count)")
+    # Validation runs the same prefill and decode functions with more prompts at once and greedy sampling:
+    # its largest shapes are compiled (the other buckets and windows differ from them only in size).
     rollout_programs("val_", sampling_lib.Greedy(), prefill_rows(min(S, val_prompts), 1, val_prompts),
-                     engine_lib._next_pow2(min(S, val_prompts)), 0.0, val_prompts)
+                     engine_lib._next_pow2(min(S, val_prompts)), 0.0, val_prompts, largest_only=True)
 
   # -- update phase ----------------------------------------------------------------------------
   batch_bytes = updates * per_chip_bytes(minibatch)
@@ -369,6 +398,9 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     always["critic params + optimizer"] = per_chip_bytes(state.critic_params) + per_chip_bytes(state.critic_opt_state)
   resident = {"rollout": {**always, "rollout weights": rollout_weights, "decode state (KV cache)": state_bytes},
               "update": {**always, "step batch (mini-batches)": batch_bytes}}
+  uncosted = [p.name for p in reports if p.uncosted]
+  if uncosted:
+    notes.append(f"the compiler gave no time for a few small instructions of {', '.join(uncosted)} (left out)")
   unknown = sum(loop.trip_count is None for p in reports for loop in p.loops)
   if unknown:
     notes.append(f"{unknown} loops without a readable trip count are counted once")
@@ -399,7 +431,7 @@ def format_report(report: Report) -> str:
   lines.append(head)
   for p in report.programs:
     if p.error:
-      lines.append(f"{p.name:<30}{p.compile_s:>10.1f}  DOES NOT COMPILE: {p.error}")
+      lines.append(f"{p.name:<30}{p.compile_s:>10.1f}  DOES NOT COMPILE: {p.error.splitlines()[0][:300]}")
       continue
     loops = ",".join(str(loop.trip_count if loop.trip_count is not None else "?") for loop in p.loops[:6])
     loops += ",…" if len(p.loops) > 6 else ""
@@ -425,7 +457,8 @@ def format_report(report: Report) -> str:
   lines.append("")
   train = next((p for p in report.programs if p.name == "train_step" and not p.error), None)
   if train is not None:
-    lines.append(f"train step compile: {train.compile_s:.1f} s on this host")
+    lines.append(f"train step compile: {train.compile_s:.1f} s on this host ({os.cpu_count()} cores, load average "
+                 f"{train.load_average:.1f})")
   rollout_s, update_s = step_seconds(report, "rollout"), step_seconds(report, "update")
   lines.append(f"compiler's optimal time per step: update {update_s:.1f} s, rollout {rollout_s:.1f} s (upper bound: "
                "every response at max_new_tokens)")
@@ -437,7 +470,8 @@ def format_report(report: Report) -> str:
   problems = report.problems()
   hbm = report.target.hbm_bytes
   if problems:
-    lines.append(f"DOES NOT FIT in {hbm / GB:g} GB per chip:" if hbm else "DOES NOT COMPILE:")
+    memory_only = all("GB per chip" in p for p in problems)
+    lines.append(f"DOES NOT FIT in {hbm / GB:g} GB per chip:" if memory_only and hbm else "DOES NOT COMPILE:")
     lines += [f"  {p}" for p in problems]
   elif hbm:
     totals = ", ".join(f"{ph} {largest[ph][0] / GB:.2f} GB ({100 * largest[ph][0] / hbm:.0f}%)" for ph in phases)

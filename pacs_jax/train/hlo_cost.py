@@ -20,6 +20,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
                 "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1}
@@ -215,14 +217,45 @@ def _dot_flops(comp: Computation, instr: Instruction) -> float:
     dims = lhs.dims[0][1]
     contracted = math.prod(dims[int(d)] for d in m.group(1).split(",") if d)
     return 2.0 * out * contracted
-  # convolution: each output element takes (kernel elements / output features) multiply-adds.
-  m = re.search(r"dim_labels=\w+_(\w+)->", instr.attrs)
-  if rhs is None or not m:
+  # convolution: each output element takes (input features per group) x (valid window taps) multiply-adds.
+  m = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instr.attrs)
+  if lhs is None or rhs is None or not m:
     return 0.0
-  kernel = rhs.dims[0][1]
-  labels = m.group(1)
-  per_output = math.prod(kernel) / kernel[labels.index("o")] if "o" in labels else math.prod(kernel)
-  return 2.0 * out * per_output
+  lhs_labels, kernel_labels, out_labels = m.groups()
+  kernel, lhs_dims, out_dims = rhs.dims[0][1], lhs.dims[0][1], instr.dims[0][1]
+  window = _window(instr.attrs)
+  taps = 1.0
+  for k in range(len(kernel_labels) - 2):  # spatial dims "0", "1", ...
+    d = str(k)
+    taps *= _valid_taps(lhs_dims[lhs_labels.index(d)], out_dims[out_labels.index(d)],
+                        {key: v[k] for key, v in window.items()}, kernel[kernel_labels.index(d)])
+  return 2.0 * out * kernel[kernel_labels.index("i")] * taps
+
+
+def _window(attrs: str) -> dict[str, list]:
+  """A convolution's window attributes: size, stride, pad (lo, hi), lhs_dilate, rhs_dilate per spatial dim."""
+  m = re.search(r"window=\{([^}]*)\}", attrs)
+  out: dict[str, list] = {}
+  for item in (m.group(1).split() if m else []):
+    key, _, value = item.partition("=")
+    if key == "pad":
+      out[key] = [tuple(int(x) for x in v.split("_")) for v in value.split("x")]
+    elif key in ("size", "stride", "lhs_dilate", "rhs_dilate"):
+      out[key] = [int(v) for v in value.split("x")]
+  return out
+
+
+def _valid_taps(n_in: int, n_out: int, w: dict, kernel_size: int) -> float:
+  """Mean window taps per output position that land on an input element (not padding, not a dilation hole):
+  XLA writes batched matmuls as convolutions whose batch dims are windows over dilated inputs."""
+  size, stride = w.get("size", kernel_size), w.get("stride", 1)
+  lo, _ = w.get("pad", (0, 0))
+  d_in, d_k = w.get("lhs_dilate", 1), w.get("rhs_dilate", 1)
+  if size == 1 and lo == 0 and d_in == 1:
+    return 1.0
+  pos = np.arange(n_out)[:, None] * stride + np.arange(size)[None, :] * d_k - lo  # [out, taps] in the dilated input
+  valid = (pos >= 0) & (pos <= (n_in - 1) * d_in) & (pos % d_in == 0)
+  return float(valid.sum()) / max(n_out, 1)
 
 
 _SLICING = ("dynamic-slice", "slice", "gather")

@@ -63,3 +63,13 @@ def test_a_dynamic_slice_in_a_loop_reads_its_slice_not_the_array():
   assert table_bytes < loops.total("bytes") < table_bytes + 32 * 4 * slice_bytes
   # Counted once, as XLA counts, the table is one slice (the two counts differ in details such as on-chip copies).
   assert 0.5 < loops.total("bytes", weighted=False) / cost["bytes accessed"] < 1.5
+
+
+def test_batched_matmuls_written_as_convolutions_count_their_real_flops():
+  # XLA:TPU writes a batched matmul as a convolution whose batch dim is a window over a dilated input; only
+  # one tap per output lands on an input element.
+  attention = lambda q, k: jnp.einsum("BQNH,BKNH->BNQK", q, k)
+  loops, cost = compile_for("tpu", attention, (32, 256, 8, 128), (32, 256, 8, 128))
+  expected = 2.0 * 32 * 8 * 256 * 256 * 128
+  assert loops.total("flops") == pytest.approx(expected, rel=1e-6)
+  assert cost["flops"] == pytest.approx(expected, rel=0.01)
