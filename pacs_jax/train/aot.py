@@ -279,12 +279,13 @@ def _compile_problem(p: ProgramReport, where: str) -> str:
 
 
 def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, validation: bool = True,
-                log: Callable[[str], None] = lambda s: None) -> Report:
+                one_step_decode: bool = False, log: Callable[[str], None] = lambda s: None) -> Report:
   """Compiles every program of a training run of `cfg` for its target; see the module docstring.
 
   Rollout programs are compiled at the largest shapes a step uses: each prefill bucket at the most
   prompts one call can hold, the insert program at the longest bucket, the decode chunk at every
   window; validation's greedy programs at its longest bucket and the full window (`validation`).
+  `one_step_decode` adds a decode call of one step, to compare with the chunk's figures.
   """
   tgt = tgt or target(cfg)
   config_lib.validate(cfg, num_processes=tgt.num_processes, devices=tgt.devices)
@@ -361,6 +362,11 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   rows = prefill_rows(S, n, cfg.train.batch_prompts)
   requests = engine_lib._next_pow2(min(S, cfg.train.batch_prompts * n))
   rollout_programs("", train_sampling, rows, requests, waves, cfg.train.batch_prompts)
+  if one_step_decode:  # for comparison: a call of one step at the full window (no program of the run)
+    run(ProgramReport("decode_1_step[W=full]", "rollout", 0, 2.0 * N * S),
+        lambda: engine._decode_chunk_jit.lower(sample_params, decode_state, jax.ShapeDtypeStruct((), jnp.int32), eos,
+                                               num_steps=1, sampling=train_sampling, window=engine.cache_length),
+        lambda c: rollout_weights + state_bytes)
   if validation and cfg.data.val and cfg.eval_every:
     val_prompts = cfg.data.val_max_examples or S
     if not cfg.data.val_max_examples:
