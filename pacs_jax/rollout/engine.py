@@ -251,6 +251,7 @@ class Engine:
     """
     self.config: qwen2.Qwen2Config = model.config
     self.graphdef, abstract = nnx.split(model)
+    self._abstract = abstract
     self._slots = max_concurrent_decodes
     self._max_prefill_length = max_prefill_length
     self.max_decode_length = max_decode_length
@@ -311,16 +312,15 @@ class Engine:
     spec = sharding.spec_for(logical_axes, sharding.ACTIVATION_RULES, dict(self._mesh.shape), shape)
     return NamedSharding(self._mesh, spec)
 
-  def _constrain(self, tree):
+  def _layout(self, x) -> NamedSharding | None:
     """Slot / batch rows over (data, fsdp), cache kv heads over tensor (when the mesh divides them)."""
+    axes = qwen2.CACHE_AXES if x.ndim == 5 else ("batch",) + (None,) * (x.ndim - 1)
+    return self._sharding(axes, x.shape)
+
+  def _constrain(self, tree):
     if self._mesh is None:
       return tree
-
-    def one(x):
-      axes = qwen2.CACHE_AXES if x.ndim == 5 else ("batch",) + (None,) * (x.ndim - 1)
-      return jax.lax.with_sharding_constraint(x, self._sharding(axes, x.shape))
-
-    return jax.tree.map(one, tree)
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._layout(x)), tree)
 
   def _replicate(self, tree):
     """Small outputs the host reads: replicated, so every process (multi-host) can read them whole."""
@@ -359,6 +359,38 @@ class Engine:
                         steps=jnp.zeros((S,), jnp.int32), budgets=jnp.zeros((S,), jnp.int32),
                         active=jnp.zeros((S,), bool))
     return self._constrain(state)
+
+  def abstract_params(self, dtype=None) -> nnx.State:
+    """The weights' shapes and sample-mode shardings (in `dtype`, default the parameter dtype), for
+    ahead-of-time compiles: nothing is allocated."""
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    shardings = self.param_shardings
+    if shardings is None:
+      shardings = jax.tree.map(lambda _: None, self._abstract, is_leaf=is_var)
+    return jax.tree.map(lambda v, sh: v.replace(jax.ShapeDtypeStruct(v.shape, dtype or v.dtype, sharding=sh)),
+                        self._abstract, shardings, is_leaf=is_var)
+
+  def abstract_decode_state(self) -> DecodeState:
+    """The decode state's shapes and shardings (the ones `init_decode_state` returns), allocating nothing."""
+    shapes = jax.eval_shape(self._init_impl)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._layout(x)), shapes)
+
+  def lower_decode(self, params, state, window: int | None = None, sampling=None):
+    """The decode chunk program (`steps_per_call` steps over the first `window` cache rows) lowered for
+    `params` and `state`, which may be abstract (`abstract_params`, `abstract_decode_state`): call
+    `.compile()` for its memory and cost analyses."""
+    window = self.cache_length if window is None else min(int(window), self.cache_length)
+    with self._mesh_context():
+      return self._decode_chunk_jit.lower(params, state, np.int32(0), eos_array(self.eos_ids),
+                                          num_steps=self.steps_per_call, sampling=sampling or self.sampling,
+                                          window=window)
+
+  def lower_prefill(self, params, batch: int, bucket: int):
+    """The prefill program for `batch` prompts of bucket length `bucket` (see `lower_decode`)."""
+    tokens = jax.ShapeDtypeStruct((batch, bucket), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    with self._mesh_context():
+      return self._prefill_jit.lower(params, tokens, lengths)
 
   def init_decode_state(self) -> DecodeState:
     """All slots empty: a zero cache [layers, S, K, L, H], sharded like the decode batch."""
