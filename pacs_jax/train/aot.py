@@ -28,6 +28,7 @@ from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.train import hlo_cost
+from pacs_jax.train import memory
 from pacs_jax.train import programs as programs_lib
 
 GB = 1e9
@@ -320,12 +321,12 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   compiled = run(ProgramReport("to_sample_params", "rollout", 1, 0.0),
                  lambda: progs.to_sample_params.lower(state.params),
                  lambda c: params_bytes + per_chip_bytes(outputs_of(c)))
-  sample_params = outputs_of(compiled) if compiled is not None else jax.eval_shape(progs.to_sample_params,
-                                                                                      state.params)
+  sample_params = outputs_of(compiled) if compiled is not None else engine.abstract_params(
+      memory.DTYPES[cfg.model.dtype])
   rollout_weights = per_chip_bytes(sample_params)
   compiled = run(ProgramReport("init_decode_state", "rollout", 1, 0.0), lambda: engine._init_jit.lower(),
                  lambda c: per_chip_bytes(outputs_of(c)))
-  decode_state = outputs_of(compiled) if compiled is not None else jax.eval_shape(engine._init_jit)
+  decode_state = outputs_of(compiled) if compiled is not None else engine.abstract_decode_state()
   state_bytes = per_chip_bytes(decode_state)
   eos = _i32(4)
   waves = -(-(cfg.train.batch_prompts * n) // S)
@@ -337,7 +338,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
       longest = T == engine.prefill_buckets[-1]
       calls = calls_scale * -(-prompts // rows) if longest else 0.0  # bound: every prompt at the longest bucket
       compiled = run(ProgramReport(f"{tag}prefill[B={rows},T={T}]", "rollout", calls, 2.0 * N * rows * T),
-                     lambda T=T: engine._prefill_jit.lower(sample_params, _i32(rows, T), _i32(rows)),
+                     lambda T=T: engine.lower_prefill(sample_params, rows, T),
                      lambda c: rollout_weights)
       if longest and compiled is not None:
         prefill_out = outputs_of(compiled)
@@ -345,6 +346,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
       cache, logits = prefill_out
       args = (decode_state, cache, logits, _i32(rows), _i32(requests), _i32(requests),
               jax.ShapeDtypeStruct((), jnp.uint32), _i32(requests), _i32(requests), _i32(requests), eos)
+      # The engine's jitted insert (no lowering hook of its own): requests into slots, the state donated.
       run(ProgramReport(f"{tag}insert[R={requests},T={engine.prefill_buckets[-1]}]", "rollout",
                         calls_scale * -(-prompts // rows), 0.0),
           lambda: engine._insert_requests_jit.lower(*args, sampling=sampling), lambda c: state_bytes)
@@ -353,9 +355,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     for window, calls in windows[-1:] if largest_only else windows:
       run(ProgramReport(f"{tag}decode[W={window}]", "rollout", calls_scale * calls,
                         2.0 * N * S * engine.steps_per_call),
-          lambda window=window: engine._decode_chunk_jit.lower(
-              sample_params, decode_state, jax.ShapeDtypeStruct((), jnp.int32), eos,
-              num_steps=engine.steps_per_call, sampling=sampling, window=window),
+          lambda window=window: engine.lower_decode(sample_params, decode_state, window, sampling),
           lambda c: rollout_weights + state_bytes)
 
   train_sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
