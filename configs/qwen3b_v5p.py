@@ -9,6 +9,7 @@ from _released import released_recipe  # noqa: E402
 
 def get_config(algorithm: str = "pacs"):
   c = released_recipe("qwen2.5-3b", "Qwen/Qwen2.5-3B", algorithm)
+  c.hardware.tpu_topology = "v5p:2x4x4"  # --compile_only builds the mesh and compiles for this slice
   c.hardware.num_devices = 32
   c.hardware.hbm_gb = 95.0
   c.hardware.num_processes = 8  # 4 chips per v5p host; each host feeds whole prompt groups

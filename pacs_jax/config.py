@@ -6,6 +6,8 @@ runs before anything is compiled and names the offending field in its message.
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 ALGORITHMS = ("pacs", "grpo", "ppo")
@@ -129,8 +131,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.reward_workers = 2
   c.reward_timeout_s = 10.0
 
-  # The target machine, for `--dry_run` (memory per device) and documentation.
+  # The target machine: `--compile_only` and `--dry_run` build the mesh and compile for it before any launch.
   c.hardware = ml_collections.ConfigDict()
+  # A TPU slice as libtpu names it, "<generation>:<topology>": "v5p:2x4x4" is a v5p-64 (32 chips, 8 hosts),
+  # "v5p:4x4x4" a v5p-128 (64 chips, 16 hosts). "" = no TPU target (GPU / CPU configs).
+  c.hardware.tpu_topology = ""
   c.hardware.num_devices = 0  # accelerator chips of the target slice (0 = the devices present)
   c.hardware.hbm_gb = 0.0  # memory per chip, e.g. 95 on TPU v5p, 80 on H100
   c.hardware.num_processes = 0  # JAX processes (hosts) of the target slice, e.g. chips / 4 on v5p (0 = 1)
@@ -165,8 +170,14 @@ def _check(ok: bool, field: str, msg: str):
     raise ConfigError(f"config.{field}: {msg}")
 
 
-def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_processes: int = 1) -> None:
-  """Checks a config before anything is built; raises ConfigError naming the field."""
+def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_processes: int = 1,
+             devices=None) -> None:
+  """Checks a config before anything is built; raises ConfigError naming the field.
+
+  With `devices` (real ones, or a TPU topology's abstract ones) the mesh is also laid out on them.
+  """
+  if devices is not None:
+    num_devices = len(devices)
   _check(c.algorithm in ALGORITHMS, "algorithm", f"must be one of {ALGORITHMS}, got {c.algorithm!r}")
   _check(c.steps > 0, "steps", f"must be positive, got {c.steps}")
   _check(c.rollout.n >= 1, "rollout.n", f"must be >= 1, got {c.rollout.n}")
@@ -227,6 +238,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     micro_rows = micro * c.rollout.n
     _check(micro_rows % batch_shards == 0, "train.micro_batch_prompts",
            f"micro-batch rows ({micro} prompts x n={c.rollout.n} = {micro_rows}) must be divisible by data*fsdp = {batch_shards}")
+  _check_topology(c)
+  if devices is not None:
+    check_mesh_layout(c, devices)
   _check(t.batch_prompts % num_processes == 0, "train.batch_prompts",
          f"must be divisible by the {num_processes} processes (each feeds an equal share)")
   # Each process contributes its own rows to every micro-batch (and so to every mini-batch); with fewer
@@ -235,6 +249,41 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(micro % num_processes == 0, "train.micro_batch_prompts",
          f"micro-batch prompts ({micro}) must be divisible by the {num_processes} processes, so that each "
          "process feeds whole groups to every micro-batch")
+
+
+TPU_CHIPS_PER_HOST = 4
+
+
+def topology_chips(topology: str) -> int:
+  """Chips of a TPU topology name: "v5p:4x4x4" -> 64."""
+  dims = topology.partition(":")[2].split("x")
+  if not topology.count(":") == 1 or not all(d.isdigit() and int(d) > 0 for d in dims):
+    raise ConfigError(f'config.hardware.tpu_topology: expected "<generation>:<dims>" such as "v5p:4x4x4", got {topology!r}')
+  return math.prod(int(d) for d in dims)
+
+
+def _check_topology(c: ml_collections.ConfigDict) -> None:
+  """The TPU target agrees with the chip and host counts the config states."""
+  h = c.hardware
+  if not h.tpu_topology:
+    return
+  chips = topology_chips(h.tpu_topology)
+  _check(h.num_devices in (0, chips), "hardware.num_devices",
+         f"{h.tpu_topology} has {chips} chips, got {h.num_devices}")
+  hosts = max(1, chips // TPU_CHIPS_PER_HOST)
+  _check(h.num_processes in (0, hosts), "hardware.num_processes",
+         f"{h.tpu_topology} has {hosts} hosts of {TPU_CHIPS_PER_HOST} chips, got {h.num_processes}")
+
+
+def check_mesh_layout(c: ml_collections.ConfigDict, devices) -> None:
+  """The mesh (data, fsdp, tensor) can be laid out on `devices`, each host holding whole batch shards."""
+  from pacs_jax import sharding  # jax only when devices are given
+  try:
+    sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
+  except ValueError as e:
+    where = f" of {c.hardware.tpu_topology}" if c.hardware.tpu_topology else ""
+    raise ConfigError(f"config.mesh.data/fsdp/tensor = {c.mesh.data}/{c.mesh.fsdp}/{c.mesh.tensor}: cannot be laid "
+                      f"out on the {len(devices)} devices{where}: {e}") from e
 
 
 def load_config_file(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:

@@ -16,20 +16,22 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
-# logical axis -> mesh axis (or tuple of axes, or None = replicated), per mode.
+# logical axis -> mesh axis (or tuple of axes, or None = replicated), per mode. "layers", the leading axis
+# of the stacked decoder layers, is never sharded: the layer scan slices one layer per step on every device.
 PARAM_RULES: dict[str, dict[str, Any]] = {
     "train": {
         "vocab": "tensor", "embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
-        "head_dim": None, "norm": None, "value": None,
+        "head_dim": None, "norm": None, "value": None, "layers": None,
     },
     "sample": {
         "vocab": "tensor", "embed": None, "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
-        "head_dim": None, "norm": None, "value": None,
+        "head_dim": None, "norm": None, "value": None, "layers": None,
     },
 }
 
@@ -41,7 +43,7 @@ ACTIVATION_RULES: dict[str, Any] = {
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A ('data', 'fsdp', 'tensor') mesh; one size may be -1 (= the remaining devices)."""
+  """A ('data', 'fsdp', 'tensor') mesh; one size may be -1 (= the remaining devices). See `device_grid`."""
   devices = list(jax.devices() if devices is None else devices)
   sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
   free = [k for k, v in sizes.items() if v == -1]
@@ -59,7 +61,68 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[
     raise ValueError(f"mesh: data*fsdp*tensor = {total} but there are {len(devices)} devices ({sizes})")
   shape = tuple(sizes[a] for a in MESH_AXES)
   # Auto axes: XLA's partitioner propagates shardings from parameters and our constraints.
-  return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  return Mesh(device_grid(shape, devices), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def device_grid(shape: tuple[int, int, int], devices: Sequence[jax.Device]) -> np.ndarray:
+  """Devices as a [data, fsdp, tensor] array.
+
+  `mesh_utils` lays the axes onto the physical network (on a TPU torus, tensor, the most communicating
+  axis, on neighbouring chips), splitting a physical axis where no whole one fits: (1, 32, 2) on a v5p-128
+  (4x4x4) needs that, and `jax.make_mesh` refuses it. The batch shards (data x fsdp) are then ordered by
+  process, so each host's devices hold one contiguous block of rows: a host feeds whole prompt groups
+  (`make_array_from_process_local_data` places a host's rows at its devices' shards, in shard order).
+  """
+  try:
+    grid = mesh_utils.create_device_mesh(shape, list(devices), allow_split_physical_axes=True)
+  except (ValueError, NotImplementedError, AssertionError) as e:
+    raise ValueError(f"mesh: (data, fsdp, tensor) = {shape} cannot be laid out on these {len(devices)} "
+                     f"{devices[0].device_kind} devices: {e}") from e
+  rows = grid.reshape(-1, shape[-1])  # [data * fsdp, tensor]: the devices holding each batch shard
+  hosts = [{d.process_index for d in row} for row in rows]
+  if any(len(h) > 1 for h in hosts):
+    per_host = len(devices) // len(set().union(*hosts))
+    raise ValueError(f"mesh: tensor={shape[-1]} spans devices of more than one process ({per_host} devices per "
+                     "process here): each batch shard must live on one host, which feeds its rows")
+  order = sorted(range(len(rows)), key=lambda i: min(hosts[i]))  # stable: keeps the physical order within a host
+  return rows[order].reshape(shape)
+
+
+# Chips per host of multi-host TPU slices (x, y, z): 4 chips per VM on v4, v5p, and multi-host v5e / v6e.
+_TPU_CHIPS_PER_HOST_BOUNDS = (2, 2, 1)
+
+
+def _prepare_compile_only_libtpu() -> None:
+  """libtpu defaults for compiling on a machine without TPUs: several processes may load it (parallel tests,
+  a run beside a compile), and it need not look for TPU workers in the cloud metadata."""
+  import glob
+  import os
+  if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+    return  # a TPU VM: its runtime knows its own topology
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+
+@functools.lru_cache(maxsize=None)
+def tpu_topology_devices(topology: str) -> tuple[jax.Device, ...]:
+  """The abstract devices of a TPU slice, e.g. "v5p:4x4x4" (a v5p-128: 64 chips, 16 hosts).
+
+  They need no TPU: meshes are built and programs compiled for them on any machine with libtpu
+  (`pip install "jax[tpu]"`); nothing can run on them.
+  """
+  import importlib.util
+  if importlib.util.find_spec("libtpu") is None:
+    raise RuntimeError(f"compiling for the TPU topology {topology!r} needs libtpu: pip install 'jax[tpu]'")
+  _prepare_compile_only_libtpu()
+  from jax.experimental import topologies
+  try:
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name="default",
+                                        chips_per_host_bounds=_TPU_CHIPS_PER_HOST_BOUNDS, num_slices=1)
+  except Exception as e:  # libtpu raises JaxRuntimeError for names it does not know
+    raise ValueError(f"TPU topology {topology!r} is not one libtpu knows (e.g. 'v5p:2x4x4', 'v5p:4x4x4'): {e}") from e
+  return tuple(desc.devices)
 
 
 def _axis_size(mesh_shape: dict[str, int], axis) -> int:

@@ -2,7 +2,11 @@
 
 import os
 
-if "cuda" not in os.environ.get("JAX_PLATFORMS", "") and "tpu" not in os.environ.get("JAX_PLATFORMS", ""):
+# CPU unless a GPU / TPU run is asked for: with libtpu installed (a test dependency, for compiling TPU
+# programs ahead of time) jax would otherwise look for a TPU first. Subprocesses inherit it.
+if not os.environ.get("JAX_PLATFORMS"):
+  os.environ["JAX_PLATFORMS"] = "cpu"
+if "cuda" not in os.environ["JAX_PLATFORMS"] and "tpu" not in os.environ["JAX_PLATFORMS"]:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,4 +1,4 @@
-"""Every config file loads and validates; the v5p dry runs fit a v5p chip's 95 GB."""
+"""Every config file loads and validates; released meshes lay out on their targets; the v5p dry runs fit 95 GB."""
 
 import glob
 import os
@@ -6,9 +6,12 @@ import re
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 from pacs_jax import config as config_lib
+from pacs_jax import sharding
 from pacs_jax.train import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,3 +54,67 @@ def test_dry_run_cli_prints_the_per_device_table():
   for part in ("params", "optimizer", "reference", "kv_cache", "activations", "total"):
     assert re.search(rf"^{part}\s+\d+\.\d+$", out, re.M), out
   assert "fits in 95 GB" in out
+  # libtpu is a test dependency: the mesh is laid out on the v5p-64's chips; the figures are called an estimate.
+  assert "mesh laid out on the 32 chips of v5p:2x4x4" in out
+  assert "ESTIMATE" in out and "--compile_only" in out
+
+
+def test_dry_run_says_it_is_an_estimate_without_a_tpu_target():
+  out = subprocess.run([sys.executable, "-m", "pacs_jax.train", "--config", os.path.join(ROOT, "configs", "qwen3b_gpu.py"),
+                        "--dry_run"], capture_output=True, text=True, check=True, env={**os.environ, "XLA_FLAGS": ""},
+                       timeout=300).stdout
+  assert "ESTIMATE" in out and "no compiled figures here, the config names no TPU topology" in out
+
+
+RELEASED = [p for p in CONFIGS if os.path.basename(p) != "tiny_cpu.py"]
+
+
+def target_devices(cfg):
+  """The target's devices: a TPU topology's abstract devices, or (GPU configs) that many CPU stand-ins."""
+  if cfg.hardware.tpu_topology:
+    return sharding.tpu_topology_devices(cfg.hardware.tpu_topology)
+  return jax.devices()[:cfg.hardware.num_devices]
+
+
+@pytest.mark.parametrize("path", RELEASED, ids=os.path.basename)
+def test_released_mesh_is_laid_out_on_its_target(path):
+  cfg = config_lib.load_config_file(path)
+  devices = target_devices(cfg)
+  assert len(devices) == cfg.hardware.num_devices
+  config_lib.validate(cfg, num_processes=cfg.hardware.num_processes or 1, devices=devices)
+  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+  data, fsdp, tensor = (mesh.shape[a] for a in sharding.MESH_AXES)
+  assert (data, tensor) == (cfg.mesh.data, cfg.mesh.tensor) and data * fsdp * tensor == len(devices)
+  assert set(mesh.devices.flat) == set(devices)
+  shards = mesh.devices.reshape(data * fsdp, tensor)  # the devices holding each batch shard
+  hosts = cfg.hardware.num_processes or 1
+  if cfg.hardware.tpu_topology:
+    assert len({d.process_index for d in devices}) == hosts
+    for group in shards:  # tensor groups are neighbours on the torus (one hop apart)
+      coords = np.array([d.coords for d in group])
+      assert all(np.abs(np.diff(coords, axis=0)).sum(-1) == 1), coords
+  # Each host holds one contiguous block of batch shards (it feeds whole prompt groups to it).
+  owner = [{d.process_index for d in group} for group in shards]
+  assert all(len(o) == 1 for o in owner)
+  owner = [o.pop() for o in owner]
+  for host in set(owner):
+    idx = [i for i, o in enumerate(owner) if o == host]
+    assert idx == list(range(idx[0], idx[0] + len(idx))) and len(idx) == data * fsdp // hosts
+
+
+def test_jax_make_mesh_cannot_lay_out_the_7b_mesh_but_make_mesh_can():
+  devices = sharding.tpu_topology_devices("v5p:4x4x4")
+  with pytest.raises(NotImplementedError):
+    jax.make_mesh((1, 32, 2), sharding.MESH_AXES, devices=devices)
+  assert dict(sharding.make_mesh(1, 32, 2, devices=devices).shape) == {"data": 1, "fsdp": 32, "tensor": 2}
+
+
+def test_validate_names_the_mesh_when_it_cannot_be_laid_out():
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen3b_v5p.py"))
+  devices = sharding.tpu_topology_devices(cfg.hardware.tpu_topology)
+  cfg.mesh.fsdp, cfg.mesh.tensor = 4, 8  # a tensor group of 8 chips would span two 4-chip hosts
+  with pytest.raises(config_lib.ConfigError, match=r"config\.mesh\.data/fsdp/tensor = 1/4/8.*v5p:2x4x4.*one host"):
+    config_lib.validate(cfg, num_processes=8, devices=devices)
+  cfg.hardware.num_processes = 4
+  with pytest.raises(config_lib.ConfigError, match=r"config\.hardware\.num_processes: v5p:2x4x4 has 8 hosts"):
+    config_lib.validate(cfg)

@@ -29,8 +29,9 @@ SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 
 # ----------------------------------------------------------------------------------------------
-# Name and layout mapping. Each entry: our state path -> (HF tensor name, layout). Layouts say how
-# our array is laid out relative to HF's [out, in] weights:
+# Name and layout mapping. Each entry: our state path (and layer, for the stacked decoder layers) ->
+# (HF tensor name, layout). Layouts say how our array (one layer's slice) is laid out relative to HF's
+# [out, in] weights:
 #   "same"      ours == HF
 #   "t"         ours [in, out] == HF[out, in].T
 #   "heads_in"  ours [D, N, H] == HF[N*H, D].T reshaped (q/k/v kernels)
@@ -43,24 +44,26 @@ class TensorMap:
   path: tuple  # path in nnx.state(model)
   hf_name: str
   layout: str
+  layer: int | None = None  # decoder layers are stacked: the HF tensor is slice `layer` of our array
 
 
 def tensor_maps(config: Qwen2Config) -> list[TensorMap]:
   maps = [TensorMap(("model", "embed_tokens"), "model.embed_tokens.weight", "same"),
           TensorMap(("model", "norm", "weight"), "model.norm.weight", "same")]
+  ours = ("model", "layers")
   for i in range(config.num_hidden_layers):
-    ours, hf = ("model", "layers", i), f"model.layers.{i}."
+    hf = f"model.layers.{i}."
     maps += [
-        TensorMap(ours + ("input_layernorm", "weight"), hf + "input_layernorm.weight", "same"),
-        TensorMap(ours + ("post_attention_layernorm", "weight"), hf + "post_attention_layernorm.weight", "same"),
-        TensorMap(ours + ("self_attn", "o_kernel"), hf + "self_attn.o_proj.weight", "heads_out"),
-        TensorMap(ours + ("mlp", "gate_kernel"), hf + "mlp.gate_proj.weight", "t"),
-        TensorMap(ours + ("mlp", "up_kernel"), hf + "mlp.up_proj.weight", "t"),
-        TensorMap(ours + ("mlp", "down_kernel"), hf + "mlp.down_proj.weight", "t"),
+        TensorMap(ours + ("input_layernorm", "weight"), hf + "input_layernorm.weight", "same", i),
+        TensorMap(ours + ("post_attention_layernorm", "weight"), hf + "post_attention_layernorm.weight", "same", i),
+        TensorMap(ours + ("self_attn", "o_kernel"), hf + "self_attn.o_proj.weight", "heads_out", i),
+        TensorMap(ours + ("mlp", "gate_kernel"), hf + "mlp.gate_proj.weight", "t", i),
+        TensorMap(ours + ("mlp", "up_kernel"), hf + "mlp.up_proj.weight", "t", i),
+        TensorMap(ours + ("mlp", "down_kernel"), hf + "mlp.down_proj.weight", "t", i),
     ]
     for p in "qkv":
-      maps += [TensorMap(ours + ("self_attn", f"{p}_kernel"), hf + f"self_attn.{p}_proj.weight", "heads_in"),
-               TensorMap(ours + ("self_attn", f"{p}_bias"), hf + f"self_attn.{p}_proj.bias", "heads")]
+      maps += [TensorMap(ours + ("self_attn", f"{p}_kernel"), hf + f"self_attn.{p}_proj.weight", "heads_in", i),
+               TensorMap(ours + ("self_attn", f"{p}_bias"), hf + f"self_attn.{p}_proj.bias", "heads", i)]
   if not config.tie_word_embeddings:
     maps.append(TensorMap(("lm_head",), "lm_head.weight", "t"))
   return maps
@@ -181,32 +184,60 @@ def weight_files(path: str) -> dict[str, str]:
 
 
 def _read_into(maps, files, abstract_state, mesh, dtype) -> dict:
-  """Returns {path: jax.Array} for every mapped tensor, checked against the expected shapes."""
+  """Returns {path: jax.Array} for every mapped parameter, each HF tensor checked against its expected shape.
+
+  A stacked parameter [layers, ...] is read layer by layer into its slices. With a mesh, each device
+  reads only its own slice of every tensor (the callback's index: layers, then the per-layer dims).
+  """
   shardings = sharding.state_shardings(abstract_state, mesh, "train") if mesh is not None else None
   flat = dict(nnx.to_flat_state(abstract_state))
   flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+  by_path: dict[tuple, list[TensorMap]] = {}
+  for m in maps:
+    by_path.setdefault(m.path, []).append(m)
   handles = {}
+
+  def open_tensor(m: TensorMap, shape: tuple):
+    if m.hf_name not in files:
+      where = sorted(set(files.values()))
+      raise KeyError(f"tensor {m.hf_name!r} is missing from {', '.join(where)}")
+    fname = files[m.hf_name]
+    if fname not in handles:
+      handles[fname] = safe_open(fname, framework="numpy").__enter__()
+    tensor = handles[fname].get_slice(m.hf_name)
+    expected, got = hf_shape(m.layout, shape), tuple(tensor.get_shape())
+    if expected != got:
+      raise ValueError(f"{fname}: tensor {m.hf_name!r} has shape {got}, expected {expected} from config.json")
+    return tensor
+
+  def reader(group: list[TensorMap], shape: tuple):
+    """index (slices over `shape`) -> that part of the parameter, read from the group's HF tensors."""
+    layout = group[0].layout
+    if group[0].layer is None:
+      tensor = open_tensor(group[0], shape)
+      return lambda index: np.asarray(read_slice(tensor, layout, shape, index), dtype=dtype)
+    if [m.layer for m in group] != list(range(shape[0])):
+      raise ValueError(f"{group[0].path}: expected one tensor per layer for {shape[0]} layers")
+    tensors = [open_tensor(m, shape[1:]) for m in group]
+
+    def read(index):
+      index = tuple(index) or (slice(None),)
+      lo, hi = _bounds(index[0], shape[0])
+      return np.stack([np.asarray(read_slice(tensors[i], layout, shape[1:], index[1:]), dtype=dtype)
+                       for i in range(lo, hi)])
+    return read
+
   out = {}
   try:
-    for m in maps:
-      if m.hf_name not in files:
-        where = sorted(set(files.values()))
-        raise KeyError(f"tensor {m.hf_name!r} is missing from {', '.join(where)}")
-      fname = files[m.hf_name]
-      if fname not in handles:
-        handles[fname] = safe_open(fname, framework="numpy").__enter__()
-      tensor = handles[fname].get_slice(m.hf_name)
-      shape = tuple(flat[m.path].get_value().shape)
-      expected, got = hf_shape(m.layout, shape), tuple(tensor.get_shape())
-      if expected != got:
-        raise ValueError(f"{fname}: tensor {m.hf_name!r} has shape {got}, expected {expected} from config.json")
+    for path, group in by_path.items():
+      shape = tuple(flat[path].get_value().shape)
+      read = reader(group, shape)
       if mesh is None:
-        out[m.path] = jnp.asarray(read_slice(tensor, m.layout, shape, ()), dtype=dtype)
+        out[path] = jnp.asarray(read(()))
       else:
-        sh = flat_shardings[m.path]
+        sh = flat_shardings[path]
         sh = sh.get_value() if isinstance(sh, nnx.Variable) else sh
-        out[m.path] = jax.make_array_from_callback(
-            shape, sh, lambda idx, t=tensor, m=m, s=shape: np.asarray(read_slice(t, m.layout, s, idx), dtype=dtype))
+        out[path] = jax.make_array_from_callback(shape, sh, read)
   finally:
     for h in handles.values():
       h.__exit__(None, None, None)
@@ -356,7 +387,8 @@ def _plan_shards(maps, flat, dtype, limit) -> list[list[TensorMap]]:
   shards, size = [[]], 0
   for m in maps:
     v = flat[m.path].get_value()
-    nbytes = math.prod(v.shape) * np.dtype(dtype or v.dtype).itemsize
+    shape = v.shape[1:] if m.layer is not None else v.shape
+    nbytes = math.prod(shape) * np.dtype(dtype or v.dtype).itemsize
     if limit is not None and size and size + nbytes > limit:
       shards.append([])
       size = 0
@@ -383,7 +415,8 @@ def save_pretrained(model: Qwen2ForCausalLM, out_dir: str, tokenizer=None, max_s
   for i, maps in enumerate(plan):
     tensors = {}
     for m in maps:
-      array = _to_host(flat[m.path].get_value())
+      value = flat[m.path].get_value()
+      array = _to_host(value if m.layer is None else value[m.layer])  # one layer of a stacked parameter
       array = array.astype(dtype) if dtype is not None else array
       tensors[m.hf_name] = np.ascontiguousarray(to_hf(m.layout, array))
       total += tensors[m.hf_name].nbytes

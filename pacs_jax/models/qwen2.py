@@ -1,8 +1,9 @@
 """Flax NNX Qwen2 / Qwen2.5 decoder, numerically the same model as transformers' `Qwen2ForCausalLM`.
 
-Every parameter is created with its logical axis names (`logical_axes` metadata); `pacs_jax.sharding`
-maps them to mesh axes per mode (train / sample). Shapes: B batch, T query length, S key length,
-D hidden, N query heads, K kv heads, G = N // K, H head dim, F mlp width, V vocab, L layers.
+Decoder layers are stacked over a leading "layers" axis and run by one `lax.scan`. Every parameter
+carries its logical axis names (`logical_axes` metadata); `pacs_jax.sharding` maps them to mesh axes per
+mode (train / sample). Shapes: B batch, T query length, S key length (cache rows), D hidden, N query
+heads, K kv heads, G = N // K, H head dim, F mlp width, V vocab.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from pacs_jax import sharding
 
@@ -39,7 +41,7 @@ class Qwen2Config:
   # Numerics / memory; not part of the HF config.
   param_dtype: Any = jnp.float32
   dtype: Any = jnp.float32  # compute dtype of matmuls (bf16 on accelerators)
-  remat: bool = False  # rematerialise each decoder layer in the backward pass
+  remat: bool = False  # rematerialise each decoder layer in the backward pass (keep only its input)
   # >0: attend `attention_chunk` queries at a time, each block rematerialised in the backward pass, so the
   # fp32 scores peak at [B, K, G, chunk, S] instead of [B, K, G, T, S] (long responses). 0 = all at once.
   attention_chunk: int = 0
@@ -135,17 +137,55 @@ def get_preset(name: str, **overrides) -> Qwen2Config:
 
 
 @flax.struct.dataclass
-class LayerCache:
-  k: jax.Array  # [B, S, K, H]
-  v: jax.Array  # [B, S, K, H]
+class KVCache:
+  """Keys and values of every layer, stacked, in the layout decode reads: [layers, B, K, S, H].
+
+  Heads come before rows, so each (row, head) holds a contiguous [S, H] block: the minor dims tile well
+  on TPU whatever the number of kv heads per chip. A decode call writes only its new rows, in place (the
+  cache is carried through the layer scan and the decode loop, never re-laid out or copied).
+  """
+  k: jax.Array  # [layers, B, K, S, H]
+  v: jax.Array  # [layers, B, K, S, H]
+
+  @property
+  def rows(self) -> int:
+    return self.k.shape[3]
 
 
-def init_cache(config: Qwen2Config, batch: int, length: int, dtype=None) -> tuple[LayerCache, ...]:
-  """An all-zero cache of `length` positions per row, one `LayerCache` per layer."""
-  shape = (batch, length, config.num_key_value_heads, config.head_size)
+# Logical axes of `KVCache.k` / `.v` (see `pacs_jax.sharding`): rows over (data, fsdp), kv heads over tensor.
+CACHE_AXES = ("layers", "batch", "kv_heads", None, None)
+
+
+def init_cache(config: Qwen2Config, batch: int, length: int, dtype=None) -> KVCache:
+  """An all-zero cache of `length` rows for each of `batch` sequences, every layer."""
+  shape = (config.num_hidden_layers, batch, config.num_key_value_heads, length, config.head_size)
   dtype = dtype or config.dtype
-  return tuple(LayerCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-               for _ in range(config.num_hidden_layers))
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def write_kv(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, write_index=None) -> KVCache:
+  """Writes one layer's new keys and values k, v [B, T, K, H] to cache rows write_index[b] + [0, T) of
+  sequence b (None: rows [0, T) of every sequence). Only those rows are written.
+
+  One scatter over (sequence, row) pairs: in a loop-carried, donated cache XLA writes it in place in
+  the cache's own layout (a per-sequence dynamic_update_slice under vmap makes it re-lay the whole
+  cache out around the loop instead).
+  """
+  B, T = k.shape[:2]
+  if write_index is None:
+    block = lambda new: jnp.swapaxes(new, 1, 2)[None]  # [1, B, K, T, H]
+    write = lambda buf, new: lax.dynamic_update_slice(buf, block(new).astype(buf.dtype), (layer, 0, 0, 0, 0))
+  else:
+    seq = jnp.arange(B)[:, None]  # [B, 1]
+    rows = write_index[:, None] + jnp.arange(T)[None, :]  # [B, T]
+    write = lambda buf, new: buf.at[layer, seq, :, rows, :].set(new.astype(buf.dtype))  # new [B, T, K, H]
+  return KVCache(k=write(cache.k, k), v=write(cache.v, v))
+
+
+def read_kv(cache: KVCache, layer: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+  """One layer's first `rows` cache rows: k, v [B, K, rows, H] (a decode window reads no further)."""
+  read = lambda buf: lax.dynamic_index_in_dim(buf, layer, axis=0, keepdims=False)[:, :, :rows]
+  return read(cache.k), read(cache.v)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,11 +217,16 @@ def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
 
 
 def apply_rope(x, cos, sin):
-  """x: [B, T, N, H]; rotate-half convention of transformers (not interleaved)."""
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-  return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+  """x: [B, T, N, H]; rotate-half convention of transformers (not interleaved).
+
+  rotate_half(x) = [-x2, x1] is written as a roll by H/2 times a sign: the same numbers, and on TPU a
+  much cheaper program to compile than a split and a concatenate along the lanes.
+  """
+  H = x.shape[-1]
+  x32 = x.astype(jnp.float32)
+  sign = jnp.where(jnp.arange(H) < H // 2, -1.0, 1.0).astype(jnp.float32)  # [H]
+  rotated = jnp.roll(x32, H // 2, axis=-1) * sign
+  return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -198,48 +243,52 @@ class Attention(nnx.Module):
     self.v_bias = _param(rngs, (K, H), ("kv_heads", "head_dim"), pd, nnx.initializers.zeros)
     self.o_kernel = _param(rngs, (N, H, D), ("q_heads", "head_dim", "embed"), pd)
 
-  def __call__(self, x, cos, sin, mask, cache: LayerCache | None = None, write_index=None):
-    """x: [B, T, D]; mask: [B, T, S] bool (True = may attend).
-
-    Without a cache, S = T and keys are this call's tokens. With a cache, this call's keys/values are
-    written at rows [write_index[b], write_index[b] + T) and attention runs over the whole cache.
-    """
-    c = self.config
-    dt = c.dtype
+  def project(self, x, cos, sin):
+    """x [B, T, D] -> q [B, T, N, H], k, v [B, T, K, H] (RoPE applied to q and k)."""
+    dt = self.config.dtype
     x = x.astype(dt)
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
     k = jnp.einsum("BTD,DKH->BTKH", x, self.k_kernel[...].astype(dt)) + self.k_bias[...].astype(dt)
     v = jnp.einsum("BTD,DKH->BTKH", x, self.v_kernel[...].astype(dt)) + self.v_bias[...].astype(dt)
-    q = sharding.constrain(apply_rope(q, cos, sin), ("batch", None, "heads", None))
-    k = sharding.constrain(apply_rope(k, cos, sin), ("batch", None, "kv_heads", None))
-    v = sharding.constrain(v, ("batch", None, "kv_heads", None))
+    return (sharding.constrain(apply_rope(q, cos, sin), ("batch", None, "heads", None)),
+            apply_rope(k, cos, sin), v)
 
-    new_cache = None
-    if cache is not None:
-      write = jax.vmap(lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new, i, axis=0))
-      new_cache = LayerCache(k=write(cache.k, k.astype(cache.k.dtype), write_index),
-                             v=write(cache.v, v.astype(cache.v.dtype), write_index))
-      k, v = new_cache.k.astype(dt), new_cache.v.astype(dt)
+  def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, layer=None, write_index=None):
+    """x: [B, T, D]; mask: [B, T, S] bool (True = may attend). Returns (y [B, T, D], cache).
+
+    Without a cache, S = T and keys are this call's tokens. With a cache (every layer's), this call's
+    keys/values are written to layer `layer` (see `write_kv`), and attention reads that layer's first S
+    cache rows (S = the decode window).
+    """
+    c = self.config
+    q, k, v = self.project(x, cos, sin)
+    if cache is None:
+      k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H]
+    else:
+      cache = write_kv(cache, layer, k, v, write_index)
+      k, v = (t.astype(c.dtype) for t in read_kv(cache, layer, mask.shape[-1]))  # [B, K, S, H]
+    k = sharding.constrain(k, ("batch", "kv_heads", None, None))
+    v = sharding.constrain(v, ("batch", "kv_heads", None, None))
 
     B, T, N, H = q.shape
-    K = k.shape[2]
+    K = k.shape[1]
     q = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     if c.attention_chunk and T > c.attention_chunk:
       out = _attend_in_chunks(q, k, v, mask, c.attention_chunk)
     else:
       out = _attend(q, k, v, mask)
     out = sharding.constrain(out.reshape(B, T, N, H), ("batch", None, "heads", None))
-    y = jnp.einsum("BTNH,NHD->BTD", out, self.o_kernel[...].astype(dt))
-    return y, new_cache
+    y = jnp.einsum("BTNH,NHD->BTD", out, self.o_kernel[...].astype(c.dtype))
+    return y, cache
 
 
 def _attend(q, k, v, mask):
-  """Softmax attention. q: [B, T, K, G, H]; k, v: [B, S, K, H]; mask: [B, T, S] -> [B, T, K, G, H]."""
+  """Softmax attention. q: [B, T, K, G, H]; k, v: [B, K, S, H]; mask: [B, T, S] -> [B, T, K, G, H]."""
   H = q.shape[-1]
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
+  scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
   scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+  return jnp.einsum("BKGTS,BKSH->BTKGH", probs, v)
 
 
 def _attend_in_chunks(q, k, v, mask, chunk: int):
@@ -284,18 +333,52 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, rngs=rngs)
     self.mlp = MLP(c, rngs=rngs)
 
-  def __call__(self, x, cos, sin, mask, cache=None, write_index=None):
-    attn_out, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, write_index)
+  def __call__(self, x, cos, sin, mask, cache=None, layer=None, write_index=None):
+    attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, write_index)
     x = x + attn_out.astype(x.dtype)
     x = x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype)
-    return sharding.constrain(x, ("batch", None, None)), new_cache
+    return sharding.constrain(x, ("batch", None, None)), cache
 
 
-def _run_layer(layer, x, cos, sin, mask, cache, write_index):
-  return layer(x, cos, sin, mask, cache, write_index)
+# ----------------------------------------------------------------------------------------------
+# The layer stack: parameters stacked over a leading "layers" axis, run by a pure lax.scan
 
 
-_run_layer_remat = nnx.remat(_run_layer)
+def stacked_layers(config: Qwen2Config, rngs: nnx.Rngs) -> DecoderLayer:
+  """`num_hidden_layers` decoder layers as one `DecoderLayer` whose parameters have a leading axis
+  (logical name "layers"), each layer initialised from its own split of `rngs` (flax's scan-over-layers
+  pattern: nnx.split_rngs + nnx.vmap)."""
+
+  @nnx.split_rngs(splits=config.num_hidden_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None, "logical_axes": "layers"})
+  def make(rngs):
+    return DecoderLayer(config, rngs=rngs)
+
+  return make(rngs)
+
+
+def scan_layers(layers: DecoderLayer, x, cos, sin, mask, cache: KVCache | None = None, write_index=None,
+                remat: bool = False):
+  """Runs stacked `layers` over x [B, T, D]: one compiled layer body whatever the depth.
+
+  The scan body is pure: it merges (graphdef, one layer's parameters) inside its own trace, so no NNX
+  object crosses a trace boundary (it runs the same under jit, grad, lax.map and while_loop). A cache
+  is carried through the scan, each layer writing its rows in place. With `remat` the body saves
+  nothing for the backward pass: the scan keeps each layer's input [B, T, D] and recomputes the rest.
+  Returns (x [B, T, D], cache).
+  """
+  graphdef, params = nnx.split(layers)
+  num_layers = jax.tree.leaves(params)[0].shape[0]
+
+  def body(carry, xs):
+    x, cache = carry
+    layer_params, index = xs
+    return nnx.merge(graphdef, layer_params)(x, cos, sin, mask, cache, index, write_index), None
+
+  if remat:
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+  (x, cache), _ = lax.scan(body, (x, cache), (params, jnp.arange(num_layers, dtype=jnp.int32)))
+  return x, cache
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -310,7 +393,7 @@ class Qwen2Model(nnx.Module):
     c = config
     self.config = c
     self.embed_tokens = _param(rngs, (c.vocab_size, c.hidden_size), ("vocab", "embed"), c.param_dtype)
-    self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_hidden_layers)])
+    self.layers = stacked_layers(c, rngs)
     self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, rngs=rngs)
 
   def __call__(self, input_ids, attention_mask=None):
@@ -324,15 +407,16 @@ class Qwen2Model(nnx.Module):
     hidden, _ = self._layers(input_ids, positions, mask, None, None)
     return hidden
 
-  def forward_with_cache(self, input_ids, positions, cache, write_index):
-    """Cached forward. input_ids, positions: [B, T]; the cache holds rows [0, S).
+  def forward_with_cache(self, input_ids, positions, cache: KVCache, write_index=None, window: int | None = None):
+    """Cached forward. input_ids, positions: [B, T]; the cache holds rows [0, S) of each sequence.
 
-    Row b's new keys go to cache rows write_index[b] + [0, T); each query attends to every cache row
-    whose index is <= its position (cache rows are filled contiguously from 0, without padding).
-    Returns (hidden [B, T, D], new cache).
+    Sequence b's new keys go to cache rows write_index[b] + [0, T) (None: rows [0, T)); each query
+    attends to every cache row whose index is <= its position (rows are filled contiguously from 0,
+    without padding). Attention reads only the first `window` rows (default: all); every position must
+    be below it. Returns (hidden [B, T, D], new cache).
     """
-    S = cache[0].k.shape[1]
-    mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    W = cache.rows if window is None else window
+    mask = jnp.arange(W)[None, None, :] <= positions[:, :, None]  # [B, T, W]
     return self._layers(input_ids, positions, mask, cache, write_index)
 
   def _layers(self, input_ids, positions, mask, cache, write_index):
@@ -340,12 +424,8 @@ class Qwen2Model(nnx.Module):
     x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(c.dtype)  # [B, T, D]
     x = sharding.constrain(x, ("batch", None, None))
     cos, sin = rope_cos_sin(positions, c.head_size, c.rope_theta)
-    run = _run_layer_remat if c.remat else _run_layer
-    new_cache = []
-    for i, layer in enumerate(self.layers):
-      x, layer_cache = run(layer, x, cos, sin, mask, None if cache is None else cache[i], write_index)
-      new_cache.append(layer_cache)
-    return self.norm(x), (None if cache is None else tuple(new_cache))
+    x, cache = scan_layers(self.layers, x, cos, sin, mask, cache, write_index, remat=c.remat)
+    return self.norm(x), cache
 
 
 class Qwen2ForCausalLM(nnx.Module):
@@ -369,9 +449,9 @@ class Qwen2ForCausalLM(nnx.Module):
     """Logits [B, T, V]. Left-padded rows give the same logits on real tokens as unpadded ones."""
     return self.logits(self.model(input_ids, attention_mask))
 
-  def forward_with_cache(self, input_ids, positions, cache, write_index):
+  def forward_with_cache(self, input_ids, positions, cache: KVCache, write_index=None, window: int | None = None):
     """Cached forward (see `Qwen2Model.forward_with_cache`); returns (logits [B, T, V], new cache)."""
-    hidden, cache = self.model.forward_with_cache(input_ids, positions, cache, write_index)
+    hidden, cache = self.model.forward_with_cache(input_ids, positions, cache, write_index, window)
     return self.logits(hidden), cache
 
 

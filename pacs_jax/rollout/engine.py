@@ -2,7 +2,8 @@
 slots) and `generate`, the continuous-batching call the trainer and evaluator use.
 
 Shapes: S decode slots, L = max_prefill_length + max_decode_length cache rows per slot, B prefill rows,
-T prefill bucket length, R requests inserted at once, V vocab, K kv heads, H head dim.
+T prefill bucket length, R requests inserted at once, V vocab, K kv heads, H head dim. KV caches are
+`qwen2.KVCache`s laid out as decode reads them, [layers, S, K, L, H]; decode writes its new rows in place.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jax.sharding import NamedSharding
 
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
-from pacs_jax.models.qwen2 import LayerCache
+from pacs_jax.models.qwen2 import KVCache
 from pacs_jax.rollout import sampling as sampling_lib
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -34,7 +35,7 @@ _INT32_MAX = np.iinfo(np.int32).max
 @flax.struct.dataclass
 class Prefix:
   """A prefilled prompt (or a batch of them), ready to be inserted into decode slots."""
-  cache: tuple[LayerCache, ...]  # [B, T, K, H] per layer; rows >= lengths hold padding junk
+  cache: KVCache  # [layers, B, K, T, H]; rows >= lengths hold padding junk
   lengths: jax.Array  # [B] int32: cache rows holding the prompt = position of `tokens`
   tokens: jax.Array  # [B] int32: the next token to feed (the first sampled token, or the last prompt token)
   logprobs: jax.Array  # [B] fp32: log-prob of `tokens` (0 for a prompt token)
@@ -45,7 +46,7 @@ class Prefix:
 @flax.struct.dataclass
 class DecodeState:
   """Everything a decode step transforms, one row per slot."""
-  cache: tuple[LayerCache, ...]  # [S, L, K, H] per layer
+  cache: KVCache  # [layers, S, K, L, H]
   lengths: jax.Array  # [S] int32: filled cache rows = position of the pending token
   tokens: jax.Array  # [S] int32: pending token (last sampled), fed at the next step
   keys: jax.Array  # [S, *key] uint32: request keys; token t of a request uses fold_in(key, t)
@@ -114,12 +115,12 @@ def _is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
 
 
 def prefill_forward(model: qwen2.Qwen2ForCausalLM, tokens: jax.Array, true_lengths: jax.Array):
-  """Right-padded prompts tokens [B, T] at positions 0..T-1 -> (cache [B, T, K, H] per layer, logits
+  """Right-padded prompts tokens [B, T] at positions 0..T-1 -> (cache [layers, B, K, T, H], logits
   [B, V] fp32 at each row's last real token). Pad rows hold junk that decode overwrites before use."""
   B, T = tokens.shape
   cache = qwen2.init_cache(model.config, B, T)
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  hidden, cache = model.model.forward_with_cache(tokens, positions, cache, jnp.zeros((B,), jnp.int32))
+  hidden, cache = model.model.forward_with_cache(tokens, positions, cache)
   last = jnp.clip(true_lengths - 1, 0, T - 1)
   last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [B, 1, D]
   # The vocab projection only at the last token: [B, V] instead of [B, T, V].
@@ -135,15 +136,15 @@ def sample_first(logits: jax.Array, key_data: jax.Array, sampling: sampling_lib.
 def insert_rows(state: DecodeState, prefix: Prefix, slots: jax.Array, budgets: jax.Array,
                 eos_ids: jax.Array) -> DecodeState:
   """Writes prefix rows [R] into decode slots [R]; a slot index >= S is a padding row and is dropped."""
-  L = state.cache[0].k.shape[1]
-  T = prefix.cache[0].k.shape[1]
+  L = state.cache.rows
+  T = prefix.cache.rows
 
   def put(buf, rows):
     return buf.at[slots].set(rows.astype(buf.dtype), mode="drop")
 
-  cache = tuple(LayerCache(k=c.k.at[slots, :T].set(p.k.astype(c.k.dtype), mode="drop"),
-                           v=c.v.at[slots, :T].set(p.v.astype(c.v.dtype), mode="drop"))
-                for c, p in zip(state.cache, prefix.cache))
+  # Only the slots' first T rows of every layer are written (in place: the decode state is donated).
+  put_rows = lambda buf, rows: buf.at[:, slots, :, :T].set(rows.astype(buf.dtype), mode="drop")
+  cache = KVCache(k=put_rows(state.cache.k, prefix.cache.k), v=put_rows(state.cache.v, prefix.cache.v))
   sampled = prefix.steps > 0
   done = (sampled & _is_eos(prefix.tokens, eos_ids)) | (prefix.steps >= budgets) | (prefix.lengths >= L)
   return DecodeState(cache=cache, lengths=put(state.lengths, prefix.lengths), tokens=put(state.tokens, prefix.tokens),
@@ -152,18 +153,18 @@ def insert_rows(state: DecodeState, prefix: Prefix, slots: jax.Array, budgets: j
 
 
 def decode_step(model: qwen2.Qwen2ForCausalLM, state: DecodeState, sampling: sampling_lib.SamplingMethod,
-                eos_ids: jax.Array, max_length: int | None = None):
+                eos_ids: jax.Array, window: int | None = None):
   """Feeds every slot's pending token and samples the next one.
 
   Returns (state, tokens [S], logprobs [S], emitted [S] bool, logits [S, V] fp32); only active slots
-  emit and advance. A slot stops at an EOS id, at its budget, or when its cache (`max_length` rows;
-  default: the rows in `state.cache`, which may be a window of the first rows) is full.
+  emit and advance. A slot stops at an EOS id, at its budget, or when its cache is full. Attention reads
+  the first `window` cache rows (default: all); every active slot's position must be below it.
   """
-  W = state.cache[0].k.shape[1]
-  L = W if max_length is None else max_length
-  # Finished slots may sit at L; clamp so their (ignored) write stays in bounds.
+  L = state.cache.rows
+  W = L if window is None else window
+  # Finished slots may sit at L; clamp so their (ignored) write stays inside the window.
   position = jnp.minimum(state.lengths, W - 1)
-  logits, cache = model.forward_with_cache(state.tokens[:, None], position[:, None], state.cache, position)
+  logits, cache = model.forward_with_cache(state.tokens[:, None], position[:, None], state.cache, position, W)
   logits = logits[:, 0].astype(jnp.float32)  # [S, V]
   tokens, logprobs = sampling.sample_with_logprobs(logits, _step_keys(state.keys, state.steps))
   emitted = state.active
@@ -182,15 +183,13 @@ def decode_chunk(model: qwen2.Qwen2ForCausalLM, state: DecodeState, num_steps: i
   Stops early when no slot is active or once `stop_after_finished` slots have finished, so the host
   can refill them. With a `window` W < L, the steps attend over (and write) only the first W cache rows:
   each step reads W rows per slot instead of L. The loop then also stops before any active slot would
-  need row W, so a window chosen too small costs an early return, never a wrong token.
+  need row W, so a window chosen too small costs an early return, never a wrong token. The cache stays
+  whole and is carried through the loop: each step writes its new rows in place, nothing is copied.
   Returns (state, tokens [S, num_steps], logprobs [S, num_steps], emitted [S, num_steps]).
   """
   S = state.tokens.shape[0]
-  L = state.cache[0].k.shape[1]
+  L = state.cache.rows
   W = L if window is None else min(window, L)
-  full_cache = state.cache
-  if W < L:
-    state = state.replace(cache=tuple(LayerCache(k=c.k[:, :W], v=c.v[:, :W]) for c in full_cache))
   out = (jnp.zeros((S, num_steps), jnp.int32), jnp.zeros((S, num_steps), jnp.float32),
          jnp.zeros((S, num_steps), bool))
 
@@ -201,18 +200,13 @@ def decode_chunk(model: qwen2.Qwen2ForCausalLM, state: DecodeState, num_steps: i
 
   def body(carry):
     i, state, (out_tokens, out_logprobs, out_emitted), finished = carry
-    new_state, tokens, logprobs, emitted, _ = decode_step(model, state, sampling, eos_ids, max_length=L)
+    new_state, tokens, logprobs, emitted, _ = decode_step(model, state, sampling, eos_ids, window=W)
     column = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], i, axis=1)
     out = (column(out_tokens, tokens), column(out_logprobs, logprobs), column(out_emitted, emitted))
     finished = finished + jnp.sum(state.active & ~new_state.active)
     return i + 1, new_state, out, finished
 
   _, state, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out, jnp.int32(0)))
-  if W < L:
-    state = state.replace(cache=tuple(
-        LayerCache(k=jax.lax.dynamic_update_slice_in_dim(f.k, w.k, 0, axis=1),
-                   v=jax.lax.dynamic_update_slice_in_dim(f.v, w.v, 0, axis=1))
-        for f, w in zip(full_cache, state.cache)))
   return (state,) + out
 
 
@@ -257,6 +251,7 @@ class Engine:
     """
     self.config: qwen2.Qwen2Config = model.config
     self.graphdef, abstract = nnx.split(model)
+    self._abstract = abstract
     self._slots = max_concurrent_decodes
     self._max_prefill_length = max_prefill_length
     self.max_decode_length = max_decode_length
@@ -317,16 +312,15 @@ class Engine:
     spec = sharding.spec_for(logical_axes, sharding.ACTIVATION_RULES, dict(self._mesh.shape), shape)
     return NamedSharding(self._mesh, spec)
 
-  def _constrain(self, tree):
+  def _layout(self, x) -> NamedSharding | None:
     """Slot / batch rows over (data, fsdp), cache kv heads over tensor (when the mesh divides them)."""
+    axes = qwen2.CACHE_AXES if x.ndim == 5 else ("batch",) + (None,) * (x.ndim - 1)
+    return self._sharding(axes, x.shape)
+
+  def _constrain(self, tree):
     if self._mesh is None:
       return tree
-
-    def one(x):
-      axes = ("batch", None, "kv_heads", None) if x.ndim == 4 else ("batch",) + (None,) * (x.ndim - 1)
-      return jax.lax.with_sharding_constraint(x, self._sharding(axes, x.shape))
-
-    return jax.tree.map(one, tree)
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, self._layout(x)), tree)
 
   def _replicate(self, tree):
     """Small outputs the host reads: replicated, so every process (multi-host) can read them whole."""
@@ -339,12 +333,11 @@ class Engine:
     if self._mesh is None:
       return None
     c = self.config
-    probe = (1, self._max_prefill_length, c.num_key_value_heads, c.head_size)
-    cache_sh = self._sharding(("batch", None, "kv_heads", None), probe)
+    probe = (c.num_hidden_layers, 1, c.num_key_value_heads, self._max_prefill_length, c.head_size)
+    cache_sh = self._sharding(qwen2.CACHE_AXES, probe)
     vec = self._sharding(("batch",), (1,))
     key = self._sharding(("batch", None), (1, 2))
-    return Prefix(cache=tuple(LayerCache(k=cache_sh, v=cache_sh) for _ in range(c.num_hidden_layers)),
-                  lengths=vec, tokens=vec, logprobs=vec, keys=key, steps=vec)
+    return Prefix(cache=KVCache(k=cache_sh, v=cache_sh), lengths=vec, tokens=vec, logprobs=vec, keys=key, steps=vec)
 
   # -- params and state -------------------------------------------------------------------------
 
@@ -367,8 +360,40 @@ class Engine:
                         active=jnp.zeros((S,), bool))
     return self._constrain(state)
 
+  def abstract_params(self, dtype=None) -> nnx.State:
+    """The weights' shapes and sample-mode shardings (in `dtype`, default the parameter dtype), for
+    ahead-of-time compiles: nothing is allocated."""
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    shardings = self.param_shardings
+    if shardings is None:
+      shardings = jax.tree.map(lambda _: None, self._abstract, is_leaf=is_var)
+    return jax.tree.map(lambda v, sh: v.replace(jax.ShapeDtypeStruct(v.shape, dtype or v.dtype, sharding=sh)),
+                        self._abstract, shardings, is_leaf=is_var)
+
+  def abstract_decode_state(self) -> DecodeState:
+    """The decode state's shapes and shardings (the ones `init_decode_state` returns), allocating nothing."""
+    shapes = jax.eval_shape(self._init_impl)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._layout(x)), shapes)
+
+  def lower_decode(self, params, state, window: int | None = None, sampling=None):
+    """The decode chunk program (`steps_per_call` steps over the first `window` cache rows) lowered for
+    `params` and `state`, which may be abstract (`abstract_params`, `abstract_decode_state`): call
+    `.compile()` for its memory and cost analyses."""
+    window = self.cache_length if window is None else min(int(window), self.cache_length)
+    with self._mesh_context():
+      return self._decode_chunk_jit.lower(params, state, np.int32(0), eos_array(self.eos_ids),
+                                          num_steps=self.steps_per_call, sampling=sampling or self.sampling,
+                                          window=window)
+
+  def lower_prefill(self, params, batch: int, bucket: int):
+    """The prefill program for `batch` prompts of bucket length `bucket` (see `lower_decode`)."""
+    tokens = jax.ShapeDtypeStruct((batch, bucket), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    with self._mesh_context():
+      return self._prefill_jit.lower(params, tokens, lengths)
+
   def init_decode_state(self) -> DecodeState:
-    """All slots empty: a zero cache [S, L, K, H] per layer, sharded like the decode batch."""
+    """All slots empty: a zero cache [layers, S, K, L, H], sharded like the decode batch."""
     with self._mesh_context():
       return self._init_jit()
 
@@ -409,7 +434,7 @@ class Engine:
     """Inserts R requests from B prefilled prompts (several samples may share a prompt row)."""
     key_data = request_keys(seed, prompt_index, sample_index)
     first, logprobs = sample_first(logits[rows], key_data, sampling)
-    prefix = Prefix(cache=jax.tree.map(lambda x: x[rows], cache), lengths=true_lengths[rows], tokens=first,
+    prefix = Prefix(cache=KVCache(k=cache.k[:, rows], v=cache.v[:, rows]), lengths=true_lengths[rows], tokens=first,
                     logprobs=logprobs, keys=key_data, steps=jnp.ones_like(rows))
     state = self._constrain(insert_rows(state, prefix, slots, budgets, eos_ids))
     return (state, *self._replicate((first, logprobs)))
@@ -478,7 +503,7 @@ class Engine:
   # -- batched calls for the continuous-batching loop -------------------------------------------
 
   def prefill_batch(self, params, tokens: np.ndarray, true_lengths: np.ndarray):
-    """Right-padded prompts [B, T] (T a bucket length) -> (cache [B, T, K, H] per layer, last-token
+    """Right-padded prompts [B, T] (T a bucket length) -> (cache [layers, B, K, T, H], last-token
     logits [B, V] fp32); see `prefill_forward`."""
     with self._mesh_context():
       return self._prefill_jit(params, tokens, true_lengths)

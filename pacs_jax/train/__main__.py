@@ -5,6 +5,7 @@ Without flags it trains a tiny random Qwen2 on the built-in synthetic task on CP
 """
 
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -16,7 +17,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Training c
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and logs go (default: runs/<config name>).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build everything abstractly on a mesh of config.hardware.num_devices "
-                             "devices and print per-device memory; train nothing.")
+                             "devices and print an estimate of per-device memory; train nothing.")
+_COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Compile every program of the run ahead of time for the "
+                                  "config's target (hardware.tpu_topology; needs libtpu) from abstract weights and print "
+                                  "per-chip memory, cost and a fits verdict; exit 1 if it does not fit. Loads nothing.")
 
 
 def main(argv):
@@ -25,12 +29,14 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
   cfg = _CONFIG.value
-  if _DRY_RUN.value:
-    import jax
-    from pacs_jax.train import memory
-    print(memory.report(cfg, cfg.hardware.num_devices or jax.device_count(), cfg.hardware.hbm_gb or None))
-    return
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
+  if _COMPILE_ONLY.value:
+    from pacs_jax.train import aot
+    sys.exit(aot.main(cfg, config_path))
+  if _DRY_RUN.value:
+    from pacs_jax.train import memory
+    print(memory.dry_run(cfg))
+    return
   workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
   from pacs_jax.train import runtime
   runtime.init(cfg)

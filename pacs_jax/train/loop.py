@@ -19,7 +19,6 @@ import ml_collections
 import numpy as np
 from absl import logging
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
@@ -35,8 +34,8 @@ from pacs_jax.train import checkpoint as checkpoint_lib
 from pacs_jax.train import export_lib
 from pacs_jax.train import memory
 from pacs_jax.train import metrics as metrics_lib
+from pacs_jax.train import programs as programs_lib
 from pacs_jax.train import state as state_lib
-from pacs_jax.train import step as step_lib
 
 DTYPES = memory.DTYPES
 
@@ -147,9 +146,9 @@ def to_minibatches(batch: RolloutBatch, mesh, num_minibatches: int, micro_per_mi
     mb = {}
     for name, a in arrays.items():
       local = a[j * per_mb:(j + 1) * per_mb].reshape((micro_per_minibatch, per_mb // micro_per_minibatch) + a.shape[1:])
-      spec = P(None, sharding.BATCH_AXES, *([None] * (local.ndim - 2)))
       global_shape = (local.shape[0], local.shape[1] * jax.process_count()) + local.shape[2:]
-      mb[name] = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local, global_shape)
+      mb[name] = jax.make_array_from_process_local_data(programs_lib.minibatch_sharding(mesh, local.ndim), local,
+                                                        global_shape)
     out.append(mb)
   return out
 
@@ -234,7 +233,7 @@ class Trainer:
   def __init__(self, cfg: ml_collections.ConfigDict, workdir: str, devices=None):
     """`devices`: the mesh's devices (default: all of them)."""
     devices = jax.devices() if devices is None else list(devices)
-    config_lib.validate(cfg, len(devices), jax.process_count())
+    config_lib.validate(cfg, num_processes=jax.process_count(), devices=devices)
     self.cfg, self.workdir = cfg, workdir
     self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     self.tokenizer = load_tokenizer(cfg)
@@ -269,58 +268,37 @@ class Trainer:
       policy = build_policy(cfg, self.mesh)
     export_lib.write_model_card(workdir, policy.config, self.tokenizer)
     self.graphdef, params = nnx.split(policy, nnx.Param)
-    total_updates = cfg.steps * (cfg.train.batch_prompts // cfg.train.mini_batch_prompts)
-    self.optimizer = state_lib.make_optimizer(cfg.train, cfg.train.lr, total_updates)
-    critic_graphdef = critic_params = critic_opt_state = self.critic_optimizer = None
+    self.optimizer, self.critic_optimizer = programs_lib.make_optimizers(cfg)
+    critic_graphdef = critic_params = critic_opt_state = None
     if cfg.algorithm == "ppo":
       with jax.set_mesh(self.mesh):
         critic = build_critic(cfg, policy, self.mesh)
       critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
-      self.critic_optimizer = state_lib.make_optimizer(cfg.train, cfg.ppo.critic_lr, total_updates)
       critic_opt_state = state_lib.init_opt_state(self.critic_optimizer, critic_params, self.mesh)
     self.critic_graphdef = critic_graphdef
     # The frozen reference: a copy of the initial weights, same shardings, no optimizer state.
-    self.ref_params = jax.tree.map(jnp.copy, params) if self._needs_frozen_ref() else None
+    self.ref_params = jax.tree.map(jnp.copy, params) if programs_lib.needs_frozen_ref(cfg) else None
     self.state = state_lib.TrainState(
         step=jnp.zeros((), jnp.int32), params=params,
         opt_state=state_lib.init_opt_state(self.optimizer, params, self.mesh),
-        rng=jax.device_put(state_lib.initial_rng(cfg.seed), sharding.replicated(self.mesh)),
-        critic_params=critic_params, critic_opt_state=critic_opt_state)
-    self.state = jax.device_put(self.state, jax.tree.map(self._replicate_scalars, self.state))
+        rng=state_lib.initial_rng(cfg.seed), critic_params=critic_params, critic_opt_state=critic_opt_state)
+    # The shardings `--compile_only` compiles for (a no-op move for arrays already in place).
+    self.state_shardings = programs_lib.train_state_shardings(self.state, self.mesh, self.optimizer,
+                                                              self.critic_optimizer)
+    self.state = jax.device_put(self.state, self.state_shardings)
 
-    slots = cfg.rollout.slots or (cfg.train.batch_prompts * cfg.rollout.n)
-    self.engine = engine_lib.Engine(nnx.merge(self.graphdef, params), max_concurrent_decodes=slots,
-                                    max_prefill_length=self.P, max_decode_length=self.R, mesh=self.mesh,
-                                    eos_ids=self.eos_ids)
+    self.engine = programs_lib.make_engine(cfg, nnx.merge(self.graphdef, params), self.mesh, self.eos_ids)
     self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
-    self._jit(critic_graphdef)
+    self.programs = programs_lib.make_programs(cfg, self.graphdef, critic_graphdef, self.optimizer,
+                                               self.critic_optimizer, self.state_shardings,
+                                               self.engine.param_shardings)
+    self.train_step, self.logprob_fn, self.value_fn = (self.programs.train_step, self.programs.logprob_fn,
+                                                       self.programs.value_fn)
+    self.ppo_advantages, self.to_sample_params = self.programs.ppo_advantages, self.programs.to_sample_params
     self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
 
   # -- setup helpers ---------------------------------------------------------------------------
-
-  def _needs_frozen_ref(self) -> bool:
-    c = self.cfg
-    return (c.algorithm == "pacs" and c.pacs.reference_policy == "frozen") or (
-        c.algorithm == "grpo" and c.grpo.use_kl_loss)
-
-  def _replicate_scalars(self, x):
-    return x.sharding if x.ndim else sharding.replicated(self.mesh)
-
-  def _jit(self, critic_graphdef):
-    cfg = self.cfg
-    step_fn = step_lib.make_train_step(cfg, self.graphdef, self.optimizer, critic_graphdef, self.critic_optimizer)
-    state_shardings = state_lib.state_shardings(self.state)
-    self.train_step = jax.jit(step_fn, in_shardings=(state_shardings, None),
-                              out_shardings=(state_shardings, None), donate_argnums=(0,))
-    self.logprob_fn = jax.jit(step_lib.make_logprob_fn(self.graphdef, cfg.rollout.temperature))
-    self.value_fn = jax.jit(step_lib.make_value_fn(critic_graphdef)) if critic_graphdef is not None else None
-    self.ppo_advantages = jax.jit(lambda mbs: step_lib.ppo_advantages(cfg, mbs))
-    # Rollout weights: sample-mode layout in the compute dtype. The model casts every weight to that
-    # dtype before use, so sampling numerics are unchanged while memory and bandwidth drop.
-    compute = DTYPES[cfg.model.dtype]
-    self.to_sample_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute), p),
-                                    out_shardings=self.engine.param_shardings)
 
   # -- one step --------------------------------------------------------------------------------
 
@@ -394,12 +372,11 @@ class Trainer:
   def update(self, rb: RolloutBatch) -> dict[str, Any]:
     """Reference / old log-probs for the whole step first, then one optimizer update per mini-batch."""
     cfg = self.cfg
-    num_mb = cfg.train.batch_prompts // cfg.train.mini_batch_prompts
-    k = cfg.train.mini_batch_prompts // (cfg.train.micro_batch_prompts or cfg.train.mini_batch_prompts)
+    num_mb, k = programs_lib.updates_per_step(cfg), programs_lib.micro_batches(cfg)
     with jax.set_mesh(self.mesh):
       minibatches = to_minibatches(rb, self.mesh, num_mb, k)
       for mb in minibatches:
-        if cfg.algorithm in ("grpo", "ppo") or cfg.pacs.reference_policy == "rollout":
+        if programs_lib.needs_old_logprobs(cfg):
           mb["old_logprobs"] = self.logprob_fn(self.state.params, mb)
         if self.ref_params is not None:
           mb["ref_logprobs"] = self.logprob_fn(self.ref_params, mb)

@@ -1,8 +1,9 @@
 """`--dry_run`: builds the model and optimizer abstractly on an abstract mesh of the target size and reports
-per-device memory (params, optimizer state, reference model, rollout weights, KV cache, activations).
+an estimate of per-device memory (params, optimizer state, reference model, rollout weights, KV cache, activations).
 
 Weights and optimizer state are exact (their shapes and PartitionSpecs are the ones training uses);
-activations are an estimate of the train step's peak with per-layer remat.
+activations are a formula's estimate of the train step's peak with per-layer remat. The compiler's own
+figures come from `--compile_only` (`pacs_jax.train.aot`).
 """
 
 from __future__ import annotations
@@ -138,4 +139,24 @@ def report(cfg: ml_collections.ConfigDict, num_devices: int, hbm_gb: float | Non
   if hbm_gb:
     verdict = "fits" if total / GB < hbm_gb else "DOES NOT FIT"
     lines.append(f"{verdict} in {hbm_gb:g} GB per device ({100 * total / GB / hbm_gb:.0f}%)")
+  return "\n".join(lines)
+
+
+def dry_run(cfg: ml_collections.ConfigDict) -> str:
+  """`--dry_run`: the estimate, after laying the mesh out on the target's devices when libtpu can describe them;
+  says plainly that it is an estimate and where the compiled figures come from."""
+  import importlib.util
+  topology = cfg.hardware.tpu_topology
+  lines = []
+  if topology and importlib.util.find_spec("libtpu") is not None:
+    devices = sharding.tpu_topology_devices(topology)
+    config_lib.validate(cfg, num_processes=cfg.hardware.num_processes or 1, devices=devices)
+    lines.append(f"mesh laid out on the {len(devices)} chips of {topology}")
+    lines.append(f"ESTIMATE (a formula; activations approximate). The compiler's figures for {topology}: rerun with "
+                 "--compile_only (libtpu is installed; it compiles every program of the run, minutes on a small host)")
+  else:
+    why = "the config names no TPU topology" if not topology else "libtpu is not installed (pip install 'jax[tpu]')"
+    lines.append(f"ESTIMATE (a formula; activations approximate): no compiled figures here, {why}")
+  num_devices = cfg.hardware.num_devices or jax.device_count()
+  lines.append(report(cfg, num_devices, cfg.hardware.hbm_gb or None))
   return "\n".join(lines)

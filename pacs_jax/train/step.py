@@ -161,10 +161,13 @@ def make_logprob_fn(graphdef, temperature: float) -> Callable[[nnx.State, Batch]
   micro-batch at a time."""
 
   def fn(params, minibatch):
-    model = nnx.merge(graphdef, params)
     R = minibatch["response_mask"].shape[-1]
-    one = lambda micro: response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
-                                          targets=micro.get("logprob_targets"))
+
+    def one(micro):  # merged inside the mapped function's trace, so no module crosses a trace boundary
+      model = nnx.merge(graphdef, params)
+      return response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
+                               targets=micro.get("logprob_targets"))
+
     keys = ("input_ids", "attention_mask", "response_mask", "logprob_targets")
     return jax.lax.map(one, {k: minibatch[k] for k in keys if k in minibatch})
 
@@ -176,10 +179,10 @@ def make_value_fn(critic_graphdef) -> Callable[[nnx.State, Batch], jax.Array]:
   dp_critic.compute_values: values * attention_mask[:, -R-1:-1])."""
 
   def fn(critic_params, minibatch):
-    critic = nnx.merge(critic_graphdef, critic_params)
     R = minibatch["response_mask"].shape[-1]
 
     def one(micro):
+      critic = nnx.merge(critic_graphdef, critic_params)
       values = response_values(critic, micro["input_ids"], micro["attention_mask"], R)
       return values * ppo.critic_mask(micro["attention_mask"], R).astype(values.dtype)
 

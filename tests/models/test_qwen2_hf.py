@@ -130,7 +130,7 @@ def test_bf16_checkpoint_loads(tmp_path):
   torch_model = make_hf_model(**VARIANTS["tied_gqa2"]).to(torch.bfloat16)
   torch_model.save_pretrained(tmp_path)
   model, _ = hf.load_pretrained(str(tmp_path), dtype=jnp.bfloat16)
-  q = model.model.layers[0].self_attn.q_kernel[...]
+  q = model.model.layers.self_attn.q_kernel[0]  # layer 0 of the stacked layers
   assert q.dtype == jnp.bfloat16
   ref = torch_model.model.layers[0].self_attn.q_proj.weight.detach().float().numpy()
   np.testing.assert_array_equal(np.asarray(q, np.float32).reshape(q.shape[0], -1).T, ref)

@@ -328,9 +328,9 @@ def test_sharded_engine_matches_single_device(model, prompts, greedy_32):
   def laid_out(x, *spec):
     return x.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec)), x.ndim)
 
-  assert laid_out(params["model"]["layers"][0]["self_attn"]["q_kernel"].get_value(), None, "tensor", None)
+  assert laid_out(params["model"]["layers"]["self_attn"]["q_kernel"].get_value(), None, None, "tensor", None)
   state = eng.init_decode_state()
-  assert laid_out(state.cache[0].k, ("data", "fsdp"), None, "tensor", None)
+  assert laid_out(state.cache.k, None, ("data", "fsdp"), "tensor", None, None)  # [layers, S, K, L, H]
   assert laid_out(state.tokens, ("data", "fsdp"))
   out = engine_lib.generate(eng, params, prompts, max_new_tokens=32)
   assert [c.tokens for c in out] == [c.tokens for c in greedy_32]
@@ -338,6 +338,6 @@ def test_sharded_engine_matches_single_device(model, prompts, greedy_32):
   state, _ = eng.prefill_insert(params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0], [8, 8], 0,
                                 sampling.Greedy(), ())
   state, *_ = eng.decode(params, state, 5, sampling.Greedy(), ())
-  assert laid_out(state.cache[1].v, ("data", "fsdp"), None, "tensor", None)
+  assert laid_out(state.cache.v, None, ("data", "fsdp"), "tensor", None, None)
   for a, b in zip(out, greedy_32):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

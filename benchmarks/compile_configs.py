@@ -1,0 +1,111 @@
+"""Every released config with a TPU topology compiled ahead of time for its pod (`--compile_only`), and the
+figures written to the README's table: per-chip memory per phase, compile time on this host, and the
+compiler's optimal time per step next to the model FLOPs. Needs libtpu, no TPU. Minutes per config.
+
+  python benchmarks/compile_configs.py                     # all TPU configs; rewrites the README table
+  python benchmarks/compile_configs.py --configs configs/qwen3b_v5p.py --no_readme
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEGIN, END = "<!-- compile_configs: begin -->", "<!-- compile_configs: end -->"
+
+
+def tpu_configs() -> list[str]:
+  from pacs_jax import config as config_lib
+  paths = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py")) if not os.path.basename(p).startswith("_"))
+  return [p for p in paths if config_lib.load_config_file(p).hardware.tpu_topology]
+
+
+def summary(report, cfg) -> dict[str, str]:
+  """One README column: the figures a user needs before renting the pod."""
+  from pacs_jax.train import aot
+  from pacs_jax.train import programs as programs_lib
+  gb = lambda x: f"{x / aot.GB:.1f}"
+  out = {}
+  for part in ("policy params", "optimizer state", "frozen reference"):
+    if part in report.resident["update"]:
+      out[part] = gb(report.resident["update"][part])
+  out["rollout weights (compute dtype, sample layout)"] = gb(report.resident["rollout"]["rollout weights"])
+  out[f"decode state: KV cache of {cfg.rollout.slots} slots"] = gb(report.resident["rollout"]["decode state (KV cache)"])
+  out["step batch (token ids, masks, log-probs)"] = gb(report.resident["update"]["step batch (mini-batches)"])
+  for phase in ("rollout", "update"):
+    total, largest = report.phase_total(phase)
+    out[f"+ largest {phase} program (its temporaries etc.)"] = f"{gb(largest.extra)} ({largest.name})"
+    out[f"**{phase} phase peak** (of {report.target.hbm_bytes / aot.GB:g} GB)"] = f"**{gb(total)}**"
+  progs = {p.name: p for p in report.programs}
+  train, logprobs = progs["train_step"], progs["logprobs"]
+  out["train step compile time (this 2-core host)"] = f"{train.compile_s:.0f} s"
+  updates = programs_lib.updates_per_step(cfg)
+  out[f"train step: compiler's optimal time x {updates} updates"] = (
+      f"{train.optimal_s:.2f} s x {updates} = {train.optimal_s * updates:.1f} s")
+  out["train step TFLOP per chip: compiled / model (6N per token)"] = (
+      f"{train.flops / 1e12:.0f} / {train.model_flops / 1e12:.0f}")
+  out[f"log-prob passes: optimal time x {logprobs.calls:.0f}"] = (
+      f"{logprobs.optimal_s:.2f} s x {logprobs.calls:.0f} = {logprobs.optimal_s * logprobs.calls:.1f} s")
+  decode = [p for p in report.programs if p.name.startswith("decode[")]
+  full = max(decode, key=lambda p: int(re.search(r"W=(\d+)", p.name).group(1)))
+  one = progs.get("decode_1_step[W=full]")
+  out["decode call at the full window: temporaries"] = gb(full.temp)
+  if one is not None:
+    out["decode at the full window, compiler's estimate (loop body once): 16-step call / 1 step"] = (
+        f"{full.raw_optimal_s * 1e3:.1f} / {one.raw_optimal_s * 1e3:.1f} ms")
+  out["decode call (16 steps) at the full window: optimal time, loops applied"] = f"{full.optimal_s * 1e3:.0f} ms"
+  rollout_s = sum(p.calls * p.optimal_s for p in report.programs if p.phase == "rollout" and p.calls)
+  out["rollout, every response at max length: optimal time"] = f"{rollout_s:.0f} s"
+  return out
+
+
+def write_readme(columns: dict[str, dict[str, str]], readme: str) -> None:
+  rows = list(dict.fromkeys(k for col in columns.values() for k in col))
+  names = list(columns)
+  lines = [BEGIN, "", "| per chip, compiled for the target (GB unless stated) | " + " | ".join(names) + " |",
+           "|---|" + "---|" * len(names)]
+  lines += [f"| {row} | " + " | ".join(columns[n].get(row, "-") for n in names) + " |" for row in rows]
+  lines += ["", END]
+  text = open(readme).read()
+  if BEGIN not in text or END not in text:
+    raise SystemExit(f"{readme} has no {BEGIN} ... {END} markers")
+  start, end = text.index(BEGIN), text.index(END) + len(END)
+  with open(readme, "w") as f:
+    f.write(text[:start] + "\n".join(lines) + text[end:])
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--configs", nargs="*", default=None, help="config files (default: every one with a TPU topology)")
+  parser.add_argument("--no_readme", action="store_true", help="print only; leave README.md as it is")
+  parser.add_argument("--no_validation", action="store_true", help="skip the validation (greedy) programs")
+  args = parser.parse_args()
+  from pacs_jax import config as config_lib
+  from pacs_jax.train import aot
+  columns, status = {}, 0
+  for path in args.configs or tpu_configs():
+    cfg = config_lib.load_config_file(path)
+    name = os.path.splitext(os.path.basename(path))[0]
+    start = time.perf_counter()
+    report = aot.compile_run(cfg, validation=not args.no_validation, one_step_decode=True,
+                             log=lambda s: print(s, flush=True))
+    report.config_name = path
+    print(aot.format_report(report))
+    print(f"{name}: {len(report.programs)} programs compiled in {time.perf_counter() - start:.0f} s", flush=True)
+    if not report.fits:
+      status = 1
+      continue
+    columns[f"{name} ({cfg.hardware.tpu_topology})"] = summary(report, cfg)
+  if columns and not args.no_readme:
+    write_readme(columns, os.path.join(ROOT, "README.md"))
+    print("README.md table updated")
+  sys.exit(status)
+
+
+if __name__ == "__main__":
+  main()

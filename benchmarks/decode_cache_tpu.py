@@ -1,0 +1,97 @@
+"""Ahead-of-time TPU compile of the rollout's decode call at a config's real shapes, from abstract weights
+(nothing allocated, no TPU needed: libtpu compiles for a topology on a CPU host). Prints per-chip memory
+and the compiler's time estimate for a call of 1 and of N decode steps: with the KV cache read and written
+in place, the N-step call costs about what one step does (the while body is counted once) and its
+temporaries stay far below the cache.
+
+  JAX_PLATFORMS=cpu python benchmarks/decode_cache_tpu.py --config configs/qwen3b_v5p.py --topology v5p:2x4x4
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import jax
+from flax import nnx
+
+from pacs_jax import config as config_lib
+from pacs_jax import sharding
+from pacs_jax.models import qwen2
+from pacs_jax.rollout import engine as engine_lib
+from pacs_jax.rollout import sampling as sampling_lib
+from pacs_jax.train import memory
+
+GB = 1e9
+
+
+def topology_devices(name: str):
+  """Abstract devices of a TPU topology such as "v5p:2x4x4" (32 chips: a v5p-64)."""
+  from jax.experimental import topologies
+  return topologies.get_topology_desc(platform="tpu", topology_name=name, chip_config_name="default",
+                                      chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
+
+
+def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
+  return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
+def decode_figures(engine: engine_lib.Engine, params, window: int | None, sampling) -> dict[str, float]:
+  """Compiles one decode call from abstract params and state; its per-chip memory and cost analyses."""
+  start = time.perf_counter()
+  compiled = engine.lower_decode(params, engine.abstract_decode_state(), window, sampling).compile()
+  compile_s = time.perf_counter() - start
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return {"compile_s": compile_s, "argument_gb": mem.argument_size_in_bytes / GB,
+          "output_gb": mem.output_size_in_bytes / GB, "alias_gb": mem.alias_size_in_bytes / GB,
+          "temp_gb": mem.temp_size_in_bytes / GB, "optimal_ms": cost.get("optimal_seconds", float("nan")) * 1e3,
+          "bytes_accessed_gb": cost.get("bytes accessed", float("nan")) / GB, "gflops": cost.get("flops", 0.0) / 1e9}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", default="configs/qwen3b_v5p.py")
+  parser.add_argument("--topology", default="v5p:2x4x4", help="TPU topology of the config's slice (v5p:2x4x4 = v5p-64)")
+  parser.add_argument("--steps", default="1,16", help="decode steps per call to compare")
+  parser.add_argument("--windows", default="full", help="comma-separated decode windows (cache rows read), or full")
+  args = parser.parse_args()
+
+  cfg = config_lib.load_config_file(args.config)
+  mc = memory.model_config(cfg)
+  devices = topology_devices(args.topology)
+  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+  model = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(0)))
+  slots = cfg.rollout.slots or cfg.train.batch_prompts * cfg.rollout.n
+  method = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+  print(f"{args.config}: {cfg.model.preset} on {args.topology} ({len(devices)} chips), mesh {dict(mesh.shape)}, "
+        f"{slots} slots x {cfg.data.max_prompt_length + cfg.rollout.max_new_tokens} cache rows")
+  header = ("steps", "window", "compile_s", "argument_gb", "output_gb", "alias_gb", "temp_gb", "optimal_ms",
+            "bytes_accessed_gb", "gflops")
+  print(" ".join(f"{h:>17}" for h in header))
+  results = {}
+  for steps in (int(s) for s in args.steps.split(",")):
+    engine = engine_lib.Engine(model, max_concurrent_decodes=slots, max_prefill_length=cfg.data.max_prompt_length,
+                               max_decode_length=cfg.rollout.max_new_tokens, mesh=mesh, steps_per_call=steps)
+    params = engine.abstract_params(mc.dtype)  # the rollout weights: compute dtype, sample layout
+    if steps == int(args.steps.split(",")[0]):
+      cache = engine.abstract_decode_state().cache
+      per_chip = sum(_shard_bytes(x) for x in (cache.k, cache.v))
+      print(f"KV cache per chip: {per_chip / GB:.2f} GB")
+    for w in args.windows.split(","):
+      window = None if w == "full" else int(w)
+      figures = decode_figures(engine, params, window, method)
+      results[(steps, window)] = figures
+      print(" ".join(f"{v:>17}" for v in (steps, w)) + " " + " ".join(f"{figures[h]:>17.3f}" for h in header[2:]),
+            flush=True)
+  first, last = (int(s) for s in (args.steps.split(",")[0], args.steps.split(",")[-1]))
+  for w in args.windows.split(","):
+    window = None if w == "full" else int(w)
+    ratio = results[(last, window)]["optimal_ms"] / results[(first, window)]["optimal_ms"]
+    print(f"window {w}: optimal time of a {last}-step call / a {first}-step call = {ratio:.2f}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,502 @@
+"""`--compile_only`: every program of a training run compiled ahead of time for the config's target, from
+abstract weights; per-program memory and cost per chip, the resident total per phase, a fits verdict.
+
+Nothing is materialised and no checkpoint or tokenizer is read (shapes come from `model.preset`). The
+programs are the trainer's own (`programs.make_programs`, the rollout engine's jitted calls), lowered
+with the shardings the trainer uses on `hardware.tpu_topology`'s abstract devices (libtpu compiles TPU
+programs on any machine). Loop trip counts are applied to the compiler's cost figures (see `hlo_cost`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import re
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from pacs_jax import config as config_lib
+from pacs_jax import sharding
+from pacs_jax.models import qwen2
+from pacs_jax.rollout import engine as engine_lib
+from pacs_jax.rollout import sampling as sampling_lib
+from pacs_jax.train import hlo_cost
+from pacs_jax.train import memory
+from pacs_jax.train import programs as programs_lib
+
+GB = 1e9
+
+
+class TargetUnavailable(RuntimeError):
+  """The config's target backend cannot be compiled for on this machine."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The target
+
+
+@dataclasses.dataclass
+class Target:
+  devices: tuple
+  description: str  # e.g. "TPU v5p:2x4x4 (32 chips, 8 hosts)"
+  hbm_bytes: float | None  # memory per chip, for the verdict (None: unknown, no verdict)
+  num_processes: int
+
+
+def target(cfg: ml_collections.ConfigDict) -> Target:
+  """The devices to compile for: a TPU topology's abstract devices, or this machine's when they are the target."""
+  h = cfg.hardware
+  hbm = h.hbm_gb * GB if h.hbm_gb else None
+  if h.tpu_topology:
+    devices = sharding.tpu_topology_devices(h.tpu_topology)
+    hosts = len({d.process_index for d in devices})
+    return Target(devices, f"TPU {h.tpu_topology} ({len(devices)} chips, {hosts} hosts)", hbm, hosts)
+  local = jax.devices()
+  wanted = h.num_devices or len(local)
+  if (h.hbm_gb and local[0].platform == "cpu") or wanted > len(local):
+    raise TargetUnavailable(
+        f"config names no TPU topology (hardware.tpu_topology) and its target ({wanted} devices"
+        f"{f' of {h.hbm_gb:g} GB' if h.hbm_gb else ''}) is not this machine ({len(local)} {local[0].platform} "
+        "devices): --compile_only compiles for the target's own backend, so run it on the target machine; "
+        "--dry_run prints an estimate anywhere")
+  if hbm is None:
+    stats = local[0].memory_stats() or {}
+    hbm = stats.get("bytes_limit")
+  return Target(tuple(local[:wanted]), f"{wanted} local {local[0].platform} devices", hbm, h.num_processes or 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-program figures
+
+
+def per_chip_bytes(tree: Any) -> float:
+  """Bytes one device holds of a tree of ShapeDtypeStructs (unsharded leaves: whole)."""
+  total = 0.0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+  return total
+
+
+@dataclasses.dataclass
+class ProgramReport:
+  name: str
+  phase: str  # "rollout" | "update"
+  calls: float  # calls per training step (rollout programs: an upper bound, every response at full length)
+  model_flops: float  # per call and chip: 2 N (forward) or 6 N (forward + backward) per token / chips
+  compile_s: float = 0.0
+  load_average: float = 0.0  # the host's 1-minute load average after compiling (compile times depend on it)
+  argument: float = 0.0  # bytes per chip
+  output: float = 0.0
+  alias: float = 0.0
+  temp: float = 0.0
+  resident: float = 0.0  # bytes of its arguments / outputs the phase holds anyway (counted once, in `resident`)
+  flops: float | None = None  # per call, loop trip counts applied
+  bytes_accessed: float | None = None
+  optimal_s: float | None = None
+  raw_flops: float | None = None  # the compiler's count, each loop body once
+  raw_bytes: float | None = None
+  raw_optimal_s: float | None = None
+  uncosted: int = 0  # instructions the compiler gave no time estimate (left out of optimal_s)
+  cycles: float = 0.0  # the compiler's estimated cycles, loops applied (once: raw_cycles)
+  raw_cycles: float = 0.0
+  loops: list = dataclasses.field(default_factory=list)  # hlo_cost.Loop
+  error: str = ""  # the compiler's message when the program does not compile (e.g. out of memory)
+
+  @property
+  def peak(self) -> float:
+    """Everything the program holds at once per chip: arguments, outputs not aliased to them, temporaries."""
+    return self.argument + self.output - self.alias + self.temp
+
+  @property
+  def extra(self) -> float:
+    """What running it adds to the phase's resident bytes."""
+    return max(0.0, self.peak - self.resident)
+
+
+@contextlib.contextmanager
+def persistent_cache_off():
+  """Compile-only executables cannot be loaded back from jax's persistent cache (libtpu has no client to load
+  them into), and a cached compile would hide the compile time: the cache is off while compiling."""
+  from jax.experimental.compilation_cache import compilation_cache
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # jax decides once per process whether the cache is used
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
+
+
+def _cost(compiled) -> dict:
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  return cost or {}
+
+
+def measure(report: ProgramReport, lower: Callable[[], Any], resident: Callable[[Any], float]) -> Any:
+  """Compiles one program and fills `report`; returns the compiled executable (None if it failed)."""
+  start = time.perf_counter()
+  try:
+    compiled = lower().compile()
+  except Exception as e:  # XLA's out-of-memory (RESOURCE_EXHAUSTED) or any compile error: reported, not raised
+    report.compile_s = time.perf_counter() - start
+    report.error = f"{type(e).__name__}: {e}"
+    return None
+  report.compile_s = time.perf_counter() - start
+  report.load_average = os.getloadavg()[0]
+  mem = compiled.memory_analysis()
+  report.argument, report.output = float(mem.argument_size_in_bytes), float(mem.output_size_in_bytes)
+  report.alias, report.temp = float(mem.alias_size_in_bytes), float(mem.temp_size_in_bytes)
+  report.resident = resident(compiled)
+  cost = _cost(compiled)
+  loops = hlo_cost.analyse(compiled.as_text())
+  report.loops = loops.loops
+  report.raw_flops, report.raw_bytes = cost.get("flops"), cost.get("bytes accessed")
+  report.raw_optimal_s = cost.get("optimal_seconds")
+  if report.raw_optimal_s is not None and report.raw_optimal_s < 0:
+    # The TPU cost model counts -1 s for each instruction it cannot cost (seen: an all-gather of a bool
+    # vector, as the engine's replicated `active` flags): keep the costed part, below 1 s for these programs.
+    report.uncosted = -math.floor(report.raw_optimal_s)
+    report.raw_optimal_s -= math.floor(report.raw_optimal_s)
+  if report.raw_flops is not None:
+    report.flops = report.raw_flops + loops.total("flops") - loops.total("flops", weighted=False)
+  if report.raw_bytes is not None:
+    report.bytes_accessed = report.raw_bytes + loops.total("bytes") - loops.total("bytes", weighted=False)
+  once = loops.total("cycles", weighted=False)
+  report.cycles, report.raw_cycles = loops.total("cycles"), once
+  if report.raw_optimal_s is not None:
+    report.optimal_s = report.raw_optimal_s * (loops.total("cycles") / once if once else 1.0)
+  return compiled
+
+
+def outputs_of(compiled) -> Any:
+  """The compiled program's outputs as ShapeDtypeStructs in the shardings it produces them in."""
+  return jax.tree.map(lambda info, s: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=s),
+                      compiled.out_info, compiled.output_shardings)
+
+
+def _i32(*shape) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes the loop runs at
+
+
+def matmul_params(model: qwen2.Qwen2ForCausalLM) -> int:
+  """Parameters that take part in a matmul per token: all but the input embedding table (a lookup),
+  which counts once as the output head when tied."""
+  total = qwen2.count_params(model)
+  if model.config.tie_word_embeddings:
+    return total
+  return total - math.prod(model.model.embed_tokens.shape)
+
+
+def prefill_rows(requests_at_once: int, n: int, prompts: int) -> int:
+  """Most distinct prompts one prefill call can hold: `requests_at_once` consecutive requests of groups of
+  n span up to (requests - 1) // n + 2 prompts; the engine pads the count to a power of two."""
+  distinct = requests_at_once if n == 1 else min(requests_at_once, (requests_at_once - 1) // n + 2)
+  return engine_lib._next_pow2(max(1, min(distinct, prompts)))
+
+
+def decode_calls(engine: engine_lib.Engine, prompt_length: int, new_tokens: int) -> dict[int, int]:
+  """Decode calls per window for one wave of slots that start at `prompt_length` rows and all run to
+  `new_tokens` (the trainer's window choice: the busy rows plus a call's steps)."""
+  calls: dict[int, int] = {}
+  rows, steps = prompt_length, engine.steps_per_call
+  for _ in range(-(-new_tokens // steps)):
+    window = engine.decode_window(rows + steps)
+    calls[window] = calls.get(window, 0) + 1
+    rows += steps
+  return calls
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiling a run's programs
+
+
+@dataclasses.dataclass
+class Report:
+  config_name: str
+  target: Target
+  mesh_shape: dict
+  programs: list[ProgramReport]
+  resident: dict[str, dict[str, float]]  # phase -> {part: bytes per chip}
+  notes: list[str]
+
+  def phase_total(self, phase: str) -> tuple[float, ProgramReport | None]:
+    """(resident + the largest program's extra bytes, that program) of a phase."""
+    progs = [p for p in self.programs if p.phase == phase and not p.error]
+    largest = max(progs, key=lambda p: p.extra, default=None)
+    return sum(self.resident[phase].values()) + (largest.extra if largest else 0.0), largest
+
+  @property
+  def failed(self) -> list[ProgramReport]:
+    return [p for p in self.programs if p.error]
+
+  def problems(self) -> list[str]:
+    """Why the run would not fit (empty when it fits or no memory limit is known)."""
+    out = [_compile_problem(p, self.target.description) for p in self.failed]
+    hbm = self.target.hbm_bytes
+    if hbm:
+      for p in self.programs:
+        if not p.error and p.peak > hbm:
+          out.append(f"{p.name} needs {p.peak / GB:.2f} GB per chip by itself (> {hbm / GB:g} GB)")
+      for phase in self.resident:
+        total, largest = self.phase_total(phase)
+        if total > hbm:
+          out.append(f"{phase} phase needs {total / GB:.2f} GB per chip > {hbm / GB:g} GB (resident "
+                     f"{sum(self.resident[phase].values()) / GB:.2f} GB + {largest.name if largest else '-'} "
+                     f"{(largest.extra if largest else 0) / GB:.2f} GB)")
+    return out
+
+  @property
+  def fits(self) -> bool:
+    return not self.problems()
+
+
+_UNITS = {"K": 1e3 / GB, "M": 1e6 / GB, "G": 1.0, "T": 1e3}
+
+
+def _compile_problem(p: ProgramReport, where: str) -> str:
+  """One failed program: XLA's out-of-memory figure (`Used 160.5G of 95.74G hbm`, `... (96.20G) exceeds available
+  HBM (95.74G)`) as GB per chip, else its error."""
+  m = (re.search(r"Used ([\d.]+)([KMGT])? of ([\d.]+)([KMGT])? hbm", p.error) or
+       re.search(r"\(([\d.]+)([KMGT])?\) exceeds available HBM \(([\d.]+)([KMGT])?\)", p.error))
+  if m:
+    used, cap = float(m.group(1)) * _UNITS[m.group(2) or "G"], float(m.group(3)) * _UNITS[m.group(4) or "G"]
+    return f"{p.name} ({p.phase}) needs {used:.2f} GB per chip, more than the {cap:.2f} GB XLA can use on {where}"
+  return f"{p.name} ({p.phase}) does not compile for {where}: {p.error.splitlines()[0][:400]}"
+
+
+def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, validation: bool = True,
+                one_step_decode: bool = False, log: Callable[[str], None] = lambda s: None) -> Report:
+  """Compiles every program of a training run of `cfg` for its target; see the module docstring.
+
+  Rollout programs are compiled at the largest shapes a step uses: each prefill bucket at the most
+  prompts one call can hold, the insert program at the longest bucket, the decode chunk at every
+  window; validation's greedy programs at its longest bucket and the full window (`validation`).
+  `one_step_decode` adds a decode call of one step, to compare with the chunk's figures.
+  """
+  tgt = tgt or target(cfg)
+  config_lib.validate(cfg, num_processes=tgt.num_processes, devices=tgt.devices)
+  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=tgt.devices)
+  graphdef, critic_graphdef, state = programs_lib.abstract_train_state(cfg, mesh)
+  optimizer, critic_optimizer = programs_lib.make_optimizers(cfg)
+  state_shardings = jax.tree.map(lambda x: x.sharding, state)
+  policy = nnx.merge(graphdef, state.params)
+  engine = programs_lib.make_engine(cfg, policy, mesh, eos_ids=(0,))
+  progs = programs_lib.make_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
+                                     engine.param_shardings)
+  N = matmul_params(policy) / len(tgt.devices)  # per chip: the model FLOPs split evenly over the chips
+  n, P, R = cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+  S = engine.max_concurrent_decodes
+  updates = programs_lib.updates_per_step(cfg)
+  logprob_passes = int(programs_lib.needs_old_logprobs(cfg)) + int(programs_lib.needs_frozen_ref(cfg))
+  minibatch = programs_lib.minibatch_shapes(cfg, mesh)
+  mb_rows = cfg.train.mini_batch_prompts * n
+  reports: list[ProgramReport] = []
+  notes: list[str] = []
+
+  def run(report: ProgramReport, lower, resident=lambda c: 0.0):
+    log(f"compiling {report.name} ...")
+    with jax.set_mesh(mesh), persistent_cache_off():
+      compiled = measure(report, lower, resident)
+    reports.append(report)
+    log(f"  {report.compile_s:.1f} s" + (f"  FAILED: {report.error.splitlines()[0][:300]}" if report.error else ""))
+    return compiled
+
+  params_bytes = per_chip_bytes(state.params)
+  # -- rollout phase ---------------------------------------------------------------------------
+  compiled = run(ProgramReport("to_sample_params", "rollout", 1, 0.0),
+                 lambda: progs.to_sample_params.lower(state.params),
+                 lambda c: params_bytes + per_chip_bytes(outputs_of(c)))
+  sample_params = outputs_of(compiled) if compiled is not None else engine.abstract_params(
+      memory.DTYPES[cfg.model.dtype])
+  rollout_weights = per_chip_bytes(sample_params)
+  compiled = run(ProgramReport("init_decode_state", "rollout", 1, 0.0), lambda: engine._init_jit.lower(),
+                 lambda c: per_chip_bytes(outputs_of(c)))
+  decode_state = outputs_of(compiled) if compiled is not None else engine.abstract_decode_state()
+  state_bytes = per_chip_bytes(decode_state)
+  eos = _i32(4)
+  waves = -(-(cfg.train.batch_prompts * n) // S)
+
+  def rollout_programs(tag: str, sampling, rows: int, requests: int, calls_scale: float, prompts: int,
+                       largest_only: bool = False):
+    prefill_out = None
+    for T in engine.prefill_buckets[-1:] if largest_only else engine.prefill_buckets:
+      longest = T == engine.prefill_buckets[-1]
+      calls = calls_scale * -(-prompts // rows) if longest else 0.0  # bound: every prompt at the longest bucket
+      compiled = run(ProgramReport(f"{tag}prefill[B={rows},T={T}]", "rollout", calls, 2.0 * N * rows * T),
+                     lambda T=T: engine.lower_prefill(sample_params, rows, T),
+                     lambda c: rollout_weights)
+      if longest and compiled is not None:
+        prefill_out = outputs_of(compiled)
+    if prefill_out is not None:
+      cache, logits = prefill_out
+      args = (decode_state, cache, logits, _i32(rows), _i32(requests), _i32(requests),
+              jax.ShapeDtypeStruct((), jnp.uint32), _i32(requests), _i32(requests), _i32(requests), eos)
+      # The engine's jitted insert (no lowering hook of its own): requests into slots, the state donated.
+      run(ProgramReport(f"{tag}insert[R={requests},T={engine.prefill_buckets[-1]}]", "rollout",
+                        calls_scale * -(-prompts // rows), 0.0),
+          lambda: engine._insert_requests_jit.lower(*args, sampling=sampling), lambda c: state_bytes)
+    calls_at = decode_calls(engine, P, R)  # the bound's calls: slots starting at P rows (shorter prompts: fewer rows)
+    windows = [(w, calls_at.get(w, 0)) for w in engine.decode_windows]
+    for window, calls in windows[-1:] if largest_only else windows:
+      run(ProgramReport(f"{tag}decode[W={window}]", "rollout", calls_scale * calls,
+                        2.0 * N * S * engine.steps_per_call),
+          lambda window=window: engine.lower_decode(sample_params, decode_state, window, sampling),
+          lambda c: rollout_weights + state_bytes)
+
+  train_sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+  rows = prefill_rows(S, n, cfg.train.batch_prompts)
+  requests = engine_lib._next_pow2(min(S, cfg.train.batch_prompts * n))
+  rollout_programs("", train_sampling, rows, requests, waves, cfg.train.batch_prompts)
+  if one_step_decode:  # for comparison: a call of one step at the full window (no program of the run)
+    run(ProgramReport("decode_1_step[W=full]", "rollout", 0, 2.0 * N * S),
+        lambda: engine._decode_chunk_jit.lower(sample_params, decode_state, jax.ShapeDtypeStruct((), jnp.int32), eos,
+                                               num_steps=1, sampling=train_sampling, window=engine.cache_length),
+        lambda c: rollout_weights + state_bytes)
+  if validation and cfg.data.val and cfg.eval_every:
+    val_prompts = cfg.data.val_max_examples or S
+    if not cfg.data.val_max_examples:
+      notes.append(f"validation programs are compiled for {S} prompts at once (the slots; set "
+                   "data.val_max_examples for the real count)")
+    # Validation runs the same prefill and decode functions with more prompts at once and greedy sampling:
+    # its largest shapes are compiled (the other buckets and windows differ from them only in size).
+    rollout_programs("val_", sampling_lib.Greedy(), prefill_rows(min(S, val_prompts), 1, val_prompts),
+                     engine_lib._next_pow2(min(S, val_prompts)), 0.0, val_prompts, largest_only=True)
+
+  # -- update phase ----------------------------------------------------------------------------
+  batch_bytes = updates * per_chip_bytes(minibatch)
+  mb_tokens = mb_rows * (P + R)
+  logprob_in = {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")}
+  run(ProgramReport("logprobs", "update", updates * logprob_passes, 2.0 * N * mb_tokens),
+      lambda: progs.logprob_fn.lower(state.params, minibatch), lambda c: params_bytes + per_chip_bytes(logprob_in)
+      + per_chip_bytes(outputs_of(c)))
+  if progs.value_fn is not None:
+    critic_bytes = per_chip_bytes(state.critic_params)
+    run(ProgramReport("values", "update", updates, 2.0 * N * mb_tokens),
+        lambda: progs.value_fn.lower(state.critic_params, minibatch),
+        lambda c: critic_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
+    step_batch = [minibatch] * updates
+    run(ProgramReport("ppo_advantages", "update", 1, 0.0), lambda: progs.ppo_advantages.lower(step_batch),
+        lambda c: per_chip_bytes(step_batch) + per_chip_bytes(outputs_of(c)))
+  critic_factor = 2.0 if progs.value_fn is not None else 1.0
+  run(ProgramReport("train_step", "update", updates, 6.0 * N * mb_tokens * critic_factor),
+      lambda: progs.train_step.lower(state, minibatch), lambda c: per_chip_bytes(state) + per_chip_bytes(minibatch))
+
+  always = {"policy params": params_bytes,
+            "optimizer state": per_chip_bytes(state.opt_state)}
+  if programs_lib.needs_frozen_ref(cfg):
+    always["frozen reference"] = params_bytes
+  if state.critic_params is not None:
+    always["critic params + optimizer"] = per_chip_bytes(state.critic_params) + per_chip_bytes(state.critic_opt_state)
+  resident = {"rollout": {**always, "rollout weights": rollout_weights, "decode state (KV cache)": state_bytes},
+              "update": {**always, "step batch (mini-batches)": batch_bytes}}
+  uncosted = [p.name for p in reports if p.uncosted]
+  if uncosted:
+    notes.append(f"the compiler gave no time for a few small instructions of {', '.join(uncosted)} (left out)")
+  unknown = sum(loop.trip_count is None for p in reports for loop in p.loops)
+  if unknown:
+    notes.append(f"{unknown} loops without a readable trip count are counted once")
+  return Report(config_name="", target=tgt, mesh_shape=dict(mesh.shape), programs=reports, resident=resident,
+                notes=notes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Printing
+
+
+def _gb(x: float | None) -> str:
+  return "-" if x is None else f"{x / GB:.2f}"
+
+
+def step_seconds(report: Report, phase: str | None = None, prefix: str = "") -> float:
+  """The compiler's optimal seconds per training step: Σ calls x optimal seconds per call."""
+  return sum(p.calls * (p.optimal_s or 0.0) for p in report.programs
+             if (phase is None or p.phase == phase) and p.name.startswith(prefix))
+
+
+def format_report(report: Report) -> str:
+  lines = [f"compile only: {report.config_name} for {report.target.description}, mesh {report.mesh_shape}",
+           "per chip; flops, bytes and optimal time per call with loop trip counts applied (the compiler's "
+           "own figures count each loop body once)", ""]
+  head = (f"{'program':<30}{'compile s':>10}{'args GB':>9}{'out GB':>8}{'temp GB':>9}{'peak GB':>9}"
+          f"{'TFLOP':>9}{'model':>8}{'GB r/w':>9}{'opt ms':>10}{'calls':>8}  loops")
+  lines.append(head)
+  for p in report.programs:
+    if p.error:
+      lines.append(f"{p.name:<30}{p.compile_s:>10.1f}  DOES NOT COMPILE: {p.error.splitlines()[0][:300]}")
+      continue
+    loops = ",".join(str(loop.trip_count if loop.trip_count is not None else "?") for loop in p.loops[:6])
+    loops += ",…" if len(p.loops) > 6 else ""
+    tflop = "-" if p.flops is None else f"{p.flops / 1e12:.3f}"
+    model = f"{p.model_flops / 1e12:.3f}" if p.model_flops else "-"
+    opt = "-" if p.optimal_s is None else f"{p.optimal_s * 1e3:.2f}"
+    lines.append(f"{p.name:<30}{p.compile_s:>10.1f}{_gb(p.argument):>9}{_gb(p.output):>8}{_gb(p.temp):>9}"
+                 f"{_gb(p.peak):>9}{tflop:>9}{model:>8}{_gb(p.bytes_accessed):>9}{opt:>10}{p.calls:>8.0f}  {loops}")
+  lines.append("")
+  lines.append("resident per chip (GB)")
+  phases = list(report.resident)
+  parts = list(dict.fromkeys(k for ph in phases for k in report.resident[ph]))
+  lines.append(f"  {'':<34}" + "".join(f"{ph:>12}" for ph in phases))
+  for part in parts:
+    lines.append(f"  {part:<34}" + "".join(
+        f"{_gb(report.resident[ph][part]) if part in report.resident[ph] else '-':>12}" for ph in phases))
+  largest = {ph: report.phase_total(ph) for ph in phases}
+  lines.append(f"  {'+ largest program (temporaries etc.)':<34}" + "".join(
+      f"{_gb(largest[ph][1].extra if largest[ph][1] else 0.0):>12}" for ph in phases))
+  lines.append(f"  {'  which':<34}" + "".join(f"{(largest[ph][1].name if largest[ph][1] else '-')[:11]:>12}"
+                                             for ph in phases))
+  lines.append(f"  {'total':<34}" + "".join(f"{_gb(largest[ph][0]):>12}" for ph in phases))
+  lines.append("")
+  train = next((p for p in report.programs if p.name == "train_step" and not p.error), None)
+  if train is not None:
+    lines.append(f"train step compile: {train.compile_s:.1f} s on this host ({os.cpu_count()} cores, load average "
+                 f"{train.load_average:.1f})")
+  rollout_s, update_s = step_seconds(report, "rollout"), step_seconds(report, "update")
+  lines.append(f"compiler's optimal time per step: update {update_s:.1f} s, rollout {rollout_s:.1f} s (upper bound: "
+               "every response at max_new_tokens)")
+  model = sum(p.calls * p.model_flops for p in report.programs)
+  compiled = sum(p.calls * (p.flops or 0.0) for p in report.programs)
+  lines.append(f"FLOPs per step per chip: compiled {compiled / 1e15:.2f} PFLOP, model (6N / 2N per token) "
+               f"{model / 1e15:.2f} PFLOP")
+  lines += [f"note: {n}" for n in report.notes]
+  problems = report.problems()
+  hbm = report.target.hbm_bytes
+  if problems:
+    memory_only = all("GB per chip" in p for p in problems)
+    lines.append(f"DOES NOT FIT in {hbm / GB:g} GB per chip:" if memory_only and hbm else "DOES NOT COMPILE:")
+    lines += [f"  {p}" for p in problems]
+  elif hbm:
+    totals = ", ".join(f"{ph} {largest[ph][0] / GB:.2f} GB ({100 * largest[ph][0] / hbm:.0f}%)" for ph in phases)
+    lines.append(f"fits in {hbm / GB:g} GB per chip: {totals}")
+  else:
+    lines.append("no memory limit known (hardware.hbm_gb = 0): no verdict")
+  return "\n".join(lines)
+
+
+def main(cfg: ml_collections.ConfigDict, config_name: str = "", log=print) -> int:
+  """The `--compile_only` CLI: prints the report; exit status 0 if the run fits, 1 if not, 2 if the target
+  cannot be compiled for here."""
+  try:
+    tgt = target(cfg)
+  except (TargetUnavailable, RuntimeError, ValueError) as e:
+    log(f"compile only: {e}")
+    return 2
+  report = compile_run(cfg, tgt, log=lambda s: log(s))
+  report.config_name = config_name
+  log(format_report(report))
+  return 0 if report.fits else 1
+

@@ -1,0 +1,157 @@
+"""The jitted programs a training run executes, their shardings and argument shapes: built by the same
+functions for the trainer (`loop.Trainer`) and for compiling ahead of time (`aot`), so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pacs_jax import sharding
+from pacs_jax.algos import ppo
+from pacs_jax.models import qwen2
+from pacs_jax.rollout import engine as engine_lib
+from pacs_jax.train import memory
+from pacs_jax.train import state as state_lib
+from pacs_jax.train import step as step_lib
+
+
+def needs_frozen_ref(cfg: ml_collections.ConfigDict) -> bool:
+  """A frozen copy of the initial policy is kept (PACS "frozen" reference, GRPO's KL loss)."""
+  return (cfg.algorithm == "pacs" and cfg.pacs.reference_policy == "frozen") or (
+      cfg.algorithm == "grpo" and cfg.grpo.use_kl_loss)
+
+
+def needs_old_logprobs(cfg: ml_collections.ConfigDict) -> bool:
+  """The sampling policy's log-probs are computed before the step's updates (ratios; PACS "rollout" reference)."""
+  return cfg.algorithm in ("grpo", "ppo") or cfg.pacs.reference_policy == "rollout"
+
+
+def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
+  return cfg.train.batch_prompts // cfg.train.mini_batch_prompts
+
+
+def micro_batches(cfg: ml_collections.ConfigDict) -> int:
+  """Micro-batches per mini-batch (gradient accumulation steps)."""
+  return cfg.train.mini_batch_prompts // (cfg.train.micro_batch_prompts or cfg.train.mini_batch_prompts)
+
+
+def make_optimizers(cfg: ml_collections.ConfigDict):
+  """(policy optimizer, critic optimizer or None)."""
+  total_updates = cfg.steps * updates_per_step(cfg)
+  optimizer = state_lib.make_optimizer(cfg.train, cfg.train.lr, total_updates)
+  critic = state_lib.make_optimizer(cfg.train, cfg.ppo.critic_lr, total_updates) if cfg.algorithm == "ppo" else None
+  return optimizer, critic
+
+
+def _full_tree(tree, per_variable):
+  """Per-Variable values (e.g. shardings from `sharding.state_shardings`) spread to every leaf under each Variable."""
+  return jax.tree.map(lambda v, s: jax.tree.map(lambda _: s, v), tree, per_variable,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def train_state_shardings(state: state_lib.TrainState, mesh, optimizer, critic_optimizer=None) -> state_lib.TrainState:
+  """Where every leaf of a (concrete or abstract) TrainState lives: parameters by their logical axes
+  (train mode), Adam moments like their parameters, counters and the RNG replicated."""
+  replicated = sharding.replicated(mesh)
+
+  def params_and_opt(params, opt_state, opt):
+    param_shardings = _full_tree(params, sharding.state_shardings(params, mesh, "train"))
+    opt_shardings = optax.tree_map_params(opt, lambda _, s: s, opt_state, param_shardings,
+                                          transform_non_params=lambda _: replicated)
+    return param_shardings, opt_shardings
+
+  params, opt_state = params_and_opt(state.params, state.opt_state, optimizer)
+  critic_params = critic_opt_state = None
+  if state.critic_params is not None:
+    critic_params, critic_opt_state = params_and_opt(state.critic_params, state.critic_opt_state, critic_optimizer)
+  return state_lib.TrainState(step=replicated, params=params, opt_state=opt_state, rng=replicated,
+                              critic_params=critic_params, critic_opt_state=critic_opt_state)
+
+
+def minibatch_sharding(mesh, ndim: int) -> NamedSharding:
+  """A mini-batch array [k micro-batches, m rows, ...]: rows over (data, fsdp)."""
+  return NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (ndim - 2))))
+
+
+def minibatch_shapes(cfg: ml_collections.ConfigDict, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+  """The arrays of one mini-batch as the train step receives them (`Trainer.update` fills the log-prob,
+  value and advantage fields before the first update)."""
+  k = micro_batches(cfg)
+  m = cfg.rollout.n * cfg.train.mini_batch_prompts // k
+  P_, R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+  fields = {"input_ids": ((k, m, P_ + R), jnp.int32), "attention_mask": ((k, m, P_ + R), jnp.int32),
+            "response_mask": ((k, m, R), jnp.float32), "rewards": ((k, m), jnp.float32)}
+  if needs_old_logprobs(cfg):
+    fields["old_logprobs"] = ((k, m, R), jnp.float32)
+  if needs_frozen_ref(cfg) or cfg.algorithm == "pacs":
+    fields["ref_logprobs"] = ((k, m, R), jnp.float32)
+  if cfg.algorithm == "ppo":
+    for name in ("old_values", "advantages", "returns"):
+      fields[name] = ((k, m, R), jnp.float32)
+  return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=minibatch_sharding(mesh, len(shape)))
+          for name, (shape, dtype) in fields.items()}
+
+
+def abstract_policy(cfg: ml_collections.ConfigDict) -> qwen2.Qwen2ForCausalLM:
+  """The policy's structure and shapes from `model.preset` (nothing allocated, no checkpoint read)."""
+  mc = memory.model_config(cfg)
+  return nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(0)))
+
+
+def abstract_train_state(cfg: ml_collections.ConfigDict, mesh):
+  """(policy graphdef, critic graphdef or None, TrainState of ShapeDtypeStructs in their shardings)."""
+  policy = abstract_policy(cfg)
+  graphdef, params = nnx.split(policy, nnx.Param)
+  optimizer, critic_optimizer = make_optimizers(cfg)
+  critic_graphdef = critic_params = critic_opt_state = None
+  if cfg.algorithm == "ppo":
+    critic = nnx.eval_shape(lambda: ppo.Critic(policy.config, rngs=nnx.Rngs(1)))
+    critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
+    critic_opt_state = jax.eval_shape(critic_optimizer.init, critic_params)
+  state = state_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                               opt_state=jax.eval_shape(optimizer.init, params),
+                               rng=jax.eval_shape(lambda: state_lib.initial_rng(0)),
+                               critic_params=critic_params, critic_opt_state=critic_opt_state)
+  shardings = train_state_shardings(state, mesh, optimizer, critic_optimizer)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+  return graphdef, critic_graphdef, abstract
+
+
+def make_engine(cfg: ml_collections.ConfigDict, model: qwen2.Qwen2ForCausalLM, mesh, eos_ids) -> engine_lib.Engine:
+  """The rollout engine (`model` may be abstract: only its structure is kept)."""
+  slots = cfg.rollout.slots or (cfg.train.batch_prompts * cfg.rollout.n)
+  return engine_lib.Engine(model, max_concurrent_decodes=slots, max_prefill_length=cfg.data.max_prompt_length,
+                           max_decode_length=cfg.rollout.max_new_tokens, mesh=mesh, eos_ids=eos_ids)
+
+
+@dataclasses.dataclass
+class Programs:
+  """The trainer's jitted functions (the rollout engine holds the rollout ones)."""
+  train_step: Callable  # (state, minibatch) -> (state, metrics); the state is donated
+  logprob_fn: Callable  # (params, minibatch) -> log-probs [k, m, R]: reference and old log-probs
+  value_fn: Callable | None  # (critic params, minibatch) -> values [k, m, R] (PPO)
+  ppo_advantages: Callable  # (minibatches) -> [(advantages, returns)] (PPO)
+  to_sample_params: Callable  # train-mode params -> rollout weights (compute dtype, sample layout)
+
+
+def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, optimizer, critic_optimizer,
+                  state_shardings: Any, sample_shardings: Any) -> Programs:
+  step_fn = step_lib.make_train_step(cfg, graphdef, optimizer, critic_graphdef, critic_optimizer)
+  # Rollout weights: sample-mode layout in the compute dtype. The model casts every weight to that
+  # dtype before use, so sampling numerics are unchanged while memory and bandwidth drop.
+  compute = memory.DTYPES[cfg.model.dtype]
+  return Programs(
+      train_step=jax.jit(step_fn, in_shardings=(state_shardings, None), out_shardings=(state_shardings, None),
+                         donate_argnums=(0,)),
+      logprob_fn=jax.jit(step_lib.make_logprob_fn(graphdef, cfg.rollout.temperature)),
+      value_fn=jax.jit(step_lib.make_value_fn(critic_graphdef)) if critic_graphdef is not None else None,
+      ppo_advantages=jax.jit(lambda mbs: step_lib.ppo_advantages(cfg, mbs)),
+      to_sample_params=jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute), p), out_shardings=sample_shardings))

@@ -1,0 +1,94 @@
+"""One place that shrinks a shipped config to the tiny model so CI can run it end to end through the CLI.
+
+Every field of a config is either KEPT (the run's recipe: algorithm, remat, compute dtype, reference policy,
+loss and optimizer settings, validation and checkpoint cadence...) or SHRUNK by a rule below (model size,
+batch sizes, lengths, mesh, data, worker counts). A field with neither raises: a new config field cannot
+silently escape the end-to-end test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+# Kept exactly as the config sets them. A trailing ".*" keeps a whole group: `pacs`, `grpo` and `ppo` are
+# the algorithm; `hardware` and `distributed` describe the target machine, not what a step computes.
+KEEP = (
+    "seed", "algorithm", "model.param_dtype", "model.dtype", "model.remat",
+    "data.skip_bad_rows", "data.val_max_examples",
+    "rollout.n", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.val_max_new_tokens",
+    "train.lr", "train.schedule", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.b1",
+    "train.b2", "train.eps", "train.grad_clip",
+    "pacs.*", "grpo.*", "ppo.*",
+    "checkpoint.every", "checkpoint.keep", "checkpoint.async_save",
+    "eval_every", "log_every", "reward_timeout_s",
+    "hardware.*", "distributed.*",
+)
+
+CPU_DEVICES = 8  # tests/conftest.py's simulated devices
+STEPS = 2
+PROMPT_LENGTH, NEW_TOKENS = 16, 8
+CHUNK = 8  # attention_chunk at tiny lengths: 24-token rows still attend in 3 blocks
+
+
+def _fields(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  out = []
+  for key, value in cfg.items():
+    name = f"{prefix}{key}"
+    out += _fields(value, f"{name}.") if isinstance(value, ml_collections.ConfigDict) else [name]
+  return out
+
+
+def _kept(field: str) -> bool:
+  return any(field == k or (k.endswith(".*") and field.startswith(k[:-1])) for k in KEEP)
+
+
+def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
+  """(overrides {dotted field: value} that make `cfg` a tiny CPU run, the number of CPU devices it needs)."""
+  c = cfg
+  # Mesh: the same axes, each cut down, on at most 8 CPU devices (tensor and data at most 2).
+  total = c.hardware.num_devices or 1
+  sizes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor}
+  known = math.prod(v for v in sizes.values() if v != -1)
+  sizes = {a: (total // known if v == -1 else v) for a, v in sizes.items()}
+  tensor, data = min(sizes["tensor"], 2), min(sizes["data"], 2)
+  fsdp = min(sizes["fsdp"], CPU_DEVICES // (tensor * data))
+  devices = data * fsdp * tensor
+  # Batches: the same micro-batches per mini-batch (one prompt each when the config splits mini-batches)
+  # and up to 2 mini-batches (optimizer updates) per step.
+  t = c.train
+  micro_per_mini = t.mini_batch_prompts // (t.micro_batch_prompts or t.mini_batch_prompts)
+  minibatches = min(t.batch_prompts // t.mini_batch_prompts, 2)
+  micro = 1 if t.micro_batch_prompts else 0
+  mini = micro_per_mini if micro else min(t.mini_batch_prompts, 2)
+  batch = mini * minibatches
+  slots = 0
+  if c.rollout.slots:  # as many slots per rollout row as the config has: requests still queue
+    slots = max(8, 8 * round(c.rollout.slots * batch / t.batch_prompts / 8))
+  rules = {
+      "steps": STEPS,
+      "model.preset": "tiny", "model.hf_path": "", "model.vocab_size": 64,
+      "model.attention_chunk": CHUNK if c.model.attention_chunk else 0,
+      "tokenizer": "synthetic",
+      "data.train": "synthetic/mod3", "data.val": "synthetic/mod3" if c.data.val else "",
+      "data.synthetic_train_size": max(64, 2 * batch), "data.synthetic_val_size": 8,
+      "data.max_prompt_length": PROMPT_LENGTH, "data.instruction": "",
+      "rollout.max_new_tokens": NEW_TOKENS, "rollout.slots": slots,
+      "train.batch_prompts": batch, "train.mini_batch_prompts": mini, "train.micro_batch_prompts": micro,
+      "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
+      "reward_workers": min(c.reward_workers, 2),
+  }
+  fields = _fields(c)
+  unknown = [f for f in fields if not _kept(f) and f not in rules]
+  if unknown:
+    raise KeyError(f"config fields {unknown} have no rule in tests/config_shrink.py: add each to KEEP or to "
+                   "the shrink rules, so the end-to-end config test runs what the config means")
+  stale = sorted(set(rules) - set(fields))
+  if stale:
+    raise KeyError(f"tests/config_shrink.py has rules for fields the config lacks: {stale}")
+  return rules, devices
+
+
+def kept_fields(cfg: ml_collections.ConfigDict) -> list[str]:
+  return [f for f in _fields(cfg) if _kept(f)]

@@ -1,0 +1,164 @@
+"""`--compile_only`: the tiny model's programs compiled ahead of time for a small TPU topology (libtpu, no TPU),
+with the released settings (bf16, remat, attention chunks, micro-batches); figures positive and consistent;
+the same programs the trainer runs; a config that does not fit exits non-zero before any weights load."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from pacs_jax import config as config_lib
+from pacs_jax.train import aot
+from pacs_jax.train import loop
+from pacs_jax.train import programs as programs_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TINY_TPU = """
+import sys
+sys.path.insert(0, {configs!r})
+from tiny_cpu import get_config as tiny
+
+
+def get_config():
+  c = tiny()
+  c.hardware.tpu_topology = "v5p:2x2x1"  # one v5p host: 4 chips
+  c.hardware.num_devices, c.hardware.num_processes, c.hardware.hbm_gb = 4, 1, 95.0
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, 2, 2
+  c.model.dtype, c.model.remat, c.model.attention_chunk = "bfloat16", True, 16  # the released settings
+  c.data.max_prompt_length, c.rollout.max_new_tokens = 32, 64
+  c.train.batch_prompts, c.train.mini_batch_prompts, c.train.micro_batch_prompts = 8, 4, 2
+  c.rollout.slots = 32
+  c.eval_every = 0
+  return c
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_tpu_config(tmp_path_factory):
+  path = tmp_path_factory.mktemp("configs") / "tiny_tpu.py"
+  path.write_text(TINY_TPU.format(configs=os.path.join(ROOT, "configs")))
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def report(tiny_tpu_config):
+  cfg = config_lib.load_config_file(tiny_tpu_config)
+  return aot.compile_run(cfg), cfg
+
+
+def by_name(report, prefix):
+  found = [p for p in report.programs if p.name.startswith(prefix)]
+  assert found, [p.name for p in report.programs]
+  return found
+
+
+def test_every_program_compiles_with_positive_consistent_figures(report):
+  report, cfg = report
+  assert not report.failed, [(p.name, p.error) for p in report.failed]
+  names = [p.name for p in report.programs]
+  for prefix in ("to_sample_params", "init_decode_state", "prefill[B=8,T=16]", "prefill[B=8,T=32]", "insert[",
+                 "decode[W=96]", "logprobs", "train_step"):
+    by_name(report, prefix)
+  assert names[-1] == "train_step"
+  for p in report.programs:
+    assert p.compile_s > 0 and p.output > 0 and p.temp >= 0, p
+    assert p.argument > 0 or p.name == "init_decode_state", p  # it takes no arguments: it allocates the cache
+    assert p.peak >= p.argument and p.peak >= p.output - p.alias, p
+    assert 0 <= p.resident <= p.peak + 1e6, p  # resident arguments/outputs are part of what it holds
+    assert p.bytes_accessed > 0 and p.optimal_s > 0, p
+  for p in by_name(report, "prefill") + by_name(report, "decode") + by_name(report, "logprobs") + \
+      by_name(report, "train_step"):
+    # Loops applied: never below the compiler's count-once figure; at least the model's matmul FLOPs.
+    assert p.flops >= p.raw_flops > 0 and p.flops >= p.model_flops > 0, p
+  # Donation: the decode state is updated in place (aliased), not copied.
+  decode = by_name(report, "decode")[0]
+  assert decode.alias >= report.resident["rollout"]["decode state (KV cache)"] * 0.99
+
+
+def test_loop_trip_counts_come_from_the_compiled_programs(report):
+  report, cfg = report
+  layers = 2  # the tiny preset
+  train = by_name(report, "train_step")[0]
+  trips = [loop.trip_count for loop in train.loops]
+  assert None not in trips
+  micro = programs_lib.micro_batches(cfg)
+  # The micro-batch scan runs the layer scan (forward, and the backward's recompute) inside it.
+  assert micro in trips and layers in trips
+  assert max(loop.multiplier for loop in train.loops) >= micro * layers
+  decode = by_name(report, "decode")[0]
+  assert 16 in [loop.trip_count for loop in decode.loops]  # steps_per_call
+  assert decode.flops >= 16 * decode.raw_flops * 0.9  # 16 steps, each counted once by the compiler
+
+
+def test_resident_totals_and_verdict(report):
+  report, cfg = report
+  for phase in ("rollout", "update"):
+    total, largest = report.phase_total(phase)
+    assert total >= sum(report.resident[phase].values()) > 0 and largest is not None
+  assert report.resident["update"]["frozen reference"] == report.resident["update"]["policy params"]
+  assert report.fits
+  text = aot.format_report(report)
+  assert "fits in 95 GB per chip" in text and "train step compile:" in text
+
+
+def test_compile_only_builds_the_programs_the_trainer_runs(report, tmp_path):
+  """The trainer on 4 CPU devices: its mini-batches and state shardings are the ones compile_only compiles for,
+  and its train step lowers to the same program from real arrays as from compile_only's abstract ones."""
+  _, cfg = report
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "tiny_cpu.py"))
+  cfg.mesh.fsdp, cfg.mesh.tensor = 2, 2
+  cfg.model.remat, cfg.model.attention_chunk = True, 4
+  cfg.train.micro_batch_prompts = 2
+  trainer = loop.Trainer(cfg, str(tmp_path), devices=jax.devices()[:4])
+  seen = {}
+
+  def record(state, minibatch):
+    seen.update(minibatch)
+    return state, {"loss": 0.0, "skipped_updates": 0.0}
+
+  trainer.train_step = record
+  rows = cfg.train.batch_prompts * cfg.rollout.n
+  P, R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
+  rb = loop.RolloutBatch(np.ones((rows, P + R), np.int32), np.ones((rows, P + R), np.int32),
+                         np.ones((rows, R), np.float32), np.zeros((rows,), np.float32), ["s"] * rows, ["eos"] * rows)
+  trainer.update(rb)
+  expected = programs_lib.minibatch_shapes(cfg, trainer.mesh)
+  assert sorted(seen) == sorted(expected)
+  for name, spec in expected.items():
+    got = seen[name]
+    assert (got.shape, got.dtype) == (spec.shape, spec.dtype), name
+    assert got.sharding.is_equivalent_to(spec.sharding, got.ndim), name
+  _, _, abstract = programs_lib.abstract_train_state(cfg, trainer.mesh)
+  for got, spec in zip(jax.tree.leaves(trainer.state), jax.tree.leaves(abstract), strict=True):
+    assert (got.shape, got.dtype) == (spec.shape, spec.dtype)
+    assert got.sharding.is_equivalent_to(spec.sharding, got.ndim)
+  real = trainer.programs.train_step.lower(trainer.state, seen).as_text()
+  assert trainer.programs.train_step.lower(abstract, expected).as_text() == real
+
+
+def run_cli(*args, env=None):
+  return subprocess.run([sys.executable, "-m", "pacs_jax.train", *args], capture_output=True, text=True, timeout=900,
+                        env={**os.environ, "XLA_FLAGS": "", **(env or {})})
+
+
+def test_a_config_that_does_not_fit_exits_nonzero_naming_the_program_and_its_size(tiny_tpu_config, tmp_path):
+  # 16M decode slots: the KV cache alone is ~100 GB per chip, more than a v5p's 95 GB. Nothing is loaded (the
+  # weights path does not exist), no workdir is made.
+  proc = run_cli("--config", tiny_tpu_config, "--compile_only", "--config.rollout.slots=16777216",
+                 "--config.model.hf_path=/nonexistent/weights", "--workdir", str(tmp_path / "never"))
+  assert proc.returncode == 1, proc.stdout + proc.stderr
+  verdict = proc.stdout[proc.stdout.index("DOES NOT FIT in 95 GB per chip"):]
+  assert re.search(r"init_decode_state \(rollout\) needs \d+\.\d+ GB per chip", verdict), verdict
+  assert re.search(r"decode\[W=96\] \(rollout\) needs \d+\.\d+ GB per chip", verdict), verdict
+  assert not (tmp_path / "never").exists()
+
+
+def test_a_target_that_is_not_here_is_said_plainly():
+  proc = run_cli("--config", os.path.join(ROOT, "configs", "qwen3b_gpu.py"), "--compile_only")
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert "compiles for the target's own backend" in proc.stdout and "--dry_run" in proc.stdout
