@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pacs_jax import paths
 from pacs_jax.data import sources, synthetic
 from pacs_jax.eval import passk
 
@@ -87,8 +88,8 @@ def resolve_data(data: str | Sequence[str], data_dir: str | None = None) -> list
       if not data_dir:
         raise ValueError(f"--data {entry} is a dataset name: pass --data_dir (the folder holding "
                          f"{KNOWN_DATASETS[entry]}) or give the file's path")
-      specs.append(os.path.join(data_dir, KNOWN_DATASETS[entry]))
-    elif entry.startswith(sources.HUB_PREFIX) or synthetic.is_synthetic(entry) or os.path.isfile(entry):
+      specs.append(paths.join(data_dir, KNOWN_DATASETS[entry]))
+    elif entry.startswith(sources.HUB_PREFIX) or synthetic.is_synthetic(entry) or paths.isfile(entry):
       specs.append(entry)
     else:
       raise FileNotFoundError(f"--data {entry!r}: not a file, hf:// dataset, synthetic/<task>, nor one of "
@@ -128,31 +129,28 @@ def _encode(tokenizer, problems, instruction):
 
 
 def is_workdir(path: str) -> bool:
-  return os.path.isdir(os.path.join(path, "checkpoints")) and os.path.isfile(os.path.join(path, "model", "config.json"))
+  return paths.isdir(paths.join(path, "checkpoints")) and paths.isfile(paths.join(path, "model", "config.json"))
 
 
 def resolve_model(path: str, step: int | None = None) -> str:
   """A Hugging Face directory to evaluate: `path` itself, or a training workdir's checkpoint exported to
   `path/export_step_<S>` (latest step by default; reused when already there)."""
   if not is_workdir(path):
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    if not paths.isfile(paths.join(path, "config.json")):
       raise FileNotFoundError(f"--model {path}: neither a Hugging Face directory (config.json) nor a training "
                               "workdir (checkpoints/ and model/)")
     return path
-  from pacs_jax.train import checkpoint as checkpoint_lib
   from pacs_jax.train import export_lib
   if step is None:
-    ckpt = checkpoint_lib.Checkpointer(os.path.join(path, "checkpoints"))
-    step = ckpt.latest_step()
-    ckpt.close()
-    if step is None:
-      raise FileNotFoundError(f"{path}/checkpoints: no checkpoint to evaluate")
-  out = os.path.join(path, f"export_step_{step}")
-  if not os.path.isfile(os.path.join(out, "config.json")):
-    # Exported beside, then renamed: a crash mid-export leaves no directory that looks complete.
-    partial = f"{out}.partial-{os.getpid()}"
-    export_lib.export(path, partial, step=step)
-    os.replace(partial, out)
+    step = export_lib.latest_step(path)
+  out = paths.join(path, f"export_step_{step}")
+  if not paths.isfile(paths.join(out, "config.json")):
+    if paths.is_remote(out):  # config.json is uploaded last: a directory without it is incomplete
+      export_lib.export(path, out, step=step)
+    else:  # exported beside, then renamed: a crash mid-export leaves no directory that looks complete
+      partial = f"{out}.partial-{os.getpid()}"
+      export_lib.export(path, partial, step=step)
+      os.replace(partial, out)
   return out
 
 
@@ -166,10 +164,10 @@ def read_rollout(path: str) -> dict[tuple[str, int, int], dict]:
   A line cut short by a crash, or a duplicated row, is dropped and the file rewritten without it, so
   appends after it start on a clean line.
   """
-  if not os.path.isfile(path):
+  if not paths.isfile(path):
     return {}
   rows, clean = {}, True
-  with open(path, encoding="utf-8") as f:
+  with paths.open(path) as f:
     for line_number, line in enumerate(f, start=1):
       try:
         row = json.loads(line)
@@ -186,19 +184,14 @@ def read_rollout(path: str) -> dict[tuple[str, int, int], dict]:
 
 
 def _write_atomic(path: str, text: str) -> None:
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  paths.write_atomic(path, text)
 
 
 def check_resumable(out_dir: str, settings: dict, rows: dict, problems: Sequence[Problem]) -> None:
   """Refuses to mix in rows written with other sampling settings, another model or other answers."""
-  path = os.path.join(out_dir, METRICS_FILE)
-  if os.path.isfile(path):
-    with open(path) as f:
+  path = paths.join(out_dir, METRICS_FILE)
+  if paths.isfile(path):
+    with paths.open(path) as f:
       before = json.load(f).get("settings", {})
     for name in _RESPONSE_SETTINGS + ("model",):
       if name in before and before[name] != settings[name]:
@@ -271,21 +264,22 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
   specs = resolve_data(data, data_dir)
   model_dir = resolve_model(model, step)
   out_dir = out_dir or model_dir
-  os.makedirs(out_dir, exist_ok=True)
-  tokenizer = hf.load_tokenizer(model_dir)
+  paths.makedirs(out_dir)
+  with paths.local_dir(model_dir, exclude=(".safetensors",)) as local_model:  # a gs:// model: a local copy
+    tokenizer = hf.load_tokenizer(local_model)
   problems, dropped = load_problems(specs, tokenizer, settings.max_prompt_length, settings.limit)
   if not problems:
     raise ValueError(f"no problem of {specs} fits max_prompt_length={settings.max_prompt_length} "
                      f"(dropped per source: {dropped})")
   n = settings.n
-  recorded = dataclasses.asdict(settings) | {"model": os.path.realpath(model_dir), "data": specs}
-  rollout_path = os.path.join(out_dir, ROLLOUT_FILE)
+  recorded = dataclasses.asdict(settings) | {"model": paths.canonical(model_dir), "data": specs}
+  rollout_path = paths.join(out_dir, ROLLOUT_FILE)
   rows = read_rollout(rollout_path)
   check_resumable(out_dir, recorded, rows, problems)
 
   def write_metrics(complete: bool) -> dict[str, Any]:
     metrics = {"complete": complete, "settings": recorded} | compute_metrics(rows, problems, n, dropped)
-    _write_atomic(os.path.join(out_dir, METRICS_FILE), json.dumps(metrics, indent=2) + "\n")
+    _write_atomic(paths.join(out_dir, METRICS_FILE), json.dumps(metrics, indent=2) + "\n")
     return metrics
 
   todo = [p for p in problems if any(p.key + (s,) not in rows for s in range(n))]
@@ -294,10 +288,11 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
     return metrics
 
   dtype = getattr(jnp, settings.dtype)
-  eos = hf.eos_token_ids(tokenizer, model_dir)
   chunk = settings.problems_per_chunk()
-  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    policy, _ = hf.load_pretrained(model_dir, dtype=dtype, mesh=mesh, compute_dtype=dtype)
+  with paths.local_dir(model_dir) as local_model, (
+      jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+    eos = hf.eos_token_ids(tokenizer, local_model)
+    policy, _ = hf.load_pretrained(local_model, dtype=dtype, mesh=mesh, compute_dtype=dtype)
   # No more slots than one chunk can fill (the KV cache is allocated per slot), and a multiple of the model
   # replicas so that the slots split evenly over them instead of being replicated.
   replicas = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
@@ -313,31 +308,28 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
   bar = tqdm(total=len(problems) * n, initial=len(problems) * n - len(todo) * n, unit="response",
              desc="eval", disable=not progress, dynamic_ncols=True)
   try:
-    with open(rollout_path, "a", encoding="utf-8") as f:
-      for start in range(0, len(todo), chunk):
-        batch = todo[start:start + chunk]
-        completions = engine_lib.generate(
-            engine, params, [p.prompt_ids for p in batch], n=n, max_new_tokens=settings.max_new_tokens,
-            sampling=sampling, seed=settings.seed, eos_ids=eos, prompt_ids=[p.seed_id for p in batch])
-        # Samples already on file (a problem cut short by a crash) are redrawn identically and not written twice.
-        completions = [c for c in completions if batch[c.prompt_index].key + (c.sample_index,) not in rows]
-        texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
-        scores, _ = scorer.score_batch(texts, [batch[c.prompt_index].answer for c in completions],
-                                       [batch[c.prompt_index].data_source for c in completions])
-        new = []
-        for c, text, score in zip(completions, texts, scores):
-          p = batch[c.prompt_index]
-          row = {"data_source": p.data_source, "problem_index": p.index, "sample_index": c.sample_index,
-                 "answer": p.answer, "score": float(score), "finish_reason": c.finish_reason,
-                 "num_tokens": len(c.tokens), "response": text}
-          rows[p.key + (c.sample_index,)] = row
-          new.append(json.dumps(row) + "\n")
-        f.write("".join(new))
-        f.flush()
-        os.fsync(f.fileno())
-        metrics = write_metrics(complete=start + chunk >= len(todo))
-        bar.update(len(batch) * n)
-        bar.set_postfix(accuracy=f"{metrics['overall']['mean_accuracy'] or 0:.3f}")
+    for start in range(0, len(todo), chunk):
+      batch = todo[start:start + chunk]
+      completions = engine_lib.generate(
+          engine, params, [p.prompt_ids for p in batch], n=n, max_new_tokens=settings.max_new_tokens,
+          sampling=sampling, seed=settings.seed, eos_ids=eos, prompt_ids=[p.seed_id for p in batch])
+      # Samples already on file (a problem cut short by a crash) are redrawn identically and not written twice.
+      completions = [c for c in completions if batch[c.prompt_index].key + (c.sample_index,) not in rows]
+      texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+      scores, _ = scorer.score_batch(texts, [batch[c.prompt_index].answer for c in completions],
+                                     [batch[c.prompt_index].data_source for c in completions])
+      new = []
+      for c, text, score in zip(completions, texts, scores):
+        p = batch[c.prompt_index]
+        row = {"data_source": p.data_source, "problem_index": p.index, "sample_index": c.sample_index,
+               "answer": p.answer, "score": float(score), "finish_reason": c.finish_reason,
+               "num_tokens": len(c.tokens), "response": text}
+        rows[p.key + (c.sample_index,)] = row
+        new.append(json.dumps(row) + "\n")
+      paths.append(rollout_path, "".join(new))  # one write: a kill cuts at most this chunk
+      metrics = write_metrics(complete=start + chunk >= len(todo))
+      bar.update(len(batch) * n)
+      bar.set_postfix(accuracy=f"{metrics['overall']['mean_accuracy'] or 0:.3f}")
   finally:
     bar.close()
     if own_scorer:

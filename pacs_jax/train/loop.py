@@ -7,7 +7,6 @@ of the prompts; mini- and micro-batches take whole groups from every process's s
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import time
 from typing import Any
@@ -21,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import config as config_lib
+from pacs_jax import paths
 from pacs_jax import sharding
 from pacs_jax.algos import ppo
 from pacs_jax.data import pipeline as pipeline_lib
@@ -35,8 +35,10 @@ from pacs_jax.train import memory
 from pacs_jax.train import metrics as metrics_lib
 from pacs_jax.train import state as state_lib
 from pacs_jax.train import step as step_lib
+from pacs_jax.train import workdir_lock
 
 DTYPES = memory.DTYPES
+CHECKPOINT_DIR = "checkpoints"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,7 +189,17 @@ class Trainer:
     """`devices`: the mesh's devices (default: all of them)."""
     devices = jax.devices() if devices is None else list(devices)
     config_lib.validate(cfg, len(devices), jax.process_count())
-    self.cfg, self.workdir = cfg, workdir
+    self.cfg, self.workdir = cfg, paths.normalize(workdir)
+    # Before anything is written to the workdir: a second trainer must not touch the first one's files
+    # (Orbax deletes unfinished saves it finds, which may be the other trainer's save in flight).
+    self.lock = lock_workdir(self.workdir, cfg.checkpoint.lock_stale_after_s)
+    try:
+      self._build(cfg, workdir, devices)
+    except BaseException:
+      self.lock.release()
+      raise
+
+  def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
     self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     self.tokenizer = load_tokenizer(cfg)
     self.eos_ids = hf.eos_token_ids(self.tokenizer, cfg.model.hf_path and hf.resolve_path(cfg.model.hf_path))
@@ -242,7 +254,7 @@ class Trainer:
                                     eos_ids=self.eos_ids)
     self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self._jit(critic_graphdef)
-    self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.keep,
+    self.checkpointer = checkpoint_lib.Checkpointer(paths.join(workdir, CHECKPOINT_DIR), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
 
   # -- setup helpers ---------------------------------------------------------------------------
@@ -379,38 +391,60 @@ class Trainer:
   def save(self, step: int):
     self.checkpointer.save(step, self.state, self.data_iter.get_state(), self.cfg)
 
-  def maybe_restore(self) -> int:
-    step = self.checkpointer.latest_step()
-    if step is None:
-      return 0
-    for field, (old, new) in changed_data_fields(self.checkpointer.restore_config(step), self.cfg).items():
-      logging.warning("config.%s changed since the checkpoint (%r -> %r): the restored data position refers "
-                      "to the old prompt order", field, old, new)
-    abstract = checkpoint_lib.abstract_like(self.state)
-    self.state, data_state = self.checkpointer.restore(step, abstract)
-    self.data_iter = self.pipeline.iterator(data_state)
+  def maybe_restore(self) -> int | None:
+    """The step of the checkpoint restored (the newest that restores), or None for a fresh start."""
+    if self.cfg.checkpoint.restore == "never":
+      moved = self.checkpointer.set_aside_all()
+      if moved:
+        logging.warning("checkpoint.restore=never: starting from scratch; moved checkpoints of steps %s to %s/",
+                        moved, checkpoint_lib.SET_ASIDE_DIR)
+      return None
+    restored = self.checkpointer.restore_newest(self._restore)
+    if restored is None:
+      return None
+    step, (self.state, self.data_iter) = restored
     logging.info("resumed from %s at step %d", self.checkpointer.directory, step)
     print(f"resumed from step {step}", flush=True)
     return step
+
+  def _restore(self, step: int):
+    """One attempt: raises if anything of the checkpoint (config, state, data position) is unreadable."""
+    for field, (old, new) in changed_data_fields(self.checkpointer.restore_config(step), self.cfg).items():
+      logging.warning("config.%s changed since the checkpoint (%r -> %r): the restored data position refers "
+                      "to the old prompt order", field, old, new)
+    state, data_state = self.checkpointer.restore(step, checkpoint_lib.abstract_like(self.state))
+    return state, self.pipeline.iterator(data_state)
 
   # -- the loop --------------------------------------------------------------------------------
 
   def run(self) -> dict[str, Any]:
     cfg = self.cfg
-    start = self.maybe_restore()
-    writer = metrics_lib.MetricsWriter(self.workdir, resume_step=start)
+    try:
+      restored = self.maybe_restore()
+      writer = metrics_lib.MetricsWriter(self.workdir, resume_step=restored)
+    except BaseException:
+      self.checkpointer.close()
+      self.lock.release()
+      raise
+    start = restored or 0
     preemption = _Preemption()
+    skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
+    updates_per_step = cfg.train.batch_prompts // cfg.train.mini_batch_prompts
     last = {}
     try:
       with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
-        if start == 0 and cfg.eval_every:
+        if restored is None and cfg.eval_every:
           writer.write(0, self.validate(scorer))
         for step in range(start + 1, cfg.steps + 1):
+          if self.lock.lost:
+            raise workdir_lock.WorkdirLocked(f"another trainer took over {self.workdir} ({self.lock.lost}); "
+                                             "stopping without saving")
           batch = next(self.data_iter)
           last = self.train_one_step(batch, scorer)
           last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
           last["data/skipped_rows"] = float(self.skipped_rows)
           last["data/epoch"] = float(batch["epoch"])
+          skipped_before = warn_skipped_updates(step, last["skipped_updates"], skipped_before, updates_per_step)
           if cfg.eval_every and step % cfg.eval_every == 0:
             last.update(self.validate(scorer))
           if step % cfg.log_every == 0 or step == cfg.steps:
@@ -422,10 +456,41 @@ class Trainer:
             logging.warning("preempted: saved step %d, exiting", step)
             break
     finally:
-      self.checkpointer.close()
-      writer.close()
-      preemption.restore()
+      try:
+        self.checkpointer.close()
+      finally:
+        writer.close()
+        preemption.restore()
+        self.lock.release()
     return last
+
+
+def warn_skipped_updates(step: int, skipped_total: float, skipped_before: int, updates: int) -> int:
+  """Warns when this step skipped updates for a non-finite gradient; returns the new running total."""
+  skipped = int(skipped_total) - skipped_before
+  if skipped:
+    logging.warning("step %d: %d of %d updates skipped (non-finite gradient)%s", step, skipped, updates,
+                    ": the parameters did not change" if skipped >= updates else "")
+  return int(skipped_total)
+
+
+def lock_workdir(workdir: str, stale_after_s: float) -> workdir_lock.WorkdirLock:
+  """Process 0 takes the workdir lock; every process learns whether it could (and all stop if not)."""
+  lock = workdir_lock.WorkdirLock(workdir, stale_after_s)
+  error = None
+  if jax.process_index() == 0:
+    try:
+      lock.acquire()
+    except workdir_lock.WorkdirLocked as e:
+      error = e
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    refused = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+    if refused and error is None:
+      raise workdir_lock.WorkdirLocked(f"process 0 could not lock {workdir}: another trainer uses it")
+  if error is not None:
+    raise error
+  return lock
 
 
 def rollout_metrics(rb: RolloutBatch, reward_stats: dict, source_names: list[str]) -> dict[str, float]:
