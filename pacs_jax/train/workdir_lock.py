@@ -136,7 +136,7 @@ class _GcsStore:
     upload = self.fs.base.replace("/storage/v1/", "/upload/storage/v1/") + "b/{}/o"
     try:
       meta = self.fs.call("POST", upload, self.bucket, uploadType="media", name=self.key, ifGenerationMatch=expected,
-                          data=data, headers={"Content-Type": "application/json"}, json_out=True)
+                          data=data, headers={"Content-Type": "application/octet-stream"}, json_out=True)
     except FileExistsError as e:  # gcsfs's name for 412 Precondition Failed
       raise _Conflict from e
     return int(meta["generation"])
