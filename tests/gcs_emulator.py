@@ -6,7 +6,7 @@ The emulator serves gcsfs as it is, but tensorstore (Orbax's array writer) needs
   - generation preconditions (`ifGenerationMatch`, `ifGenerationNotMatch`) answer 412 / 304 instead of
     being ignored (tensorstore's conditional reads and writes, and the workdir lock, rely on them).
 The proxy forwards every request and adds both, serialising requests so that a precondition check and
-the write it guards see the same object. Everything runs in daemon threads of the test process and stops
+the write it guards see the same object; it also turns away `moveTo` (gcsfs then copies and deletes). Everything runs in daemon threads of the test process and stops
 with `close()` (or when the process exits).
 """
 
@@ -105,6 +105,8 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
     headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "expect", "connection")}
     if body or self.command in ("POST", "PUT", "PATCH"):
       headers["Content-Length"] = str(len(body))
+    if "/moveTo/" in parsed.path:  # not served by the emulator (501, which gcsfs retries for half a minute);
+      return self._reply(400)  # a 400 makes gcsfs fall back to copy + delete at once
     target = _object_of(parsed.path) or (
         _upload_name(parsed.path, query, self.headers, body) if self.command == "POST" else None)
     with self.lock:
@@ -134,7 +136,7 @@ class LocalGCS:
 
     self.bucket = bucket
     emulator_port, proxy_port = portpicker.pick_unused_port(), portpicker.pick_unused_port()
-    logging.getLogger("gcp_storage_emulator").setLevel(logging.ERROR)  # it warns on every text response
+    logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # it logs every miss and text reply
     self._emulator = create_server("127.0.0.1", emulator_port, in_memory=True, default_bucket=bucket)
     self._emulator.start()
     handler = type("Proxy", (_Proxy,), {"upstream": ("127.0.0.1", emulator_port), "lock": threading.Lock()})
