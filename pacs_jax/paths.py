@@ -141,7 +141,8 @@ def remove(p: PathLike) -> None:
 def rename(src: PathLike, dst: PathLike) -> None:
   """Moves a file or directory (an object store copies then deletes: not atomic there)."""
   if is_remote(src):
-    path(src).rename(normalize(dst))
+    fs, _ = fsspec.core.url_to_fs(normalize(src))
+    fs.mv(normalize(src), normalize(dst), recursive=True)  # (epath's rename wants dst's folder to exist)
   else:
     os.makedirs(os.path.dirname(normalize(dst)), exist_ok=True)
     os.replace(normalize(src), normalize(dst))

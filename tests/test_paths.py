@@ -35,6 +35,9 @@ def test_write_append_read_list(root):
   assert "moved.jsonl" in paths.listdir(root) and not paths.exists(f)
   paths.remove(paths.join(root, "moved.jsonl"))
   assert not paths.exists(paths.join(root, "moved.jsonl"))
+  paths.write_atomic(paths.join(root, "sub", "keep.txt"), "kept")
+  paths.rename(paths.join(root, "sub"), paths.join(root, "aside", "sub.1"))  # a folder, into a new one
+  assert paths.listdir(root) == ["aside"] and paths.read_text(paths.join(root, "aside", "sub.1", "keep.txt")) == "kept"
 
 
 def test_staged_and_local_copies_of_a_directory(root, tmp_path):
@@ -58,3 +61,14 @@ def test_normalize():
   assert paths.normalize("runs/x") == os.path.abspath("runs/x")
   assert paths.join("gs://bucket/run", "checkpoints") == "gs://bucket/run/checkpoints"
   assert paths.parent("gs://bucket/run/checkpoints") == "gs://bucket/run"
+
+
+def test_data_files_on_either(root):
+  from pacs_jax.data import sources
+  jsonl = paths.join(root, "math500", "test.jsonl")
+  paths.write_atomic(jsonl, '{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", "answer": 4}\n')
+  records = sources.load_records(jsonl).records
+  assert [r["answer"] for r in records] == ["2", "4"] and records[0]["data_source"] == "math_500"
+  parquet = paths.join(root, "prepared", "train.parquet")
+  sources.write_parquet(records, parquet)
+  assert sources.load_records(parquet).records == records

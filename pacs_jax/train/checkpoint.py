@@ -41,9 +41,9 @@ class Checkpointer:
     """`read_only`: for export/evaluate; creates nothing and never deletes a trainer's unfinished saves."""
     self.directory = paths.normalize(directory)
     self.read_only = read_only
-    if read_only:
-      options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
-                                             max_to_keep=None, enable_async_checkpointing=False)
+    if read_only:  # (Orbax's own read_only option does the same, plus a warning on every open)
+      options = ocp.CheckpointManagerOptions(create=False, cleanup_tmp_directories=False, max_to_keep=None,
+                                             enable_async_checkpointing=False)
     else:
       options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                              create=True, cleanup_tmp_directories=True)
@@ -60,6 +60,8 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_state: dict, config: ml_collections.ConfigDict,
            force: bool = True) -> None:
     """Starts an (async) save of `state` (a pytree of arrays) with the data iterator's JSON state."""
+    if self.read_only:
+      raise ValueError(f"{self.directory} was opened read-only")
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeSave(state),
         data=ocp.args.JsonSave(data_state),

@@ -170,15 +170,17 @@ class _Preemption:
     logging.warning("SIGTERM received: finishing this step, then saving a checkpoint and exiting")
     self.requested = True
 
-  def agreed(self) -> bool:
-    """Whether any process has been asked to stop. Every process calls this once per step, at the same
-    point: a signal that reaches the hosts in different steps must still stop them all after the same
-    step, or one would wait in a collective (checkpoint save, allgather) the others never enter."""
+  def agreed(self, lost_lock: bool = False) -> tuple[bool, bool]:
+    """(stop, lost_lock), each true if it is on any process. Every process calls this once per step, at
+    the same point: a signal that reaches the hosts in different steps must still stop them all after the
+    same step, or one would wait in a collective (checkpoint save, allgather) the others never enter.
+    `lost_lock`: process 0 found another trainer holding the workdir (all must stop, without saving)."""
     if jax.process_count() == 1:
-      return self.requested
+      return self.requested, lost_lock
     from jax.experimental import multihost_utils
-    flags = multihost_utils.process_allgather(np.array([self.requested], np.int32))
-    return bool(np.asarray(flags).any())
+    flags = multihost_utils.process_allgather(np.array([self.requested, lost_lock], np.int32))
+    stop, lost = np.asarray(flags).reshape(-1, 2).any(axis=0)
+    return bool(stop), bool(lost)
 
   def restore(self):
     signal.signal(signal.SIGTERM, self._previous)
@@ -436,9 +438,6 @@ class Trainer:
         if restored is None and cfg.eval_every:
           writer.write(0, self.validate(scorer))
         for step in range(start + 1, cfg.steps + 1):
-          if self.lock.lost:
-            raise workdir_lock.WorkdirLocked(f"another trainer took over {self.workdir} ({self.lock.lost}); "
-                                             "stopping without saving")
           batch = next(self.data_iter)
           last = self.train_one_step(batch, scorer)
           last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
@@ -449,7 +448,10 @@ class Trainer:
             last.update(self.validate(scorer))
           if step % cfg.log_every == 0 or step == cfg.steps:
             writer.write(step, last)
-          stop = preemption.agreed()
+          stop, lost_lock = preemption.agreed(self.lock.lost is not None)
+          if lost_lock:  # its files are another trainer's now: stop without saving over them
+            raise workdir_lock.WorkdirLocked(f"another trainer took over {self.workdir} "
+                                             f"({self.lock.lost or 'seen by process 0'}); stopping without saving")
           if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop:
             self.save(step)
           if stop:

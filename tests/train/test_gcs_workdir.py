@@ -52,11 +52,15 @@ def test_train_resume_export_evaluate_on_gs(local_gcs, tmp_path):
   tags = event_tags(paths.read_bytes(f"{workdir}/tensorboard/{events[0]}"))
   assert {"loss", "reward/mean", "val/accuracy/synthetic/mod3"} <= tags
 
+  # The newest checkpoint damaged in the bucket: the resumed run falls back to step 2 and sets 4 aside.
+  paths.write_atomic(f"{workdir}/checkpoints/4/config/metadata", "{garbage")
   resumed = run("pacs_jax.train", *RUN, "--workdir", workdir, "--config.steps=6", env=env, cwd=cwd)
-  assert "resumed from step 4" in resumed.stdout
+  assert "checkpoint step 4 cannot be restored (JSONDecodeError" in resumed.stderr, resumed.stderr
+  assert "resumed from step 2" in resumed.stdout
   rows = [json.loads(line) for line in paths.read_text(f"{workdir}/metrics.jsonl").splitlines()]
   assert [r["step"] for r in rows] == list(range(7))
   assert paths.listdir(f"{workdir}/checkpoints") == ["2", "4", "6"]
+  assert [name.split(".")[0] for name in paths.listdir(f"{workdir}/checkpoints_set_aside")] == ["4"]
   assert not paths.exists(f"{workdir}/trainer.lock")
 
   run("pacs_jax.export", "--workdir", workdir, "--out", str(tmp_path / "hf"), env=env, cwd=cwd)
