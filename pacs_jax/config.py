@@ -7,8 +7,11 @@ runs before anything is compiled and names the offending field in its message.
 from __future__ import annotations
 
 import math
+import os
 
 import ml_collections
+
+from pacs_jax import paths
 
 ALGORITHMS = ("pacs", "grpo", "ppo")
 
@@ -121,6 +124,13 @@ def default_config() -> ml_collections.ConfigDict:
   c.checkpoint.every = 20  # steps; the last step is always saved
   c.checkpoint.keep = 3  # the newest K checkpoints are kept; 0 = keep every one (the released runs)
   c.checkpoint.async_save = True
+  # latest: resume from the newest checkpoint that restores (a damaged newer one is set aside with a
+  # warning); exit with an error if checkpoints exist but none restores. never: start from scratch, the
+  # existing checkpoints moved to checkpoints_set_aside/.
+  c.checkpoint.restore = "latest"
+  # One trainer per workdir: a lock whose holder runs on another host is taken over after this long
+  # without a heartbeat (on the same host: as soon as its process is gone).
+  c.checkpoint.lock_stale_after_s = 300.0
 
   c.eval_every = 5  # validation (greedy, per-source accuracy); 0 = off
   # Per-step JSONL dumps of the generations, as the released trainer.rollout_data_dir / validation_data_dir
@@ -220,6 +230,29 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(c.data.max_prompt_length > 0, "data.max_prompt_length", "must be positive")
   _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
   _check(c.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0 (0 = keep every checkpoint)")
+  _check(c.checkpoint.restore in ("latest", "never"), "checkpoint.restore",
+         f"latest | never, got {c.checkpoint.restore!r}")
+  _check(c.checkpoint.lock_stale_after_s > 0, "checkpoint.lock_stale_after_s", "must be positive (seconds)")
+  _check(isinstance(c.seed, int) and 0 <= c.seed < 2**31, "seed", f"must be an integer in [0, 2**31), got {c.seed!r}")
+  _check(c.log_every >= 1, "log_every", f"must be >= 1 (the last step is always logged), got {c.log_every}")
+  _check(c.eval_every >= 0, "eval_every", f"must be >= 0 (0 = no validation), got {c.eval_every}")
+  _check(c.reward_workers >= 1, "reward_workers", f"must be >= 1 (math-verify worker processes), got {c.reward_workers}")
+  _check(c.reward_timeout_s > 0, "reward_timeout_s", f"must be positive (seconds), got {c.reward_timeout_s}")
+  _check(c.rollout.top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {c.rollout.top_k}")
+  _check(c.rollout.slots >= 0, "rollout.slots", f"must be >= 0 (0 = the whole rollout batch), got {c.rollout.slots}")
+  _check(c.rollout.val_max_new_tokens >= 0, "rollout.val_max_new_tokens",
+         f"must be >= 0 (0 = max_new_tokens), got {c.rollout.val_max_new_tokens}")
+  _check(c.data.val_max_examples >= 0, "data.val_max_examples", f"must be >= 0 (0 = all), got {c.data.val_max_examples}")
+  _check(c.data.synthetic_train_size > 0, "data.synthetic_train_size", "must be positive")
+  _check(c.data.synthetic_val_size > 0, "data.synthetic_val_size", "must be positive")
+  _check(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+  _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
+  _check(math.isfinite(p.beta), "pacs.beta", f"must be finite, got {p.beta}")
+  for field in ("model.hf_path", "tokenizer"):
+    spec = c.model.hf_path if field == "model.hf_path" else c.tokenizer
+    if spec and spec != "synthetic" and paths.looks_local(spec) and not os.path.isdir(spec):
+      _check(False, field, f"{spec!r} is not a directory (relative to {os.getcwd()}); give a local Hugging Face "
+                           "model directory or a hub id such as Qwen/Qwen2.5-3B")
   sizes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor}
   for axis, size in sizes.items():
     _check(size == -1 or size >= 1, f"mesh.{axis}", f"must be >= 1 or -1, got {size}")

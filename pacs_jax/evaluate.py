@@ -59,11 +59,17 @@ def main(argv):
   mesh = None
   if jax.device_count() > 1:
     mesh = sharding.make_mesh(data=-1, fsdp=1, tensor=_TENSOR.value)
-  metrics = runner.evaluate(_MODEL.value, data, settings, out_dir=_OUT.value, step=_STEP.value, mesh=mesh,
-                            reward_workers=_WORKERS.value, reward_timeout_s=_TIMEOUT.value)
+  from pacs_jax import paths
+  from pacs_jax.data import sources
+  from pacs_jax.train import checkpoint
+  try:
+    metrics = runner.evaluate(_MODEL.value, data, settings, out_dir=_OUT.value, step=_STEP.value, mesh=mesh,
+                              reward_workers=_WORKERS.value, reward_timeout_s=_TIMEOUT.value)
+  except (FileNotFoundError, checkpoint.NoRestorableCheckpoint, sources.DataError) as e:
+    raise SystemExit(f"evaluate: {e}") from None  # one message, no traceback
   print(runner.summary_table(metrics))
   out_dir = _OUT.value or metrics["settings"]["model"]
-  print(f"wrote {runner.ROLLOUT_FILE}, {runner.METRICS_FILE} and {runner.SUMMARY_FILE} in {os.path.abspath(out_dir)}")
+  print(f"wrote {runner.ROLLOUT_FILE}, {runner.METRICS_FILE} and {runner.SUMMARY_FILE} in {paths.normalize(out_dir)}")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,7 @@
 The result (weights, config.json, tokenizer files) loads unchanged in transformers, and so in vLLM.
 """
 
-import os
-
-from absl import app, flags
+from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds checkpoints/ and model/).", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -15,11 +13,17 @@ _SHARD = flags.DEFINE_string("max_shard_size", "5GB", "Split weight files at thi
 
 
 def main(argv):
-  del argv
-  from pacs_jax.train import export_lib
-  path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
-                           max_shard_size=_SHARD.value)
-  print(f"wrote {os.path.abspath(path)}")
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
+  from pacs_jax.train import checkpoint, export_lib
+  try:
+    path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
+                             max_shard_size=_SHARD.value)
+  except (FileNotFoundError, checkpoint.NoRestorableCheckpoint) as e:
+    raise SystemExit(f"export: {e}") from None  # one message, no traceback
+  print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -36,3 +36,27 @@ def shared_data():
   if not os.path.isdir(SHARED_DATA):
     pytest.fail(f"shared data folder not found at {SHARED_DATA} (tests expect ../shared/data beside the repo)")
   return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def local_gcs():
+  """A Cloud Storage emulator on 127.0.0.1 (see tests/gcs_emulator.py), with this process's environment
+  pointed at it; tests share its bucket, so each uses its own prefix. Subprocesses get `local_gcs.env`."""
+  import fsspec
+  from etils.epath import backend
+  from gcs_emulator import LocalGCS
+
+  gcs = LocalGCS()
+  saved = {k: os.environ.get(k) for k in gcs.env}
+  os.environ.update(gcs.env)
+  fsspec.get_filesystem_class("gcs").clear_instance_cache()  # a cached client would keep another endpoint
+  backend.fsspec_backend._get_filesystem.cache_clear()
+  yield gcs
+  gcs.close()
+  for k, v in saved.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
+  fsspec.get_filesystem_class("gcs").clear_instance_cache()
+  backend.fsspec_backend._get_filesystem.cache_clear()

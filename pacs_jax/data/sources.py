@@ -10,6 +10,7 @@ import math
 import os
 from typing import Any, Iterable, Iterator, NamedTuple
 
+from pacs_jax import paths
 from pacs_jax.data import synthetic
 
 logger = logging.getLogger(__name__)
@@ -163,14 +164,22 @@ def _collect(rows: Iterable[tuple[str, Any]], path: str, data_source: str | None
         raise DataError(f"{path}: {where}: {e} (pass skip_bad_rows=True to skip bad rows)") from e
       skipped += 1
       logger.debug("skipping %s: %s: %s", path, where, e)
+  if not records:
+    raise DataError(f"{path}: no usable rows" + (f" (all {skipped} were malformed)" if skipped else
+                                                  " (the file is empty)"))
   if skipped:
     logger.warning("%s: skipped %d malformed rows of %d", path, skipped, skipped + len(records))
   return ReadResult(records, skipped)
 
 
 def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
-  with open(path, encoding="utf-8") as f:
-    for line_number, line in enumerate(f, start=1):
+  with paths.open(path, "rb") as f:
+    for line_number, raw in enumerate(f, start=1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        yield f"line {line_number}", ValueError(f"invalid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})")
+        continue
       if not line.strip():
         continue
       try:
@@ -179,19 +188,37 @@ def _jsonl_rows(path: str) -> Iterator[tuple[str, Any]]:
         yield f"line {line_number}", ValueError(f"broken JSON ({e.msg} at column {e.colno})")
 
 
+def _has_invalid_utf8(value: Any) -> bool:
+  """Whether text decoded with surrogateescape (which keeps invalid bytes as lone surrogates) had any."""
+  if isinstance(value, str):
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError:
+      return True
+    return False
+  if isinstance(value, dict):
+    return any(_has_invalid_utf8(k) or _has_invalid_utf8(v) for k, v in value.items())
+  if isinstance(value, list):
+    return any(_has_invalid_utf8(v) for v in value)
+  return False
+
+
 def read_json(path: str, data_source: str | None = None, skip_bad_rows: bool = False,
               with_solution: bool = False) -> ReadResult:
   """A JSON array of rows (DeepScaleR); a file holding JSON Lines is read as such."""
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
+  # Invalid UTF-8 bytes survive decoding as lone surrogates, so that only the rows holding them are bad.
+  text = paths.read_bytes(path).decode("utf-8", errors="surrogateescape")
   if not text.lstrip().startswith("["):
     return read_jsonl(path, data_source, skip_bad_rows, with_solution)
   try:
     rows = json.loads(text)
   except json.JSONDecodeError as e:
     raise DataError(f"{path}: line {e.lineno}: broken JSON ({e.msg} at column {e.colno})") from e
-  return _collect(((f"row {i}", row) for i, row in enumerate(rows)), path, data_source, skip_bad_rows,
-                  with_solution=with_solution)
+  if not isinstance(rows, list):
+    raise DataError(f"{path}: expected a JSON array of rows, got {type(rows).__name__}")
+  bad_utf8 = ValueError("invalid UTF-8")
+  return _collect(((f"row {i}", bad_utf8 if _has_invalid_utf8(row) else row) for i, row in enumerate(rows)),
+                  path, data_source, skip_bad_rows, with_solution=with_solution)
 
 
 def read_jsonl(path: str, data_source: str | None = None, skip_bad_rows: bool = False,
@@ -205,7 +232,8 @@ def read_parquet(path: str, data_source: str | None = None, skip_bad_rows: bool 
   """The released preprocessed parquet (or any parquet with problem/answer columns)."""
   import pyarrow.parquet as pq
 
-  rows = pq.read_table(path).to_pylist()
+  with paths.open(path, "rb") as f:
+    rows = pq.read_table(f).to_pylist()
   return _collect(((f"row {i}", row) for i, row in enumerate(rows)), path, data_source, skip_bad_rows,
                   with_solution=with_solution)
 
@@ -236,7 +264,7 @@ def load_records(spec: str, *, data_source: str | None = None, skip_bad_rows: bo
     return ReadResult([dict(r, solution=r["answer"]) for r in records] if with_solution else records, 0)
   if spec.startswith(HUB_PREFIX):
     return read_hub(spec, data_source, skip_bad_rows, with_solution)
-  if not os.path.isfile(spec):
+  if not paths.isfile(spec):
     raise FileNotFoundError(f"no data file at {spec!r} (expected a .json/.jsonl/.parquet file, "
                             f"hf://owner/name or synthetic/<task>)")
   extension = os.path.splitext(spec)[1].lower()
@@ -283,5 +311,6 @@ def write_parquet(records: list[dict], path: str, split: str = "train", repeat: 
       ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
       ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("answer", pa.string())])),
   ])
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  pq.write_table(pa.Table.from_pylist(to_verl_rows(records, split, repeat), schema=schema), path)
+  buffer = pa.BufferOutputStream()
+  pq.write_table(pa.Table.from_pylist(to_verl_rows(records, split, repeat), schema=schema), buffer)
+  paths.write_atomic(path, buffer.getvalue().to_pybytes())

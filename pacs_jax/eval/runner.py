@@ -11,13 +11,13 @@ import json
 import logging
 import math
 import os
-import shutil
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from pacs_jax import paths
 from pacs_jax.data import sources, synthetic
 from pacs_jax.eval import passk
 
@@ -99,8 +99,8 @@ def resolve_data(data: str | Sequence[str], data_dir: str | None = None) -> list
       if not data_dir:
         raise ValueError(f"--data {entry} is a dataset name: pass --data_dir (the folder holding "
                          f"{KNOWN_DATASETS[entry]}) or give the file's path")
-      specs.append(os.path.join(data_dir, KNOWN_DATASETS[entry]))
-    elif entry.startswith(sources.HUB_PREFIX) or synthetic.is_synthetic(entry) or os.path.isfile(entry):
+      specs.append(paths.join(data_dir, KNOWN_DATASETS[entry]))
+    elif entry.startswith(sources.HUB_PREFIX) or synthetic.is_synthetic(entry) or paths.isfile(entry):
       specs.append(entry)
     else:
       raise FileNotFoundError(f"--data {entry!r}: not a file, hf:// dataset, synthetic/<task>, nor one of "
@@ -141,31 +141,28 @@ def _encode(tokenizer, problems, instruction):
 
 
 def is_workdir(path: str) -> bool:
-  return os.path.isdir(os.path.join(path, "checkpoints")) and os.path.isfile(os.path.join(path, "model", "config.json"))
+  return paths.isdir(paths.join(path, "checkpoints")) and paths.isfile(paths.join(path, "model", "config.json"))
 
 
 def resolve_model(path: str, step: int | None = None) -> str:
   """A Hugging Face directory to evaluate: `path` itself, or a training workdir's checkpoint exported to
   `path/export_step_<S>` (latest step by default; reused when already there)."""
   if not is_workdir(path):
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    if not paths.isfile(paths.join(path, "config.json")):
       raise FileNotFoundError(f"--model {path}: neither a Hugging Face directory (config.json) nor a training "
                               "workdir (checkpoints/ and model/)")
     return path
-  from pacs_jax.train import checkpoint as checkpoint_lib
   from pacs_jax.train import export_lib
   if step is None:
-    ckpt = checkpoint_lib.Checkpointer(os.path.join(path, "checkpoints"))
-    step = ckpt.latest_step()
-    ckpt.close()
-    if step is None:
-      raise FileNotFoundError(f"{path}/checkpoints: no checkpoint to evaluate")
-  out = os.path.join(path, f"export_step_{step}")
-  if not os.path.isfile(os.path.join(out, "config.json")):
-    # Exported beside, then renamed: a crash mid-export leaves no directory that looks complete.
-    partial = f"{out}.partial-{os.getpid()}"
-    export_lib.export(path, partial, step=step)
-    os.replace(partial, out)
+    step = export_lib.latest_step(path)
+  out = paths.join(path, f"export_step_{step}")
+  if not paths.isfile(paths.join(out, "config.json")):
+    if paths.is_remote(out):  # config.json is uploaded last: a directory without it is incomplete
+      export_lib.export(path, out, step=step)
+    else:  # exported beside, then renamed: a crash mid-export leaves no directory that looks complete
+      partial = f"{out}.partial-{os.getpid()}"
+      export_lib.export(path, partial, step=step)
+      os.replace(partial, out)
   return out
 
 
@@ -203,10 +200,10 @@ def own_key(line: dict) -> tuple[str, int] | None:
 
 def read_rollout(path: str) -> tuple[dict[tuple[str, int], dict], int]:
   """(this project's complete lines by (data_source, index), the number of other lines). Reads only."""
-  if not os.path.isfile(path):
+  if not paths.isfile(path):
     return {}, 0
   own, others = {}, 0
-  with open(path, encoding="utf-8") as f:
+  with paths.open(path) as f:
     for line in f:
       if not line.endswith("\n"):
         break  # cut short by a crash: `repair_tail` deals with it
@@ -226,54 +223,42 @@ def read_rollout(path: str) -> tuple[dict[tuple[str, int], dict], int]:
 def repair_tail(path: str) -> None:
   """Makes appends start on a fresh line: a last line of ours cut short by a crash is cut off (we wrote it);
   anything else is left as it is and only followed by a newline."""
-  if not os.path.isfile(path):
+  if not paths.isfile(path):
     return
-  with open(path, "rb+") as f:
-    data = f.read()
-    if not data or data.endswith(b"\n"):
-      return
-    start = data.rfind(b"\n") + 1
-    if data[start:].startswith(_OWN_PREFIX.encode()):
-      f.truncate(start)
-    else:
-      f.write(b"\n")
+  data = paths.read_bytes(path)
+  if not data or data.endswith(b"\n"):
+    return
+  start = data.rfind(b"\n") + 1
+  paths.write_atomic(path, data[:start] if data[start:].startswith(_OWN_PREFIX.encode()) else data + b"\n")
 
 
 def append_lines(path: str, lines: Sequence[dict]) -> None:
-  with open(path, "a", encoding="utf-8") as f:
-    f.write("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
-    f.flush()
-    os.fsync(f.fileno())
+  paths.append(path, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))  # one write
 
 
 def _write_atomic(path: str, text: str) -> None:
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  paths.write_atomic(path, text)
 
 
 def read_summary(out_dir: str) -> dict | None:
-  path = os.path.join(out_dir, SUMMARY_FILE)
-  if not os.path.isfile(path):
+  path = paths.join(out_dir, SUMMARY_FILE)
+  if not paths.isfile(path):
     return None
-  with open(path, encoding="utf-8") as f:
+  with paths.open(path) as f:
     return json.load(f)
 
 
 def write_summary(out_dir: str, summary: dict) -> None:
-  _write_atomic(os.path.join(out_dir, SUMMARY_FILE), json.dumps(summary, indent=2) + "\n")
+  _write_atomic(paths.join(out_dir, SUMMARY_FILE), json.dumps(summary, indent=2) + "\n")
 
 
 def keep_foreign_metrics(out_dir: str) -> None:
   """An eval_metrics.json this project did not write (no summary of ours beside it) is copied to
   eval_metrics.orig.json before the first rewrite, so nothing someone else wrote is lost."""
-  path = os.path.join(out_dir, METRICS_FILE)
-  backup = os.path.join(out_dir, "eval_metrics.orig.json")
-  if os.path.isfile(path) and read_summary(out_dir) is None and not os.path.exists(backup):
-    shutil.copyfile(path, backup)
+  path = paths.join(out_dir, METRICS_FILE)
+  backup = paths.join(out_dir, "eval_metrics.orig.json")
+  if paths.isfile(path) and read_summary(out_dir) is None and not paths.exists(backup):
+    paths.write_atomic(backup, paths.read_bytes(path))
 
 
 def write_released_metrics(out_dir: str) -> dict[str, dict[str, float]]:
@@ -281,7 +266,7 @@ def write_released_metrics(out_dir: str) -> dict[str, dict[str, float]]:
   else's): per data source, rollouts merged by prompt text, n = the first problem's count, and
   pass@k = mean(1 − C(n − c, k) / C(n, k)) with c the samples scoring 1, for k in 1, 2, 4, ..., 256 <= n."""
   by_source: dict[str, dict[str, list[float]]] = {}
-  with open(os.path.join(out_dir, ROLLOUT_FILE), encoding="utf-8") as f:
+  with paths.open(paths.join(out_dir, ROLLOUT_FILE)) as f:
     for line in f:
       try:
         row = json.loads(line)
@@ -298,7 +283,7 @@ def write_released_metrics(out_dir: str) -> dict[str, dict[str, float]]:
     for k in (k for k in RELEASED_KS if k <= n):
       total = sum(1 - math.comb(n - s.count(1), k) / math.comb(n, k) for s in problems)
       metrics[source][f"pass@{k}"] = total / len(problems)
-  _write_atomic(os.path.join(out_dir, METRICS_FILE), json.dumps(metrics) + "\n")
+  _write_atomic(paths.join(out_dir, METRICS_FILE), json.dumps(metrics) + "\n")
   return metrics
 
 
@@ -379,15 +364,16 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
   specs = resolve_data(data, data_dir)
   model_dir = resolve_model(model, step)
   out_dir = out_dir or model_dir
-  os.makedirs(out_dir, exist_ok=True)
-  tokenizer = hf.load_tokenizer(model_dir)
+  paths.makedirs(out_dir)
+  with paths.local_dir(model_dir, exclude=(".safetensors",)) as local_model:  # a gs:// model: a local copy
+    tokenizer = hf.load_tokenizer(local_model)
   problems, dropped = load_problems(specs, tokenizer, settings.max_prompt_length, settings.limit)
   if not problems:
     raise ValueError(f"no problem of {specs} fits max_prompt_length={settings.max_prompt_length} "
                      f"(dropped per source: {dropped})")
   n = settings.n
-  recorded = dataclasses.asdict(settings) | {"model": os.path.realpath(model_dir), "data": specs}
-  rollout_path = os.path.join(out_dir, ROLLOUT_FILE)
+  recorded = dataclasses.asdict(settings) | {"model": paths.canonical(model_dir), "data": specs}
+  rollout_path = paths.join(out_dir, ROLLOUT_FILE)
   lines, others = read_rollout(rollout_path)
   if others:
     logger.warning("%s holds %d lines this project did not write: they are kept as they are", rollout_path, others)
@@ -397,7 +383,7 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
   def write_metrics(complete: bool) -> dict[str, Any]:
     summary = {"complete": complete, "settings": recorded} | compute_metrics(lines, problems, n, dropped)
     write_summary(out_dir, summary)
-    if os.path.isfile(rollout_path):
+    if paths.isfile(rollout_path):
       write_released_metrics(out_dir)
     return summary
 
@@ -407,10 +393,11 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
     return summary
 
   dtype = getattr(jnp, settings.dtype)
-  eos, _ = hf.stop_and_mask_ids(tokenizer, model_dir, settings.stop_tokens)
   chunk = settings.problems_per_chunk()
-  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    policy, _ = hf.load_pretrained(model_dir, dtype=dtype, mesh=mesh, compute_dtype=dtype)
+  with paths.local_dir(model_dir) as local_model, (
+      jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+    eos, _ = hf.stop_and_mask_ids(tokenizer, local_model, settings.stop_tokens)
+    policy, _ = hf.load_pretrained(local_model, dtype=dtype, mesh=mesh, compute_dtype=dtype)
   # No more slots than one chunk can fill (the KV cache is allocated per slot), and a multiple of the model
   # replicas so that the slots split evenly over them instead of being replicated.
   replicas = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1

@@ -19,6 +19,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from pacs_jax import paths
 from pacs_jax import sharding
 from pacs_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
@@ -145,6 +146,8 @@ def resolve_path(path_or_repo_id: str) -> str:
   """A local checkpoint directory as is; a hub id (`Qwen/Qwen2.5-3B`) downloaded once to the local cache."""
   if os.path.isdir(path_or_repo_id) or not re.fullmatch(r"[\w.-]+/[\w.-]+", path_or_repo_id):
     return path_or_repo_id
+  if paths.looks_local(path_or_repo_id):  # `./model`, or `runs/x` where runs/ exists: a path, not a hub id
+    raise FileNotFoundError(f"{path_or_repo_id}: no such model directory (relative to {os.getcwd()})")
   from huggingface_hub import snapshot_download
   return snapshot_download(path_or_repo_id, allow_patterns=HUB_FILES)
 

@@ -40,8 +40,13 @@ def main(argv):
   workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
   from pacs_jax.train import runtime
   runtime.init(cfg)
-  from pacs_jax.train import loop
-  loop.train(cfg, workdir)
+  from pacs_jax import config
+  from pacs_jax.data import sources
+  from pacs_jax.train import checkpoint, loop, workdir_lock
+  try:
+    loop.train(cfg, workdir)
+  except (config.ConfigError, sources.DataError, workdir_lock.WorkdirLocked, checkpoint.NoRestorableCheckpoint) as e:
+    raise SystemExit(f"train: {e}") from None  # a message that says what to fix, not a traceback
 
 
 if __name__ == "__main__":

@@ -1,36 +1,69 @@
 """Orbax checkpoints of the whole training state: params, optimizer, step, RNG, data-iterator state, config.
 
-Saves are asynchronous and keep the last K (or all, as the released runs); Orbax commits a step atomically (written under a temporary
-name, renamed when complete), so a process killed mid-write resumes from the last complete step.
+Saves are asynchronous and keep the last K (or all, as the released runs). A step counts only once Orbax has committed it (locally: written
+under a temporary name and renamed; on Cloud Storage: a `commit_success.txt` written last), so a process
+killed mid-write leaves no step. A committed step can still be damaged (a truncated file, a lost item, an
+empty step folder): `restore_newest` then falls back to the next older step and moves the damaged ones to
+`checkpoints_set_aside/` (kept for inspection, out of Orbax's way).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
-from typing import Any
+import time
+from typing import Any, Callable, TypeVar
 
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
+
+from pacs_jax import paths
+
+T = TypeVar("T")
+SET_ASIDE_DIR = "checkpoints_set_aside"  # beside the checkpoints folder: damaged or discarded steps
+
+
+class NoRestorableCheckpoint(RuntimeError):
+  """Checkpoints exist but none could be restored; the message lists each step and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+  step: int
+  cause: str
 
 
 class Checkpointer:
-  def __init__(self, directory: str, keep: int = 3, async_save: bool = True):
+  def __init__(self, directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
     """`keep`: the newest `keep` checkpoints stay; 0 keeps every one (Orbax max_to_keep=None, as verl's
-    trainer.max_actor_ckpt_to_keep: null in the released runs)."""
-    self.directory = os.path.abspath(directory) if "://" not in directory else directory
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep or None, enable_async_checkpointing=async_save,
-                                           create=True, cleanup_tmp_directories=True)
+    trainer.max_actor_ckpt_to_keep: null in the released runs). `read_only`: for export/evaluate; creates nothing
+    and never deletes a trainer's unfinished saves."""
+    self.directory = paths.normalize(directory)
+    self.read_only = read_only
+    if read_only:  # (Orbax's own read_only option does the same, plus a warning on every open)
+      options = ocp.CheckpointManagerOptions(create=False, cleanup_tmp_directories=False, max_to_keep=None,
+                                             enable_async_checkpointing=False)
+    else:
+      options = ocp.CheckpointManagerOptions(max_to_keep=keep or None, enable_async_checkpointing=async_save,
+                                             create=True, cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data", "config"))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """Committed steps, newest first."""
+    return sorted(self.manager.all_steps(), reverse=True)
+
   def save(self, step: int, state: Any, data_state: dict, config: ml_collections.ConfigDict,
            force: bool = True) -> None:
     """Starts an (async) save of `state` (a pytree of arrays) with the data iterator's JSON state."""
+    if self.read_only:
+      raise ValueError(f"{self.directory} was opened read-only")
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeSave(state),
         data=ocp.args.JsonSave(data_state),
@@ -49,7 +82,62 @@ class Checkpointer:
     return restored["state"]["params"]
 
   def restore_config(self, step: int) -> dict:
-    return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    config = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    if not isinstance(config, dict):
+      raise ValueError(f"the saved config is a {type(config).__name__}, not a JSON object")
+    return config
+
+  def restore_newest(self, restore_fn: Callable[[int], T]) -> tuple[int, T] | None:
+    """`restore_fn(step)` on the newest committed step, falling back to older ones while it raises.
+
+    Returns (step, result), or None when there is no checkpoint at all. A damaged step is named in a
+    warning with its cause and moved to `checkpoints_set_aside/` once an older one restored (a later save
+    of the same step number would collide with it). Raises NoRestorableCheckpoint when every step fails:
+    training from scratch beside checkpoints would silently discard them.
+    """
+    failures = []
+    for step in self.all_steps():
+      try:
+        result = restore_fn(step)
+        ok = True
+      except Exception as e:  # noqa: BLE001 (damage shows as tensorstore, JSON, KeyError, OS errors ...)
+        failures.append(Failure(step, _describe(e)))
+        ok = False
+      if not _all_processes(ok):
+        if ok:
+          failures.append(Failure(step, "another process could not restore it"))
+        logging.warning("checkpoint step %d cannot be restored (%s); trying the next older one", step,
+                        failures[-1].cause)
+        continue
+      if failures and not self.read_only:
+        self._set_aside([f.step for f in failures], "damaged")
+      return step, result
+    if failures:
+      tried = "\n".join(f"  step {f.step}: {f.cause}" for f in failures)
+      raise NoRestorableCheckpoint(
+          f"no checkpoint in {self.directory} can be restored; tried:\n{tried}\n"
+          "Repair or move them, or pass --config.checkpoint.restore=never to start from scratch (the existing "
+          f"checkpoints are then moved to {SET_ASIDE_DIR}/).")
+    return None
+
+  def set_aside_all(self) -> list[int]:
+    """Moves every committed step to `checkpoints_set_aside/` (a fresh start in a used workdir)."""
+    steps = self.all_steps()
+    if steps:
+      self._set_aside(steps, "discarded")
+    return steps
+
+  def _set_aside(self, steps: list[int], why: str) -> None:
+    if jax.process_index() == 0:
+      aside = paths.join(paths.parent(self.directory), SET_ASIDE_DIR)
+      stamp = time.strftime("%Y%m%d-%H%M%S")
+      for step in steps:
+        src = paths.join(self.directory, str(step))
+        dst = paths.join(aside, f"{step}.{why}-{stamp}")
+        paths.rename(src, dst)
+        logging.warning("moved checkpoint step %d to %s", step, dst)
+    _barrier("pacs_jax_checkpoint_set_aside")
+    self.manager.reload()
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -57,6 +145,31 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def _describe(e: BaseException) -> str:
+  """The root cause in one line (Orbax wraps tensorstore's precise error in a long generic one)."""
+  seen = []
+  while e is not None and e not in seen:
+    seen.append(e)
+    e = e.__cause__
+  root = seen[-1]
+  lines = [line for line in str(root).strip().splitlines() if line.strip()]
+  return f"{type(root).__name__}: {lines[0][:300]}" if lines else type(root).__name__
+
+
+def _all_processes(ok: bool) -> bool:
+  """Whether `ok` holds on every process (restores are collective: all use the same step)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+  return bool(np.asarray(multihost_utils.process_allgather(np.array([ok], np.int32))).all())
+
+
+def _barrier(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
 
 
 def _restore_args(abstract: Any, partial: bool = False) -> ocp.args.PyTreeRestore:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import time
 from typing import Any
@@ -21,6 +20,7 @@ from absl import logging
 from flax import nnx
 
 from pacs_jax import config as config_lib
+from pacs_jax import paths
 from pacs_jax import sharding
 from pacs_jax.algos import pacs as pacs_lib
 from pacs_jax.algos import ppo
@@ -36,8 +36,10 @@ from pacs_jax.train import memory
 from pacs_jax.train import metrics as metrics_lib
 from pacs_jax.train import programs as programs_lib
 from pacs_jax.train import state as state_lib
+from pacs_jax.train import workdir_lock
 
 DTYPES = memory.DTYPES
+CHECKPOINT_DIR = "checkpoints"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,14 +173,13 @@ def dump_generations(directory: str, step: int, inputs: list[str], outputs: list
                      ground_truths, extra: dict[str, list] | None = None) -> str:
   """Writes `directory/<step>.jsonl`, one line per response, as the released RayPPOTrainer._dump_generations:
   {input, output, score, step} plus the reward function's extra fields (data_source, ground_truth)."""
-  os.makedirs(directory, exist_ok=True)
+  paths.makedirs(directory)
   name = f"{step}.jsonl" if jax.process_count() == 1 else f"{step}.process{jax.process_index()}.jsonl"
-  path = os.path.join(directory, name)
+  path = paths.join(directory, name)
   columns = {"input": inputs, "output": outputs, "score": [float(x) for x in scores], "step": [step] * len(inputs),
              "data_source": list(data_sources), "ground_truth": list(ground_truths), **(extra or {})}
-  with open(path, "w", encoding="utf-8") as f:
-    for i in range(len(inputs)):
-      f.write(json.dumps({k: v[i] for k, v in columns.items()}, ensure_ascii=False) + "\n")
+  lines = (json.dumps({k: v[i] for k, v in columns.items()}, ensure_ascii=False) + "\n" for i in range(len(inputs)))
+  paths.write_atomic(path, "".join(lines).encode("utf-8"))
   return path
 
 
@@ -215,15 +216,17 @@ class _Preemption:
     logging.warning("SIGTERM received: finishing this step, then saving a checkpoint and exiting")
     self.requested = True
 
-  def agreed(self) -> bool:
-    """Whether any process has been asked to stop. Every process calls this once per step, at the same
-    point: a signal that reaches the hosts in different steps must still stop them all after the same
-    step, or one would wait in a collective (checkpoint save, allgather) the others never enter."""
+  def agreed(self, lost_lock: bool = False) -> tuple[bool, bool]:
+    """(stop, lost_lock), each true if it is on any process. Every process calls this once per step, at
+    the same point: a signal that reaches the hosts in different steps must still stop them all after the
+    same step, or one would wait in a collective (checkpoint save, allgather) the others never enter.
+    `lost_lock`: process 0 found another trainer holding the workdir (all must stop, without saving)."""
     if jax.process_count() == 1:
-      return self.requested
+      return self.requested, lost_lock
     from jax.experimental import multihost_utils
-    flags = multihost_utils.process_allgather(np.array([self.requested], np.int32))
-    return bool(np.asarray(flags).any())
+    flags = multihost_utils.process_allgather(np.array([self.requested, lost_lock], np.int32))
+    stop, lost = np.asarray(flags).reshape(-1, 2).any(axis=0)
+    return bool(stop), bool(lost)
 
   def restore(self):
     signal.signal(signal.SIGTERM, self._previous)
@@ -234,7 +237,17 @@ class Trainer:
     """`devices`: the mesh's devices (default: all of them)."""
     devices = jax.devices() if devices is None else list(devices)
     config_lib.validate(cfg, num_processes=jax.process_count(), devices=devices)
-    self.cfg, self.workdir = cfg, workdir
+    self.cfg, self.workdir = cfg, paths.normalize(workdir)
+    # Before anything is written to the workdir: a second trainer must not touch the first one's files
+    # (Orbax deletes unfinished saves it finds, which may be the other trainer's save in flight).
+    self.lock = lock_workdir(self.workdir, cfg.checkpoint.lock_stale_after_s)
+    try:
+      self._build(cfg, workdir, devices)
+    except BaseException:
+      self.lock.release()
+      raise
+
+  def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
     self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     self.tokenizer = load_tokenizer(cfg)
     # Ids that stop a response, and those whose first occurrence ends its mask (config.rollout.stop_tokens).
@@ -295,7 +308,7 @@ class Trainer:
     self.train_step, self.logprob_fn, self.value_fn = (self.programs.train_step, self.programs.logprob_fn,
                                                        self.programs.value_fn)
     self.ppo_advantages, self.to_sample_params = self.programs.ppo_advantages, self.programs.to_sample_params
-    self.checkpointer = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint.keep,
+    self.checkpointer = checkpoint_lib.Checkpointer(paths.join(workdir, CHECKPOINT_DIR), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
 
   # -- setup helpers ---------------------------------------------------------------------------
@@ -428,31 +441,49 @@ class Trainer:
   def save(self, step: int):
     self.checkpointer.save(step, self.state, self.data_iter.get_state(), self.cfg)
 
-  def maybe_restore(self) -> int:
-    step = self.checkpointer.latest_step()
-    if step is None:
-      return 0
-    for field, (old, new) in changed_data_fields(self.checkpointer.restore_config(step), self.cfg).items():
-      logging.warning("config.%s changed since the checkpoint (%r -> %r): the restored data position refers "
-                      "to the old prompt order", field, old, new)
-    abstract = checkpoint_lib.abstract_like(self.state)
-    self.state, data_state = self.checkpointer.restore(step, abstract)
-    self.data_iter = self.pipeline.iterator(data_state)
+  def maybe_restore(self) -> int | None:
+    """The step of the checkpoint restored (the newest that restores), or None for a fresh start."""
+    if self.cfg.checkpoint.restore == "never":
+      moved = self.checkpointer.set_aside_all()
+      if moved:
+        logging.warning("checkpoint.restore=never: starting from scratch; moved checkpoints of steps %s to %s/",
+                        moved, checkpoint_lib.SET_ASIDE_DIR)
+      return None
+    restored = self.checkpointer.restore_newest(self._restore)
+    if restored is None:
+      return None
+    step, (self.state, self.data_iter) = restored
     logging.info("resumed from %s at step %d", self.checkpointer.directory, step)
     print(f"resumed from step {step}", flush=True)
     return step
+
+  def _restore(self, step: int):
+    """One attempt: raises if anything of the checkpoint (config, state, data position) is unreadable."""
+    for field, (old, new) in changed_data_fields(self.checkpointer.restore_config(step), self.cfg).items():
+      logging.warning("config.%s changed since the checkpoint (%r -> %r): the restored data position refers "
+                      "to the old prompt order", field, old, new)
+    state, data_state = self.checkpointer.restore(step, checkpoint_lib.abstract_like(self.state))
+    return state, self.pipeline.iterator(data_state)
 
   # -- the loop --------------------------------------------------------------------------------
 
   def run(self) -> dict[str, Any]:
     cfg = self.cfg
-    start = self.maybe_restore()
-    writer = metrics_lib.MetricsWriter(self.workdir, resume_step=start)
+    try:
+      restored = self.maybe_restore()
+      writer = metrics_lib.MetricsWriter(self.workdir, resume_step=restored)
+    except BaseException:
+      self.checkpointer.close()
+      self.lock.release()
+      raise
+    start = restored or 0
     preemption = _Preemption()
+    skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
+    updates_per_step = cfg.train.batch_prompts // cfg.train.mini_batch_prompts
     last = {}
     try:
       with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
-        if start == 0 and cfg.eval_every:
+        if restored is None and cfg.eval_every:
           writer.write(0, self.validate(scorer))
         for step in range(start + 1, cfg.steps + 1):
           batch = next(self.data_iter)
@@ -460,21 +491,56 @@ class Trainer:
           last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
           last["data/skipped_rows"] = float(self.skipped_rows)
           last["data/epoch"] = float(batch["epoch"])
+          skipped_before = warn_skipped_updates(step, last["skipped_updates"], skipped_before, updates_per_step)
           if cfg.eval_every and step % cfg.eval_every == 0:
             last.update(self.validate(scorer))
           if step % cfg.log_every == 0 or step == cfg.steps:
             writer.write(step, last)
-          stop = preemption.agreed()
+          stop, lost_lock = preemption.agreed(self.lock.lost is not None)
+          if lost_lock:  # its files are another trainer's now: stop without saving over them
+            raise workdir_lock.WorkdirLocked(f"another trainer took over {self.workdir} "
+                                             f"({self.lock.lost or 'seen by process 0'}); stopping without saving")
           if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop:
             self.save(step)
           if stop:
             logging.warning("preempted: saved step %d, exiting", step)
             break
     finally:
-      self.checkpointer.close()
-      writer.close()
-      preemption.restore()
+      try:
+        self.checkpointer.close()
+      finally:
+        writer.close()
+        preemption.restore()
+        self.lock.release()
     return last
+
+
+def warn_skipped_updates(step: int, skipped_total: float, skipped_before: int, updates: int) -> int:
+  """Warns when this step skipped updates for a non-finite gradient; returns the new running total."""
+  skipped = int(skipped_total) - skipped_before
+  if skipped:
+    logging.warning("step %d: %d of %d updates skipped (non-finite gradient)%s", step, skipped, updates,
+                    ": the parameters did not change" if skipped >= updates else "")
+  return int(skipped_total)
+
+
+def lock_workdir(workdir: str, stale_after_s: float) -> workdir_lock.WorkdirLock:
+  """Process 0 takes the workdir lock; every process learns whether it could (and all stop if not)."""
+  lock = workdir_lock.WorkdirLock(workdir, stale_after_s)
+  error = None
+  if jax.process_index() == 0:
+    try:
+      lock.acquire()
+    except workdir_lock.WorkdirLocked as e:
+      error = e
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    refused = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+    if refused and error is None:
+      raise workdir_lock.WorkdirLocked(f"process 0 could not lock {workdir}: another trainer uses it")
+  if error is not None:
+    raise error
+  return lock
 
 
 def rollout_metrics(rb: RolloutBatch, reward_stats: dict, source_names: list[str]) -> dict[str, float]:

@@ -1,17 +1,28 @@
-"""Per-step metrics to tensorBoardX, `metrics.jsonl` and a one-line console summary (process 0 only)."""
+"""Per-step metrics to tensorBoardX, `metrics.jsonl` and a one-line console summary (process 0 only).
+
+Each row is one newline-terminated append, so a kill leaves at most one cut-off last line. On start the
+file is repaired to the rows before the first step this run will log (a partial line and rows a kill left
+beyond the restored checkpoint are dropped), so a resumed run ends with exactly an uninterrupted run's rows.
+TensorBoard gets the same cut through `purge_step`: a new event file starts with a marker that makes
+TensorBoard discard events at or after that step from the earlier files.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
+from tensorboardX import record_writer
+
+from pacs_jax import paths
 
 CONSOLE_KEYS = ("reward/mean", "entropy", "loss", "grad_norm", "response_length/mean", "timing/step_s")
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
 
 def _plain(v: Any) -> Any:
@@ -22,30 +33,40 @@ def _plain(v: Any) -> Any:
   return v
 
 
+def _console_value(v: Any) -> str | None:
+  if isinstance(v, (int, float)):
+    return f"{v:.4g}"
+  if v in ("nan", "inf", "-inf"):  # non-finite floats, as _plain writes them
+    return v
+  return None
+
+
 class MetricsWriter:
-  def __init__(self, workdir: str, resume_step: int = 0):
+  def __init__(self, workdir: str, resume_step: int | None = None):
+    """`resume_step`: the step of the restored checkpoint (this run logs the steps after it), or None for a
+    fresh start (it logs from step 0: rows an earlier, killed attempt left are dropped)."""
     self.active = jax.process_index() == 0
-    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.path = paths.join(workdir, METRICS_FILE)
     self.tb = None
     if not self.active:
       return
-    os.makedirs(workdir, exist_ok=True)
-    _truncate_after(self.path, resume_step)
+    first_step = 0 if resume_step is None else resume_step + 1
+    paths.makedirs(workdir)
+    repair(self.path, first_step)
     from tensorboardX import SummaryWriter
-    self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self.tb = SummaryWriter(paths.join(workdir, TENSORBOARD_DIR), purge_step=first_step)
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     if not self.active:
       return
     row = {"step": int(step), **{k: _plain(v) for k, v in sorted(metrics.items())}}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
+    paths.append(self.path, json.dumps(row) + "\n")
     for k, v in row.items():
       if k != "step" and isinstance(v, (int, float)):
         self.tb.add_scalar(k, v, step)
     self.tb.flush()
-    summary = "  ".join(f"{k.split('/')[-1] if k != 'reward/mean' else 'reward'}={row[k]:.4g}"
-                        for k in CONSOLE_KEYS if isinstance(row.get(k), (int, float)))
+    shown = ((k, _console_value(row.get(k))) for k in CONSOLE_KEYS)
+    summary = "  ".join(f"{k.split('/')[-1] if k != 'reward/mean' else 'reward'}={v}" for k, v in shown if v)
     logging.info("step %d  %s", step, summary)
     print(f"step {step:5d}  {summary}", flush=True)
 
@@ -54,13 +75,68 @@ class MetricsWriter:
       self.tb.close()
 
 
-def _truncate_after(path: str, step: int) -> None:
-  """Drops rows logged after the checkpoint we resume from (a kill may have outrun the last save)."""
-  if not os.path.exists(path):
+def read_rows(path: str) -> list[dict]:
+  """The complete rows of a metrics file (a cut-off last line is left out)."""
+  if not paths.exists(path):
+    return []
+  rows = []
+  for line in paths.read_bytes(path).split(b"\n"):
+    try:
+      rows.append(json.loads(line))
+    except ValueError:
+      continue
+  return rows
+
+
+def repair(path: str, first_step: int) -> None:
+  """Keeps the complete rows logged before `first_step`: drops a line cut short by a kill (or any line
+  that is not a JSON row), and rows of steps the resumed run will log again."""
+  if not paths.exists(path):
     return
-  with open(path) as f:
-    rows = [line for line in f if line.strip()]
-  keep = [line for line in rows if json.loads(line)["step"] <= step]
-  if len(keep) != len(rows):
-    with open(path, "w") as f:
-      f.writelines(keep)
+  data = paths.read_bytes(path)
+  keep, dropped_lines = [], []
+  for number, line in enumerate(data.split(b"\n"), start=1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+      step = int(row["step"])
+    except (ValueError, KeyError, TypeError):
+      dropped_lines.append(number)
+      continue
+    if step < first_step:
+      keep.append(line + b"\n")
+  if dropped_lines:
+    logging.warning("%s: dropped line(s) %s, not complete rows (cut off by a kill?)", path, dropped_lines)
+  repaired = b"".join(keep)
+  if repaired != data:
+    paths.write_atomic(path, repaired)
+
+
+class _ObjectRecordWriter:
+  """Event records for an object-store log dir: buffered, and the whole file uploaded at each flush."""
+
+  def __init__(self, path: str):
+    self.path, self.buffer = path, bytearray()
+
+  def write(self, data: bytes) -> None:
+    self.buffer += data
+
+  def flush(self) -> None:
+    paths.write_atomic(self.path, bytes(self.buffer))
+
+  def close(self) -> None:
+    self.flush()
+
+
+class _ObjectRecordWriterFactory:
+  def open(self, path: str) -> _ObjectRecordWriter:
+    return _ObjectRecordWriter(path)
+
+  def directory_check(self, path: str) -> None:
+    pass  # object stores have no directories
+
+
+# tensorboardX's own gs:// writer is a second GCS client (google-cloud-storage, own credentials); this one
+# writes through the same path layer as everything else.
+record_writer.register_writer_factory("gs", _ObjectRecordWriterFactory())
