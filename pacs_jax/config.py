@@ -181,10 +181,11 @@ def _check(ok: bool, field: str, msg: str):
 
 
 def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_processes: int = 1,
-             devices=None) -> None:
+             devices=None, check_paths: bool = True) -> None:
   """Checks a config before anything is built; raises ConfigError naming the field.
 
   With `devices` (real ones, or a TPU topology's abstract ones) the mesh is also laid out on them.
+  `check_paths=False` (--dry_run, --compile_only: nothing is loaded) skips checking that local paths exist.
   """
   if devices is not None:
     num_devices = len(devices)
@@ -250,7 +251,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(math.isfinite(p.beta), "pacs.beta", f"must be finite, got {p.beta}")
   for field in ("model.hf_path", "tokenizer"):
     spec = c.model.hf_path if field == "model.hf_path" else c.tokenizer
-    if spec and spec != "synthetic" and paths.looks_local(spec) and not os.path.isdir(spec):
+    if check_paths and spec and spec != "synthetic" and paths.looks_local(spec) and not os.path.isdir(spec):
       _check(False, field, f"{spec!r} is not a directory (relative to {os.getcwd()}); give a local Hugging Face "
                            "model directory or a hub id such as Qwen/Qwen2.5-3B")
   sizes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor}

@@ -96,7 +96,7 @@ def gae_advantages(token_level_rewards: jax.Array, values: jax.Array, response_m
 def clipped_value_loss(values_pred: jax.Array, returns: jax.Array, old_values: jax.Array,
                        mask: jax.Array, *, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
                        micro_batch_rows: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """agg(max((v − R)², (v_clip − R)²)), v_clip = old + clip(v − old, −c, c); inputs [N, T].
+  """agg(max((v − R)², (v_clip − R)²)), v_clip = clip(v, old − c, old + c); inputs [N, T].
 
   The released verl's compute_value_loss: no ½, the actor's loss_agg_mode (critic.loss_agg_mode follows it in
   ppo_trainer.yaml), and `mask` = `critic_mask`. The max means a prediction that moved more than c from the
@@ -105,7 +105,9 @@ def clipped_value_loss(values_pred: jax.Array, returns: jax.Array, old_values: j
   returns = jax.lax.stop_gradient(returns.astype(jnp.float32))
   old_values = jax.lax.stop_gradient(old_values.astype(jnp.float32))
   values_pred = values_pred.astype(jnp.float32)
-  clipped = old_values + jnp.clip(values_pred - old_values, -cliprange_value, cliprange_value)
+  # verl's clip_by_value(vpreds, values - c, values + c): exactly v inside the range, so `vf_clipfrac` counts
+  # only real clipping (old + clip(v - old) would round v and count rounding noise as clipped).
+  clipped = jnp.clip(values_pred, old_values - cliprange_value, old_values + cliprange_value)
   losses1 = (values_pred - returns) ** 2
   losses2 = (clipped - returns) ** 2
   loss = agg_loss(jnp.maximum(losses1, losses2), mask, loss_agg_mode, micro_batch_rows)

@@ -289,7 +289,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   `one_step_decode` adds a decode call of one step, to compare with the chunk's figures.
   """
   tgt = tgt or target(cfg)
-  config_lib.validate(cfg, num_processes=tgt.num_processes, devices=tgt.devices)
+  config_lib.validate(cfg, num_processes=tgt.num_processes, devices=tgt.devices, check_paths=False)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=tgt.devices)
   graphdef, critic_graphdef, state = programs_lib.abstract_train_state(cfg, mesh)
   optimizer, critic_optimizer = programs_lib.make_optimizers(cfg)
