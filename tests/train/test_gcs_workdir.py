@@ -71,9 +71,12 @@ def test_train_resume_export_evaluate_on_gs(local_gcs, tmp_path):
       "--reward_workers", "1", env=env, cwd=cwd)
   exported = f"{workdir}/export_step_6"
   assert paths.isfile(f"{exported}/config.json") and paths.isfile(f"{exported}/model.safetensors")
-  metrics = json.loads(paths.read_text(f"{exported}/eval_metrics.json"))
-  assert metrics["complete"] and metrics["overall"]["num_responses"] == 8
-  assert len(paths.read_text(f"{exported}/eval_rollout.jsonl").splitlines()) == 8
+  # The released layouts (issue 11): one rollout line per problem holding its n samples, pass@k per source.
+  summary = json.loads(paths.read_text(f"{exported}/eval_summary.json"))
+  assert summary["complete"] and summary["overall"]["num_responses"] == 8
+  lines = [json.loads(line) for line in paths.read_text(f"{exported}/eval_rollout.jsonl").splitlines()]
+  assert len(lines) == 4 and all(len(line["rollout"]) == 2 for line in lines)
+  assert set(json.loads(paths.read_text(f"{exported}/eval_metrics.json"))["synthetic/mod3"]) == {"pass@1", "pass@2"}
 
   for folder in (cwd, tmp_path, ROOT):
     assert not os.path.exists(os.path.join(folder, "gs:")), folder
