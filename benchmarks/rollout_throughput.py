@@ -80,7 +80,8 @@ def main():
     steps, rows_read, rows, active = 0, 0, P, True
     while active:
       window = engine.decode_window(rows + engine.steps_per_call)
-      state, _, _, emitted, active, lengths = engine.decode(params, state, S + 1, method, no_eos, window)
+      state, out = engine.decode(params, state, S + 1, method, no_eos, window)
+      emitted, active, lengths = out.emitted, out.active, out.lengths
       done = int(np.asarray(emitted).any(axis=0).sum())  # the host reads results each call, as `generate` does
       steps, rows_read = steps + done, rows_read + done * window
       rows, active = int(np.asarray(lengths).max()), bool(np.asarray(active).any())
