@@ -146,3 +146,9 @@ def test_adapter_rejects_non_jetstream_bucket():
                              eos_ids=[1])
   with pytest.raises(ValueError, match="buckets"):
     jetstream_adapter.JetStreamEngine(engine)
+
+
+def test_adapter_leaves_jax_unpatched(setup):
+  """jetstream 0.2.2's one jax.tree_map call is fixed in its orchestrator, not by patching jax."""
+  jetstream_adapter.JetStreamEngine(setup[0])
+  assert not hasattr(jax, "tree_map")
