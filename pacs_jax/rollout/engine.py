@@ -17,24 +17,9 @@ from jax.sharding import NamedSharding
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.rollout.decode import (
-  decode_chunk,
-  decode_step,
-  eos_array,
-  insert_rows,
-  prefill_forward,
-  prefix_of_requests,
-  request_keys,
-)
-from pacs_jax.rollout.state import (
-  ChunkOutput,
-  DecodeState,
-  FirstTokens,
-  Prefix,
-  SlotTokens,
-  cache_shardings,
-  field_shardings,
-)
+from pacs_jax.rollout import decode as decode_lib
+from pacs_jax.rollout import state as state_lib
+from pacs_jax.rollout.state import ChunkOutput, DecodeState, FirstTokens, Prefix, SlotTokens
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -111,8 +96,8 @@ class Engine:
     """The decode state (or a prefill cache) in its declared layout (`state.field_shardings`)."""
     if self.mesh is None:
       return tree
-    shardings = cache_shardings(tree, self.mesh) if isinstance(tree, qwen2.KVCache) else field_shardings(
-        tree, self.mesh)
+    cache = isinstance(tree, qwen2.KVCache)
+    shardings = state_lib.cache_shardings(tree, self.mesh) if cache else state_lib.field_shardings(tree, self.mesh)
     return jax.lax.with_sharding_constraint(tree, shardings)
 
   def _replicate(self, tree):
@@ -120,18 +105,6 @@ class Engine:
     if self.mesh is None:
       return tree
     return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
-
-  def prefix_shardings(self) -> Prefix | None:
-    """A `Prefix`-shaped tree of shardings for one prompt (JetStream's prefix destination); any bucket fits."""
-    if self.mesh is None:
-      return None
-    c = self.config
-    shape = lambda *s, dtype=jnp.int32: jax.ShapeDtypeStruct(s, dtype)
-    rows = shape(c.num_hidden_layers, 1, c.num_key_value_heads, self.max_prefill_length, c.head_size)
-    key = jax.random.key_data(jax.random.key(0)).shape
-    probe = Prefix(cache=qwen2.KVCache(k=rows, v=rows), lengths=shape(1), tokens=shape(1), logprobs=shape(1),
-                   keys=shape(1, *key), steps=shape(1))
-    return field_shardings(probe, self.mesh)
 
   # -- params and state -------------------------------------------------------------------------
 
@@ -175,7 +148,7 @@ class Engine:
     if self.mesh is None:
       return shapes
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
-                        field_shardings(shapes, self.mesh))
+                        state_lib.field_shardings(shapes, self.mesh))
 
   def lower_decode(self, params, state, window: int | None = None, sampling=None):
     """The decode chunk program (`steps_per_call` steps over the first `window` cache rows) lowered for
@@ -183,7 +156,7 @@ class Engine:
     `.compile()` for its memory and cost analyses."""
     window = self.cache_length if window is None else min(int(window), self.cache_length)
     with self._mesh_context():
-      return self._decode_chunk_jit.lower(params, state, np.int32(0), eos_array(self.eos_ids),
+      return self._decode_chunk_jit.lower(params, state, np.int32(0), decode_lib.eos_array(self.eos_ids),
                                           num_steps=self.steps_per_call, sampling=sampling or self.sampling,
                                           window=window)
 
@@ -214,30 +187,32 @@ class Engine:
   # -- jitted bodies ----------------------------------------------------------------------------
 
   def _prefill_impl(self, params, tokens, true_lengths):
-    cache, logits = prefill_forward(self._model(params), tokens, true_lengths)
+    cache, logits = decode_lib.prefill_forward(self._model(params), tokens, true_lengths)
     return self._constrain(cache), logits
 
   def _prefix_impl(self, cache, logits, true_lengths, key_data, sampling):
-    return prefix_of_requests(cache, logits, true_lengths, jnp.arange(true_lengths.shape[0]), key_data, sampling)
+    rows = jnp.arange(true_lengths.shape[0])
+    return decode_lib.prefix_of_requests(cache, logits, true_lengths, rows, key_data, sampling)
 
   def _insert_impl(self, state, prefix, slots, budgets, eos_ids):
-    return self._constrain(insert_rows(state, prefix, slots, budgets, eos_ids))
+    return self._constrain(decode_lib.insert_rows(state, prefix, slots, budgets, eos_ids))
 
   def _insert_requests_impl(self, state, cache, logits, true_lengths, rows, slots, seed, prompt_index,
                             sample_index, budgets, eos_ids, sampling):
     """Inserts R requests from B prefilled prompts (several samples may share a prompt row)."""
-    prefix = prefix_of_requests(cache, logits, true_lengths, rows, request_keys(seed, prompt_index, sample_index),
-                                sampling)
-    state = self._constrain(insert_rows(state, prefix, slots, budgets, eos_ids))
+    key_data = decode_lib.request_keys(seed, prompt_index, sample_index)
+    prefix = decode_lib.prefix_of_requests(cache, logits, true_lengths, rows, key_data, sampling)
+    state = self._constrain(decode_lib.insert_rows(state, prefix, slots, budgets, eos_ids))
     return (state, *self._replicate((prefix.tokens, prefix.logprobs)))
 
   def _step_impl(self, params, state, eos_ids, sampling):
-    state, out = decode_step(self._model(params), state, sampling, eos_ids)
+    state, out = decode_lib.decode_step(self._model(params), state, sampling, eos_ids)
     return self._constrain(state), self._replicate(SlotTokens(tokens=out.tokens, valid=out.emitted,
                                                               lengths=state.steps))
 
   def _decode_chunk_impl(self, params, state, stop_after_finished, eos_ids, num_steps, sampling, window):
-    state, out = decode_chunk(self._model(params), state, num_steps, stop_after_finished, sampling, eos_ids, window)
+    state, out = decode_lib.decode_chunk(self._model(params), state, num_steps, stop_after_finished, sampling,
+                                         eos_ids, window)
     return self._constrain(state), self._replicate(out)
 
   # -- one prompt, one slot, one step -----------------------------------------------------------
@@ -256,12 +231,12 @@ class Engine:
     budget = _INT32_MAX if budget is None else budget
     with self._mesh_context():
       return self._insert_jit(decode_state, prefix, np.array([slot], np.int32), np.array([budget], np.int32),
-                              eos_array(self.eos_ids))
+                              decode_lib.eos_array(self.eos_ids))
 
   def step(self, params, decode_state: DecodeState) -> tuple[DecodeState, SlotTokens]:
     """One decode step for every slot: feeds the pending tokens, returns the new ones."""
     with self._mesh_context():
-      return self._step_jit(params, decode_state, eos_array(self.eos_ids), sampling=self.sampling)
+      return self._step_jit(params, decode_state, decode_lib.eos_array(self.eos_ids), sampling=self.sampling)
 
   # -- batched calls for the continuous-batching loop -------------------------------------------
 
@@ -288,7 +263,7 @@ class Engine:
     requests_of = collections.defaultdict(list)
     for r, row in enumerate(prompt_rows):
       requests_of[row].append(r)
-    eos = eos_array(eos_ids)
+    eos = decode_lib.eos_array(eos_ids)
     firsts = []
     for T, rows in sorted(by_bucket.items()):
       B = _next_pow2(len(rows))
@@ -317,7 +292,7 @@ class Engine:
     all; see `decode.decode_chunk` and `decode_window`). The output is replicated for the host."""
     window = self.cache_length if window is None else min(int(window), self.cache_length)
     with self._mesh_context():
-      return self._decode_chunk_jit(params, decode_state, np.int32(stop_after_finished), eos_array(eos_ids),
+      return self._decode_chunk_jit(params, decode_state, np.int32(stop_after_finished), decode_lib.eos_array(eos_ids),
                                     num_steps=self.steps_per_call, sampling=sampling, window=window)
 
   def compiled_count(self) -> int:

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
+from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout.decode import request_keys
-from pacs_jax.rollout.state import DecodeState, Prefix, SlotTokens
+from pacs_jax.rollout.state import DecodeState, Prefix, SlotTokens, field_shardings
 
 # JetStream prepends `bos_id` to every request without a session cache; Qwen has no BOS, so the
 # tokenizer reports this impossible id and `prefill` drops it again.
@@ -156,8 +157,16 @@ class JetStreamEngine(engine_api.Engine):
       return decode_state, result_tokens(out)
 
   def get_prefix_destination_sharding(self) -> Any:
-    shardings = self.engine.prefix_shardings()
-    return shardings if shardings is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    """A `Prefix` of shardings for one prompt, each field's declared one (any bucket length fits)."""
+    if self.engine.mesh is None:
+      return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    c = self.engine.config
+    shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    rows = shape(c.num_hidden_layers, 1, c.num_key_value_heads, self.engine.max_prefill_length, c.head_size)
+    key = jax.random.key_data(jax.random.key(0)).shape
+    probe = Prefix(cache=qwen2.KVCache(k=rows, v=rows), lengths=shape(1), tokens=shape(1), logprobs=shape(1),
+                   keys=shape(1, *key), steps=shape(1))
+    return field_shardings(probe, self.engine.mesh)
 
   def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
     return tokenizer_pb2.TokenizerParameters(path="pacs-jax")

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.rollout import sampling
+from pacs_jax.rollout import jetstream, sampling
 from pacs_jax.rollout.state import DecodeState, field_shardings
 
 BATCH = ("data", "fsdp")
@@ -33,7 +33,7 @@ def test_decode_state_carries_its_declared_shardings():
   config = qwen2.get_preset("tiny")  # 2 kv heads: one per tensor shard
   model = qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0))
   engine = engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=16, max_decode_length=8,
-                             steps_per_call=4, mesh=mesh)
+                             steps_per_call=4, mesh=mesh, eos_ids=[1])
   params = engine.load_params(model)
   state = engine.init_decode_state()
   _check(state, mesh)
@@ -49,3 +49,6 @@ def test_decode_state_carries_its_declared_shardings():
   _check(state, mesh)
   state, _ = engine.step(params, state)
   _check(state, mesh)
+  # JetStream's prefix destination: the same declarations for one prompt (a batch of 1 is not split).
+  prefix = jetstream.JetStreamEngine(engine).get_prefix_destination_sharding()
+  assert prefix.cache.k.spec == P(None, None, "tensor", None, None) and prefix.keys.spec == P(None, None)
