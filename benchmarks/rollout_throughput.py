@@ -20,7 +20,7 @@ from flax import nnx
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.rollout import sampling
+from pacs_jax.rollout import sampling, scheduler
 
 
 def timed(fn, repeats: int) -> float:
@@ -70,8 +70,8 @@ def main():
   # Decode: all slots busy for N steps, no EOS; the first (compiling) pass is not timed.
   def fill():
     state = engine.init_decode_state()
-    state, _ = engine.prefill_insert(params, state, prompts.tolist(), list(range(S)), list(range(S)),
-                                     list(range(S)), [0] * S, [N + 1] * S, 0, method, no_eos)
+    state, _ = scheduler.prefill_insert(engine, params, state, prompts.tolist(), list(range(S)), list(range(S)),
+                                        list(range(S)), [0] * S, [N + 1] * S, 0, method, no_eos)
     return jax.block_until_ready(state)
 
   def decode(state):

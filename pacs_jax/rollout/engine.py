@@ -4,7 +4,6 @@ as decode reads them, [layers, S, K, L, H] (S slots, K kv heads, L cache rows, H
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from collections.abc import Sequence
 
@@ -24,13 +23,13 @@ from pacs_jax.rollout.state import ChunkOutput, DecodeState, FirstTokens, Prefix
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
 def _pow2_ladder(start: int, cap: int) -> list[int]:
   """Powers of two from `start` (rounded up), capped by and ending at `cap`."""
-  return sorted({min(_next_pow2(start) << i, cap) for i in range(max(1, cap).bit_length() + 1)})
+  return sorted({min(next_pow2(start) << i, cap) for i in range(max(1, cap).bit_length() + 1)})
 
 
 class Engine:
@@ -42,8 +41,8 @@ class Engine:
   right-padded to power-of-two buckets so prefill compiles a few shapes only.
 
   One prompt, one slot, one step (`prefill`, `insert`, `step`) use the engine's `sampling` and
-  `eos_ids`; the batched calls behind `scheduler.generate` (`prefill_insert`: many prompts into many
-  slots; `decode`: many steps per device call) take their own. EOS ids are traced arguments and
+  `eos_ids`; the batched calls behind `scheduler.generate` (`prefill_batch` and `insert_requests`: many
+  prompts into many slots; `decode`: many steps per device call) take their own. EOS ids are traced arguments and
   sampling methods static ones, so changing the method compiles decode once more.
   """
 
@@ -246,44 +245,20 @@ class Engine:
     with self._mesh_context():
       return self._prefill_jit(params, tokens, true_lengths)
 
-  def prefill_insert(self, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],
-                     prompt_rows: Sequence[int], slots: Sequence[int], prompt_index: Sequence[int],
-                     sample_index: Sequence[int], budgets: Sequence[int], seed: int,
-                     sampling: sampling_lib.SamplingMethod,
-                     eos_ids: Sequence[int]) -> tuple[DecodeState, list[FirstTokens]]:
-    """Prefills distinct `prompts` and inserts requests r into `slots[r]` from `prompts[prompt_rows[r]]`.
-
-    One prefill per prompt-length bucket; prompt rows and requests are padded to powers of two
-    (padding requests target slot S and are dropped). The first tokens come back as device arrays, one
-    `FirstTokens` per bucket, so the caller can read them after queueing more work.
-    """
-    by_bucket: dict[int, list[int]] = collections.defaultdict(list)
-    for i, p in enumerate(prompts):
-      by_bucket[self.bucket_length(len(p))].append(i)
-    requests_of = collections.defaultdict(list)
-    for r, row in enumerate(prompt_rows):
-      requests_of[row].append(r)
-    eos = decode_lib.eos_array(eos_ids)
-    firsts = []
-    for T, rows in sorted(by_bucket.items()):
-      B = _next_pow2(len(rows))
-      tokens = np.zeros((B, T), np.int32)
-      lengths = np.ones((B,), np.int32)
-      for b, i in enumerate(rows):
-        tokens[b, :len(prompts[i])] = prompts[i]
-        lengths[b] = len(prompts[i])
-      req = [(b, r) for b, i in enumerate(rows) for r in requests_of[i]]
-      pad = _next_pow2(len(req)) - len(req)
-      column = lambda values, fill: np.array(list(values) + [fill] * pad, np.int32)
-      cache, logits = self.prefill_batch(params, tokens, lengths)
-      with self._mesh_context():
-        decode_state, first, logprobs = self._insert_requests_jit(
-            decode_state, cache, logits, lengths, column((b for b, _ in req), 0),
-            column((slots[r] for _, r in req), self.max_concurrent_decodes), np.uint32(seed & 0xFFFFFFFF),
-            column((prompt_index[r] for _, r in req), 0), column((sample_index[r] for _, r in req), 0),
-            column((budgets[r] for _, r in req), 0), eos, sampling=sampling)
-      firsts.append(FirstTokens(requests=tuple(r for _, r in req), tokens=first, logprobs=logprobs))
-    return decode_state, firsts
+  def insert_requests(self, decode_state: DecodeState, cache: qwen2.KVCache, logits: jax.Array,
+                      true_lengths: np.ndarray, rows: np.ndarray, slots: np.ndarray, seed: int,
+                      prompt_index: np.ndarray, sample_index: np.ndarray, budgets: np.ndarray,
+                      sampling: sampling_lib.SamplingMethod, eos_ids: Sequence[int],
+                      requests: Sequence[int]) -> tuple[DecodeState, FirstTokens]:
+    """Inserts R requests into `slots` [R] from prompts prefilled together (`prefill_batch`'s cache and
+    logits): request r continues prompt `rows[r]`, samples with key data `request_keys(seed, prompt_index[r],
+    sample_index[r])` and generates at most `budgets[r]` tokens; a slot >= S marks a padding request, dropped.
+    The first tokens come back on device, tagged with the caller's `requests` ids."""
+    with self._mesh_context():
+      state, first, logprobs = self._insert_requests_jit(
+          decode_state, cache, logits, true_lengths, rows, slots, np.uint32(seed & 0xFFFFFFFF), prompt_index,
+          sample_index, budgets, decode_lib.eos_array(eos_ids), sampling=sampling)
+    return state, FirstTokens(requests=tuple(requests), tokens=first, logprobs=logprobs)
 
   def decode(self, params, decode_state: DecodeState, stop_after_finished: int,
              sampling: sampling_lib.SamplingMethod, eos_ids: Sequence[int],

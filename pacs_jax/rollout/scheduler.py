@@ -10,8 +10,46 @@ import jax
 import numpy as np
 
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.rollout.engine import Engine
-from pacs_jax.rollout.state import Completion
+from pacs_jax.rollout.engine import Engine, next_pow2
+from pacs_jax.rollout.state import Completion, DecodeState, FirstTokens
+
+
+def prefill_insert(engine: Engine, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],
+                   prompt_rows: Sequence[int], slots: Sequence[int], prompt_index: Sequence[int],
+                   sample_index: Sequence[int], budgets: Sequence[int], seed: int,
+                   sampling: sampling_lib.SamplingMethod,
+                   eos_ids: Sequence[int]) -> tuple[DecodeState, list[FirstTokens]]:
+  """Prefills distinct `prompts` and inserts requests r into `slots[r]` from `prompts[prompt_rows[r]]`.
+
+  One prefill per prompt-length bucket; prompt rows and requests are padded to powers of two
+  (padding requests target slot S and are dropped). The first tokens come back as device arrays, one
+  `FirstTokens` per bucket, so the caller can read them after queueing more work.
+  """
+  by_bucket: dict[int, list[int]] = collections.defaultdict(list)
+  for i, p in enumerate(prompts):
+    by_bucket[engine.bucket_length(len(p))].append(i)
+  requests_of = collections.defaultdict(list)
+  for r, row in enumerate(prompt_rows):
+    requests_of[row].append(r)
+  firsts = []
+  for T, rows in sorted(by_bucket.items()):
+    B = next_pow2(len(rows))
+    tokens = np.zeros((B, T), np.int32)
+    lengths = np.ones((B,), np.int32)
+    for b, i in enumerate(rows):
+      tokens[b, :len(prompts[i])] = prompts[i]
+      lengths[b] = len(prompts[i])
+    req = [(b, r) for b, i in enumerate(rows) for r in requests_of[i]]
+    pad = next_pow2(len(req)) - len(req)
+    column = lambda values, fill, pad=pad: np.array(list(values) + [fill] * pad, np.int32)
+    cache, logits = engine.prefill_batch(params, tokens, lengths)
+    decode_state, first = engine.insert_requests(
+        decode_state, cache, logits, lengths, column((b for b, _ in req), 0),
+        column((slots[r] for _, r in req), engine.max_concurrent_decodes), seed,
+        column((prompt_index[r] for _, r in req), 0), column((sample_index[r] for _, r in req), 0),
+        column((budgets[r] for _, r in req), 0), sampling, eos_ids, requests=[r for _, r in req])
+    firsts.append(first)
+  return decode_state, firsts
 
 
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 1, max_new_tokens: int | None = None,
@@ -68,8 +106,8 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
       take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
       distinct = sorted({p for p, _ in take})
       row_of = {p: i for i, p in enumerate(distinct)}
-      state, firsts = engine.prefill_insert(
-          params, state, [prompts[p] for p in distinct], [row_of[p] for p, _ in take], free[:len(take)],
+      state, firsts = prefill_insert(
+          engine, params, state, [prompts[p] for p in distinct], [row_of[p] for p, _ in take], free[:len(take)],
           [prompt_ids[p] for p, _ in take], [s for _, s in take], [max_new_tokens] * len(take), seed, sampling, eos)
       for slot, req in zip(free, take):
         slot_request[slot] = req

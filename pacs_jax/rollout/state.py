@@ -77,7 +77,7 @@ class ChunkOutput:
 
 @flax.struct.dataclass
 class FirstTokens:
-  """First response tokens of requests inserted together (`Engine.prefill_insert`)."""
+  """First response tokens of requests inserted together (`Engine.insert_requests`)."""
   requests: tuple[int, ...] = flax.struct.field(pytree_node=False)  # the caller's request ids, one per token
   tokens: jax.Array  # [R] int32
   logprobs: jax.Array  # [R] fp32

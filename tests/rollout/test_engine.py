@@ -167,8 +167,8 @@ def test_cached_logits_equal_uncached_forward(engine, params, prompts, uncached_
   steps = 24
   batch = prompts[:4]
   state = engine.init_decode_state()
-  state, firsts = engine.prefill_insert(params, state, batch, [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0] * 4,
-                                        [steps + 1] * 4, 0, sampling.Greedy(), ())
+  state, firsts = scheduler.prefill_insert(engine, params, state, batch, [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3],
+                                           [0] * 4, [steps + 1] * 4, 0, sampling.Greedy(), ())
   generated = [[] for _ in batch]
   for first in firsts:
     for r, t in zip(first.requests, np.asarray(first.tokens)):
@@ -282,8 +282,8 @@ def test_decode_windows_equal_reading_the_whole_cache(engine, model, params, pro
 
 def test_a_window_too_small_returns_early_and_loses_nothing(engine, params, prompts, greedy_32):
   state = engine.init_decode_state()
-  state, firsts = engine.prefill_insert(params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0], [20, 20], 0,
-                                        sampling.Greedy(), ())
+  state, firsts = scheduler.prefill_insert(engine, params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0],
+                                           [20, 20], 0, sampling.Greedy(), ())
   tokens = [[], []]
   for first in firsts:
     for r, t in zip(first.requests, np.asarray(first.tokens)):
@@ -339,8 +339,8 @@ def test_sharded_engine_matches_single_device(model, prompts, greedy_32):
   out = scheduler.generate(eng, params, prompts, max_new_tokens=32)
   assert [c.tokens for c in out] == [c.tokens for c in greedy_32]
   # The constraints hold through prefill, insert and decode.
-  state, _ = eng.prefill_insert(params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0], [8, 8], 0,
-                                sampling.Greedy(), ())
+  state, _ = scheduler.prefill_insert(eng, params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0], [8, 8], 0,
+                                      sampling.Greedy(), ())
   state, *_ = eng.decode(params, state, 5, sampling.Greedy(), ())
   assert laid_out(state.cache.v, None, ("data", "fsdp"), "tensor", None, None)
   for a, b in zip(out, greedy_32):

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.rollout import jetstream, sampling
+from pacs_jax.rollout import jetstream, sampling, scheduler
 from pacs_jax.rollout.state import DecodeState, field_shardings
 
 BATCH = ("data", "fsdp")
@@ -42,8 +42,8 @@ def test_decode_state_carries_its_declared_shardings():
     assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
 
   prompts = [np.arange(1, n + 1).tolist() for n in (3, 9)]
-  state, _ = engine.prefill_insert(params, state, prompts, [0, 1], [0, 2], [0, 1], [0, 0], [8, 8], 0,
-                                   sampling.Greedy(), ())
+  state, _ = scheduler.prefill_insert(engine, params, state, prompts, [0, 1], [0, 2], [0, 1], [0, 0], [8, 8], 0,
+                                      sampling.Greedy(), ())
   state, out = engine.decode(params, state, 5, sampling.Greedy(), ())
   assert np.asarray(out.emitted)[[0, 2]].all()  # the call decoded
   _check(state, mesh)
