@@ -99,7 +99,7 @@ def result_tokens(out: SlotTokens) -> engine_api.ResultTokens:
 @jax.jit
 def _deferred_prefix(cache, tokens, true_lengths, key_data) -> Prefix:
   """A prefix whose last prompt token stays pending (its cache row is rewritten, identically, when it is
-  fed), so the first generate step emits the first response token."""
+  fed), so the first generate step emits the first response token. tokens [B, T], true_lengths [B]."""
   B = tokens.shape[0]
   last = jnp.take_along_axis(tokens, (true_lengths - 1)[:, None], axis=1)[:, 0]  # [B]
   return Prefix(cache=cache, lengths=true_lengths - 1, tokens=last, logprobs=jnp.zeros((B,), jnp.float32),
