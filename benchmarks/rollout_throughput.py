@@ -20,7 +20,7 @@ from flax import nnx
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.rollout import sampling
+from pacs_jax.rollout import sampling, scheduler
 
 
 def timed(fn, repeats: int) -> float:
@@ -70,8 +70,8 @@ def main():
   # Decode: all slots busy for N steps, no EOS; the first (compiling) pass is not timed.
   def fill():
     state = engine.init_decode_state()
-    state, _ = engine.prefill_insert(params, state, prompts.tolist(), list(range(S)), list(range(S)),
-                                     list(range(S)), [0] * S, [N + 1] * S, 0, method, no_eos)
+    state, _ = scheduler.prefill_insert(engine, params, state, prompts.tolist(), list(range(S)), list(range(S)),
+                                        list(range(S)), [0] * S, [N + 1] * S, 0, method, no_eos)
     return jax.block_until_ready(state)
 
   def decode(state):
@@ -80,7 +80,8 @@ def main():
     steps, rows_read, rows, active = 0, 0, P, True
     while active:
       window = engine.decode_window(rows + engine.steps_per_call)
-      state, _, _, emitted, active, lengths = engine.decode(params, state, S + 1, method, no_eos, window)
+      state, out = engine.decode(params, state, S + 1, method, no_eos, window)
+      emitted, active, lengths = out.emitted, out.active, out.lengths
       done = int(np.asarray(emitted).any(axis=0).sum())  # the host reads results each call, as `generate` does
       steps, rows_read = steps + done, rows_read + done * window
       rows, active = int(np.asarray(lengths).max()), bool(np.asarray(active).any())

@@ -358,6 +358,7 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
   from pacs_jax.models import hf
   from pacs_jax.rewards import math as rewards_lib
   from pacs_jax.rollout import engine as engine_lib
+  from pacs_jax.rollout import scheduler
   from pacs_jax.rollout import sampling as sampling_lib
 
   sampling = sampling_lib.from_config(settings.temperature, settings.top_k, settings.top_p)
@@ -416,7 +417,7 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
   try:
     for start in range(0, len(todo), chunk):
       batch = todo[start:start + chunk]
-      completions = engine_lib.generate(
+      completions = scheduler.generate(
           engine, params, [p.prompt_ids for p in batch], n=n, max_new_tokens=settings.max_new_tokens,
           sampling=sampling, seed=settings.seed, eos_ids=eos, prompt_ids=[p.seed_id for p in batch])
       texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]

@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pacs_jax.models.token_logprobs import token_logprobs
+
 # Logit given to tokens outside the top-k / top-p support; finite so a row never becomes all-NaN.
 _EXCLUDED = -1e30
 
@@ -31,21 +33,16 @@ class SamplingMethod:
     return self._sample(logits, key)
 
   def sample_with_logprobs(self, logits: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(tokens [B] int32, log-probs [B] fp32 under `log_softmax(logits / temperature)`)."""
+    """(tokens [B] int32, log-probs [B] fp32 under `log_softmax(logits / temperature)`), the log-probs by
+    the trainer's function (`models.token_logprobs`: no gather over a sharded vocab)."""
     tokens = self.sample(logits, key)
-    return tokens, token_logprobs(logits, tokens, self.temperature)
+    return tokens, token_logprobs(logits.astype(jnp.float32), tokens, self.temperature)
 
 
 def _is_key_batch(key: jax.Array) -> bool:
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     return key.ndim == 1
   return key.ndim == 2  # raw uint32 keys: [2] is one key, [B, 2] a batch
-
-
-def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:
-  """log_softmax(logits / temperature)[tokens]: logits [B, V], tokens [B] -> [B] fp32."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-  return jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
 
 def _check_temperature(temperature: float) -> None:

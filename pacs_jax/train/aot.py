@@ -206,7 +206,7 @@ def prefill_rows(requests_at_once: int, n: int, prompts: int) -> int:
   """Most distinct prompts one prefill call can hold: `requests_at_once` consecutive requests of groups of
   n span up to (requests - 1) // n + 2 prompts; the engine pads the count to a power of two."""
   distinct = requests_at_once if n == 1 else min(requests_at_once, (requests_at_once - 1) // n + 2)
-  return engine_lib._next_pow2(max(1, min(distinct, prompts)))
+  return engine_lib.next_pow2(max(1, min(distinct, prompts)))
 
 
 def decode_calls(engine: engine_lib.Engine, prompt_length: int, new_tokens: int) -> dict[int, int]:
@@ -360,7 +360,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
 
   train_sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   rows = prefill_rows(S, n, cfg.train.batch_prompts)
-  requests = engine_lib._next_pow2(min(S, cfg.train.batch_prompts * n))
+  requests = engine_lib.next_pow2(min(S, cfg.train.batch_prompts * n))
   rollout_programs("", train_sampling, rows, requests, waves, cfg.train.batch_prompts)
   if one_step_decode:  # for comparison: a call of one step at the full window (no program of the run)
     run(ProgramReport("decode_1_step[W=full]", "rollout", 0, 2.0 * N * S),
@@ -375,7 +375,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     # Validation runs the same prefill and decode functions with more prompts at once and greedy sampling:
     # its largest shapes are compiled (the other buckets and windows differ from them only in size).
     rollout_programs("val_", sampling_lib.Greedy(), prefill_rows(min(S, val_prompts), 1, val_prompts),
-                     engine_lib._next_pow2(min(S, val_prompts)), 0.0, val_prompts, largest_only=True)
+                     engine_lib.next_pow2(min(S, val_prompts)), 0.0, val_prompts, largest_only=True)
 
   # -- update phase ----------------------------------------------------------------------------
   batch_bytes = updates * per_chip_bytes(minibatch)

@@ -28,7 +28,8 @@ from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import sources, synthetic
 from pacs_jax.models import hf, qwen2
 from pacs_jax.rewards import math as rewards_lib
-from pacs_jax.rollout import engine as engine_lib
+from pacs_jax.rollout import scheduler
+from pacs_jax.rollout import state as rollout_state
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.train import checkpoint as checkpoint_lib
 from pacs_jax.train import export_lib
@@ -114,7 +115,7 @@ def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
   return ((np.cumsum(is_eos, axis=1) - is_eos) == 0).astype(np.float32)
 
 
-def pack_rows(prompts: list[list[int]], completions: list[engine_lib.Completion], P: int, R: int,
+def pack_rows(prompts: list[list[int]], completions: list[rollout_state.Completion], P: int, R: int,
               pad_id: int, mask_eos_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Prompt left-padded to P, response right-padded to R with `pad_id`: (input_ids, attention_mask, response_mask).
 
@@ -328,8 +329,8 @@ class Trainer:
 
   def rollout(self, params_sample, prompts_local: list[list[int]], seed: int, sampling, n: int, max_new_tokens: int):
     prompts = self._gather_prompts(prompts_local)
-    completions = engine_lib.generate(self.engine, params_sample, prompts, n=n, max_new_tokens=max_new_tokens,
-                                      sampling=sampling, seed=seed, eos_ids=self.eos_ids)
+    completions = scheduler.generate(self.engine, params_sample, prompts, n=n, max_new_tokens=max_new_tokens,
+                                     sampling=sampling, seed=seed, eos_ids=self.eos_ids)
     start = jax.process_index() * len(prompts_local)
     local = [c for c in completions if start <= c.prompt_index < start + len(prompts_local)]
     for c in local:
@@ -419,9 +420,9 @@ class Trainer:
     max_new = cfg.rollout.val_max_new_tokens or self.R
     with jax.set_mesh(self.mesh):
       params_sample = self.to_sample_params(self.state.params)
-      completions = engine_lib.generate(self.engine, params_sample, self.val_prompts, n=1,
-                                        max_new_tokens=min(max_new, self.R), sampling=sampling_lib.Greedy(),
-                                        seed=0, eos_ids=self.eos_ids)
+      completions = scheduler.generate(self.engine, params_sample, self.val_prompts, n=1,
+                                       max_new_tokens=min(max_new, self.R), sampling=sampling_lib.Greedy(),
+                                       seed=0, eos_ids=self.eos_ids)
     texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     answers, data_sources = [r["answer"] for r in self.val_records], [r["data_source"] for r in self.val_records]
     scores, _ = scorer.score_batch(texts, answers, data_sources)

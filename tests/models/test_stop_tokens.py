@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig
 
 from pacs_jax.models import hf
-from pacs_jax.rollout.engine import Completion
+from pacs_jax.rollout.state import Completion
 from pacs_jax.train import loop
 
 ENDOFTEXT, IM_END = 151643, 151645

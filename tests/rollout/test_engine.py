@@ -10,12 +10,13 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pacs_jax import sharding
 from pacs_jax.models import hf, qwen2
+from pacs_jax.rollout import decode, sampling, scheduler
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.rollout import sampling
 
 VOCAB = 128
 MAX_PREFILL, MAX_DECODE = 16, 40
@@ -66,7 +67,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def greedy_32(engine, params, prompts):
-  return engine_lib.generate(engine, params, prompts, max_new_tokens=32)
+  return scheduler.generate(engine, params, prompts, max_new_tokens=32)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,7 @@ def test_greedy_stops_at_eos_like_transformers(engine, params, greedy_32, torch_
   row = greedy_32[1].tokens
   step = next(i for i in range(10, 32) if row[i] not in row[:i])
   eos = row[step]
-  completions = engine_lib.generate(engine, params, prompts, max_new_tokens=32, eos_ids=[eos])
+  completions = scheduler.generate(engine, params, prompts, max_new_tokens=32, eos_ids=[eos])
   expected = hf_greedy(torch_model, prompts, 32, eos_id=eos)
   assert [c.tokens for c in completions] == expected
   assert completions[1].tokens == row[:step + 1] and completions[1].finish_reason == "eos"
@@ -142,20 +143,20 @@ def test_greedy_stops_at_eos_like_transformers(engine, params, greedy_32, torch_
 
 def test_eos_as_first_token_and_single_token_budget(engine, params, greedy_32, prompts):
   first = greedy_32[0].tokens[0]
-  out = engine_lib.generate(engine, params, prompts[:1], max_new_tokens=32, eos_ids=[first, VOCAB + 5])
+  out = scheduler.generate(engine, params, prompts[:1], max_new_tokens=32, eos_ids=[first, VOCAB + 5])
   assert out[0].tokens == [first] and out[0].finish_reason == "eos"
-  out = engine_lib.generate(engine, params, prompts, max_new_tokens=1)
+  out = scheduler.generate(engine, params, prompts, max_new_tokens=1)
   assert [c.tokens for c in out] == [c.tokens[:1] for c in greedy_32]
   assert all(c.finish_reason == "length" for c in out)
 
 
 def test_rejects_lengths_beyond_the_cache(engine, params, prompts):
   with pytest.raises(ValueError, match="max_prefill_length"):
-    engine_lib.generate(engine, params, [list(range(1, MAX_PREFILL + 2))], max_new_tokens=4)
+    scheduler.generate(engine, params, [list(range(1, MAX_PREFILL + 2))], max_new_tokens=4)
   with pytest.raises(ValueError, match="max_decode_length"):
-    engine_lib.generate(engine, params, prompts, max_new_tokens=MAX_DECODE + 1)
+    scheduler.generate(engine, params, prompts, max_new_tokens=MAX_DECODE + 1)
   with pytest.raises(ValueError):
-    engine_lib.generate(engine, params, [[]], max_new_tokens=4)
+    scheduler.generate(engine, params, [[]], max_new_tokens=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,16 +167,17 @@ def test_cached_logits_equal_uncached_forward(engine, params, prompts, uncached_
   steps = 24
   batch = prompts[:4]
   state = engine.init_decode_state()
-  state, firsts = engine.prefill_insert(params, state, batch, [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0] * 4,
-                                        [steps + 1] * 4, 0, sampling.Greedy(), ())
+  state, firsts = scheduler.prefill_insert(engine, params, state, batch, [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3],
+                                           [0] * 4, [steps + 1] * 4, 0, sampling.Greedy(), ())
   generated = [[] for _ in batch]
-  for requests, first, _ in firsts:
-    for r, t in zip(requests, np.asarray(first)):
+  for first in firsts:
+    for r, t in zip(first.requests, np.asarray(first.tokens)):
       generated[r].append(int(t))
-  step = jax.jit(lambda p, s, eos: engine_lib.decode_step(nnx.merge(engine.graphdef, p), s, sampling.Greedy(), eos))
+  step = jax.jit(lambda p, s, eos: decode.decode_step(nnx.merge(engine.graphdef, p), s, sampling.Greedy(), eos))
   cached = []
   for _ in range(steps):
-    state, tokens, _, emitted, logits = step(params, state, engine_lib.eos_array(()))
+    state, out = step(params, state, decode.eos_array(()))
+    tokens, emitted, logits = out.tokens, out.emitted, out.logits
     assert np.asarray(emitted).all()
     cached.append(np.asarray(logits))
     for r, t in enumerate(np.asarray(tokens)):
@@ -203,7 +205,7 @@ def test_cached_logits_equal_uncached_forward(engine, params, prompts, uncached_
 
 def test_logprobs_match_full_forward(engine, params, prompts, uncached_logits):
   method = sampling.TopP(p=0.9, temperature=0.7)
-  completions = engine_lib.generate(engine, params, prompts[:4], n=2, max_new_tokens=20, sampling=method, seed=3,
+  completions = scheduler.generate(engine, params, prompts[:4], n=2, max_new_tokens=20, sampling=method, seed=3,
                                     eos_ids=[5, 6])
   sequences = [prompts[c.prompt_index] + c.tokens for c in completions]
   full = uncached_logits(params, sequences)
@@ -220,7 +222,7 @@ def test_logprobs_match_full_forward(engine, params, prompts, uncached_logits):
 
 
 def test_samples_differ_and_are_reproducible(engine, params, prompts):
-  run = functools.partial(engine_lib.generate, engine, params, prompts[:2], n=4, max_new_tokens=12,
+  run = functools.partial(scheduler.generate, engine, params, prompts[:2], n=4, max_new_tokens=12,
                           sampling=sampling.Temperature(1.0))
   first, again, other_seed = run(seed=7), run(seed=7), run(seed=8)
   for p in range(2):
@@ -235,18 +237,18 @@ def test_samples_differ_and_are_reproducible(engine, params, prompts):
 def test_more_requests_than_slots_independent_of_order(engine, params, prompts):
   kw = dict(n=3, max_new_tokens=24, sampling=sampling.Temperature(1.0), seed=11, eos_ids=[1, 2, 3, 4])
   # 15 requests on 4 slots; the EOS ids make them finish at different steps.
-  batch = engine_lib.generate(engine, params, prompts, **kw)
+  batch = scheduler.generate(engine, params, prompts, **kw)
   assert [(c.prompt_index, c.sample_index) for c in batch] == [(p, s) for p in range(5) for s in range(3)]
   lengths = {len(c.tokens) for c in batch}
   assert len(lengths) > 2 and any(c.finish_reason == "eos" for c in batch)
   # Reversed prompt order, keyed by the same prompt ids: the same completion for every request.
   order = [4, 2, 0, 3, 1]
-  shuffled = engine_lib.generate(engine, params, [prompts[i] for i in order], prompt_ids=order, **kw)
+  shuffled = scheduler.generate(engine, params, [prompts[i] for i in order], prompt_ids=order, **kw)
   by_request = {(order[c.prompt_index], c.sample_index): c for c in shuffled}
   # Each prompt alone (other slot assignments, other batch-mates).
   alone = {}
   for i in (0, 3):
-    for c in engine_lib.generate(engine, params, [prompts[i]], prompt_ids=[i], **kw):
+    for c in scheduler.generate(engine, params, [prompts[i]], prompt_ids=[i], **kw):
       alone[(i, c.sample_index)] = c
   for c in batch:
     for other in [by_request[(c.prompt_index, c.sample_index)], alone.get((c.prompt_index, c.sample_index))]:
@@ -270,7 +272,7 @@ def test_decode_windows_equal_reading_the_whole_cache(engine, model, params, pro
   decode = engine.decode
   monkeypatch.setattr(engine, "decode", lambda *a: windows.append(a[-1]) or decode(*a))
   kw = dict(n=3, max_new_tokens=MAX_DECODE, sampling=sampling.Temperature(1.0), seed=5, eos_ids=[1, 2, 3])
-  windowed, full = (engine_lib.generate(e, params, prompts, **kw) for e in (engine, whole))
+  windowed, full = (scheduler.generate(e, params, prompts, **kw) for e in (engine, whole))
   assert {16, 32, MAX_PREFILL + MAX_DECODE} <= set(windows), windows  # short rows read less
   assert len({len(c.tokens) for c in windowed}) > 2
   for a, b in zip(windowed, full):
@@ -280,14 +282,15 @@ def test_decode_windows_equal_reading_the_whole_cache(engine, model, params, pro
 
 def test_a_window_too_small_returns_early_and_loses_nothing(engine, params, prompts, greedy_32):
   state = engine.init_decode_state()
-  state, firsts = engine.prefill_insert(params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0], [20, 20], 0,
-                                        sampling.Greedy(), ())
+  state, firsts = scheduler.prefill_insert(engine, params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0],
+                                           [20, 20], 0, sampling.Greedy(), ())
   tokens = [[], []]
-  for requests, first, _ in firsts:
-    for r, t in zip(requests, np.asarray(first)):
+  for first in firsts:
+    for r, t in zip(first.requests, np.asarray(first.tokens)):
       tokens[r].append(int(t))
   # Prompts of 3 and 7 tokens: with a window of 8 rows, slot 1 can take one step (row 7), then needs row 8.
-  state, out, _, emitted, active, rows = engine.decode(params, state, 5, sampling.Greedy(), (), 8)
+  state, chunk = engine.decode(params, state, 5, sampling.Greedy(), (), 8)
+  out, emitted, active, rows = chunk.tokens, chunk.emitted, chunk.active, chunk.lengths
   assert np.asarray(emitted)[:2].sum(axis=1).tolist() == [1, 1]
   assert np.asarray(rows)[:2].tolist() == [4, 8] and np.asarray(active)[:2].all()
   while True:
@@ -295,7 +298,8 @@ def test_a_window_too_small_returns_early_and_loses_nothing(engine, params, prom
       tokens[r].extend(np.asarray(out)[r, np.asarray(emitted)[r]].tolist())
     if not np.asarray(active).any():
       break
-    state, out, _, emitted, active, rows = engine.decode(params, state, 5, sampling.Greedy(), ())
+    state, chunk = engine.decode(params, state, 5, sampling.Greedy(), ())
+    out, emitted, active, rows = chunk.tokens, chunk.emitted, chunk.active, chunk.lengths
   assert tokens == [c.tokens[:20] for c in greedy_32[:2]]
 
 
@@ -307,10 +311,10 @@ def test_new_params_reuse_compiled_programs(engine, params, prompts, greedy_32, 
   compiled = engine.compiled_count()
   other = qwen2.Qwen2ForCausalLM(model.config, rngs=nnx.Rngs(123))
   new_params = engine.load_params(other)
-  out = engine_lib.generate(engine, new_params, prompts, max_new_tokens=32)
+  out = scheduler.generate(engine, new_params, prompts, max_new_tokens=32)
   assert engine.compiled_count() == compiled
   assert [c.tokens for c in out] != [c.tokens for c in greedy_32]
-  again = engine_lib.generate(engine, params, prompts, max_new_tokens=32)
+  again = scheduler.generate(engine, params, prompts, max_new_tokens=32)
   assert [c.tokens for c in again] == [c.tokens for c in greedy_32]
   assert engine.compiled_count() == compiled
 
@@ -332,11 +336,11 @@ def test_sharded_engine_matches_single_device(model, prompts, greedy_32):
   state = eng.init_decode_state()
   assert laid_out(state.cache.k, None, ("data", "fsdp"), "tensor", None, None)  # [layers, S, K, L, H]
   assert laid_out(state.tokens, ("data", "fsdp"))
-  out = engine_lib.generate(eng, params, prompts, max_new_tokens=32)
+  out = scheduler.generate(eng, params, prompts, max_new_tokens=32)
   assert [c.tokens for c in out] == [c.tokens for c in greedy_32]
   # The constraints hold through prefill, insert and decode.
-  state, _ = eng.prefill_insert(params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0], [8, 8], 0,
-                                sampling.Greedy(), ())
+  state, _ = scheduler.prefill_insert(eng, params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0], [8, 8], 0,
+                                      sampling.Greedy(), ())
   state, *_ = eng.decode(params, state, 5, sampling.Greedy(), ())
   assert laid_out(state.cache.v, None, ("data", "fsdp"), "tensor", None, None)
   for a, b in zip(out, greedy_32):

@@ -10,10 +10,12 @@ import pytest
 from flax import nnx
 
 from pacs_jax.models import qwen2
+from pacs_jax.rollout import decode, scheduler
 from pacs_jax.rollout import engine as engine_lib
 
 # Must import (not skip): google-jetstream is installed with the `jetstream` extra in CI.
-from pacs_jax.rollout import jetstream as jetstream_adapter  # noqa: E402
+from pacs_jax.rollout import jetstream as jetstream_adapter
+from pacs_jax.rollout.state import SlotTokens
 
 MAX_NEW = 12
 # 6 requests on 4 slots. At most 15 tokens: JetStream prepends a BOS slot to each prompt (dropped by
@@ -42,34 +44,41 @@ def setup():
   engine = engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=16, max_decode_length=16)
   # Scaled-up random weights: greedy then does not just repeat one token.
   params = jax.tree.map(lambda x: 4 * x, engine.load_params(model))
-  reference = engine_lib.generate(engine, params, prompts, max_new_tokens=MAX_NEW)
+  reference = scheduler.generate(engine, params, prompts, max_new_tokens=MAX_NEW)
   # An EOS id that greedy emits mid-way for one prompt, so some streams stop early. The JetStream
   # methods read `engine.eos_ids` (a traced argument: setting it recompiles nothing).
   eos = reference[1].tokens[6]
   engine.eos_ids = (eos,)
-  expected = engine_lib.generate(engine, params, prompts, max_new_tokens=MAX_NEW, eos_ids=[eos])
+  expected = scheduler.generate(engine, params, prompts, max_new_tokens=MAX_NEW, eos_ids=[eos])
   assert any(c.finish_reason == "eos" for c in expected) and any(c.finish_reason == "length" for c in expected)
   return engine, params, prompts, expected
 
 
+def _columns(slot_data):
+  return slot_data.tokens, slot_data.valid, slot_data.lengths
+
+
 def test_engine_api_prefill_insert_generate(setup):
-  """JetStream-semantics calls on the in-process engine: prefill samples the first token."""
+  """One prompt, one slot, one step on the in-process engine, read through JetStream's ResultTokens:
+  prefill samples the first token."""
   engine, params, prompts, expected = setup
   state = engine.init_decode_state()
   streams = {}
   for slot, i in [(2, 0), (0, 3), (3, 1)]:
     padded = np.zeros(16, np.int32)
     padded[:len(prompts[i])] = prompts[i]
-    prefix, first = engine.prefill(params, padded, len(prompts[i]))
-    tokens, valid, lengths = first.convert_to_numpy().get_result_at_slot(0)
+    prefix = engine.prefill(params, padded, len(prompts[i]), decode.request_keys(0, np.array([i]), np.array([0])))
+    first = jetstream_adapter.result_tokens(SlotTokens(tokens=prefix.tokens, valid=prefix.steps > 0,
+                                                       lengths=prefix.steps))
+    tokens, valid, lengths = _columns(first.convert_to_numpy().get_result_at_slot(0))
     assert valid[0, 0] == 1 and lengths[0] == 1
     streams[slot] = (i, [int(tokens[0, 0])])
     state = engine.insert(prefix, state, slot)
   for _ in range(MAX_NEW - 1):
-    state, result = engine.generate(params, state)
-    result = result.convert_to_numpy()
+    state, out = engine.step(params, state)
+    result = jetstream_adapter.result_tokens(out).convert_to_numpy()
     for slot, (_, stream) in streams.items():
-      tokens, valid, lengths = result.get_result_at_slot(slot)
+      tokens, valid, lengths = _columns(result.get_result_at_slot(slot))
       if valid[0, 0]:
         stream.append(int(tokens[0, 0]))
         assert lengths[0] == len(stream)
@@ -86,7 +95,7 @@ def test_orchestrator_matches_in_process_generate(setup, monkeypatch):
   def run(thread):
     try:
       threading.Thread.run(thread)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
       errors.append(e)
 
   monkeypatch.setattr(orchestrator.JetThread, "run", run)
@@ -137,3 +146,9 @@ def test_adapter_rejects_non_jetstream_bucket():
                              eos_ids=[1])
   with pytest.raises(ValueError, match="buckets"):
     jetstream_adapter.JetStreamEngine(engine)
+
+
+def test_adapter_leaves_jax_unpatched(setup):
+  """jetstream 0.2.2's one jax.tree_map call is fixed in its orchestrator, not by patching jax."""
+  jetstream_adapter.JetStreamEngine(setup[0])
+  assert not hasattr(jax, "tree_map")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from pacs_jax.algos import logprobs as trainer_logprobs
 from pacs_jax.rollout import sampling
 
 PROBS = np.array([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])
@@ -91,6 +92,15 @@ def test_logprobs_are_of_the_untruncated_tempered_distribution(method):
   expected = jax.nn.log_softmax(logits / method.temperature)[jnp.arange(16), tokens]
   np.testing.assert_allclose(logprobs, expected, atol=1e-6)
   assert logprobs.dtype == jnp.float32 and tokens.dtype == jnp.int32
+
+
+def test_logprobs_equal_the_trainers_recomputation():
+  """The sampler and the trainer compute a token's log-prob by the same ops: equal to the last bit."""
+  method = sampling.Temperature(0.7)
+  logits = jax.random.normal(jax.random.key(3), (16, 50)) * 8
+  tokens, logprobs = jax.jit(method.sample_with_logprobs)(logits, jax.random.split(jax.random.key(4), 16))
+  trainer = jax.jit(trainer_logprobs.token_logprobs, static_argnums=2)(logits[:, None], tokens[:, None], 0.7)
+  np.testing.assert_array_equal(logprobs, trainer[:, 0])
 
 
 def test_greedy_is_argmax_at_temperature_one():

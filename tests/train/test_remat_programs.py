@@ -20,6 +20,7 @@ from pacs_jax import config as config_lib
 from pacs_jax.algos import ppo
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
+from pacs_jax.rollout import scheduler
 from pacs_jax.rollout import sampling
 from pacs_jax.train import state as state_lib
 from pacs_jax.train import step as step_lib
@@ -110,7 +111,7 @@ def test_prefill_and_decode_sample_the_same_tokens_with_remat():
   for g in (graphdef, remat_graphdef):
     engine = engine_lib.Engine(nnx.merge(g, params), max_concurrent_decodes=4, max_prefill_length=16,
                                max_decode_length=24, steps_per_call=8, min_prefill_bucket=8, min_decode_window=8)
-    out.append(engine_lib.generate(engine, engine.load_params(params), prompts, n=2, max_new_tokens=24,
+    out.append(scheduler.generate(engine, engine.load_params(params), prompts, n=2, max_new_tokens=24,
                                    sampling=sampling.Temperature(1.0), seed=3, eos_ids=[1, 2]))
   for a, b in zip(*out):
     assert a.tokens == b.tokens and a.finish_reason == b.finish_reason

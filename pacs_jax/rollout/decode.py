@@ -1,0 +1,147 @@
+"""Pure decode maths on a merged model: request keys, prefill, first-token sampling, slot insertion,
+one decode step and a chunk of them in one `lax.while_loop`. The `Engine` jits them with params as an
+argument. Shapes: S slots, L cache rows per slot, B prompts, T bucket length, R requests, V vocab."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pacs_jax.models import qwen2
+from pacs_jax.models.qwen2 import KVCache
+from pacs_jax.rollout import sampling as sampling_lib
+from pacs_jax.rollout.state import ChunkOutput, DecodeState, Prefix, StepOutput
+
+
+def request_keys(seed: jax.Array, prompt_index: jax.Array, sample_index: jax.Array) -> jax.Array:
+  """Key data [R, *key] of requests (prompt_index [R], sample_index [R]): independent of slot and order."""
+  base = jax.random.key(seed)
+  one = lambda p, s: jax.random.key_data(jax.random.fold_in(jax.random.fold_in(base, p), s))
+  return jax.vmap(one)(prompt_index, sample_index)
+
+
+def step_keys(key_data: jax.Array, steps: jax.Array) -> jax.Array:
+  """Keys [R] of token `steps` [R] of requests with key data [R, *key]."""
+  return jax.vmap(lambda k, t: jax.random.fold_in(jax.random.wrap_key_data(k), t))(key_data, steps)
+
+
+def eos_array(eos_ids: Sequence[int]) -> np.ndarray:
+  """EOS ids as an int32 array padded with -1 to a multiple of 4: a traced argument, so changing the
+  ids (up to 4 of them) does not recompile."""
+  eos = sorted({int(e) for e in eos_ids})
+  size = max(4, -(-len(eos) // 4) * 4)
+  return np.array(eos + [-1] * (size - len(eos)), np.int32)
+
+
+def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
+  """tokens [R] -> [R] bool; the -1 padding of `eos_array` never matches a token."""
+  return jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
+
+
+def prefill_forward(model: qwen2.Qwen2ForCausalLM, tokens: jax.Array, true_lengths: jax.Array):
+  """Right-padded prompts tokens [B, T] at positions 0..T-1 -> (cache [layers, B, K, T, H], logits
+  [B, V] fp32 at each row's last real token). Pad rows hold junk that decode overwrites before use."""
+  B, T = tokens.shape
+  cache = qwen2.init_cache(model.config, B, T)
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  hidden, cache = model.model.forward_with_cache(tokens, positions, cache)
+  last = jnp.clip(true_lengths - 1, 0, T - 1)
+  last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # [B, 1, D]
+  # The vocab projection only at the last token: [B, V] instead of [B, T, V].
+  return cache, model.logits(last_hidden)[:, 0].astype(jnp.float32)
+
+
+def sample_first(logits: jax.Array, key_data: jax.Array, sampling: sampling_lib.SamplingMethod):
+  """First response token (key step 0) of requests from their prompts' last logits [R, V]:
+  (tokens [R] int32, log-probs [R] fp32)."""
+  keys = step_keys(key_data, jnp.zeros(key_data.shape[:1], jnp.int32))
+  return sampling.sample_with_logprobs(logits, keys)
+
+
+def prefix_of_requests(cache: KVCache, logits: jax.Array, true_lengths: jax.Array, rows: jax.Array,
+                       key_data: jax.Array, sampling: sampling_lib.SamplingMethod) -> Prefix:
+  """R requests from B prefilled prompts (cache [layers, B, K, T, H], logits [B, V], true_lengths [B]):
+  request r continues prompt `rows[r]` with its first token sampled from key data `key_data[r]`."""
+  first, logprobs = sample_first(logits[rows], key_data, sampling)
+  return Prefix(cache=KVCache(k=cache.k[:, rows], v=cache.v[:, rows]), lengths=true_lengths[rows], tokens=first,
+                logprobs=logprobs, keys=key_data, steps=jnp.ones_like(rows))
+
+
+def insert_rows(state: DecodeState, prefix: Prefix, slots: jax.Array, budgets: jax.Array,
+                eos_ids: jax.Array) -> DecodeState:
+  """Writes prefix rows [R] into decode slots [R]; a slot index >= S is a padding row and is dropped."""
+  L = state.cache.rows
+  T = prefix.cache.rows
+
+  def put(buf, rows):  # buf [S, ...], rows [R, ...]
+    return buf.at[slots].set(rows.astype(buf.dtype), mode="drop")
+
+  # Only the slots' first T rows of every layer are written (in place: the decode state is donated).
+  put_rows = lambda buf, rows: buf.at[:, slots, :, :T].set(rows.astype(buf.dtype), mode="drop")
+  cache = KVCache(k=put_rows(state.cache.k, prefix.cache.k), v=put_rows(state.cache.v, prefix.cache.v))
+  sampled = prefix.steps > 0
+  done = (sampled & is_eos(prefix.tokens, eos_ids)) | (prefix.steps >= budgets) | (prefix.lengths >= L)
+  return DecodeState(cache=cache, lengths=put(state.lengths, prefix.lengths), tokens=put(state.tokens, prefix.tokens),
+                     keys=put(state.keys, prefix.keys), steps=put(state.steps, prefix.steps),
+                     budgets=put(state.budgets, budgets), active=put(state.active, ~done))
+
+
+def decode_step(model: qwen2.Qwen2ForCausalLM, state: DecodeState, sampling: sampling_lib.SamplingMethod,
+                eos_ids: jax.Array, window: int | None = None) -> tuple[DecodeState, StepOutput]:
+  """Feeds every slot's pending token and samples the next one; only active slots emit and advance.
+
+  A slot stops at an EOS id, at its budget, or when its cache is full. Attention reads the first
+  `window` cache rows (default: all); every active slot's position must be below it.
+  """
+  L = state.cache.rows
+  W = L if window is None else window
+  # Finished slots may sit at L; clamp so their (ignored) write stays inside the window.
+  position = jnp.minimum(state.lengths, W - 1)  # [S]
+  logits, cache = model.forward_with_cache(state.tokens[:, None], position[:, None], state.cache, position, W)
+  logits = logits[:, 0].astype(jnp.float32)  # [S, V]
+  tokens, logprobs = sampling.sample_with_logprobs(logits, step_keys(state.keys, state.steps))
+  emitted = state.active
+  steps = state.steps + emitted
+  lengths = state.lengths + emitted
+  finished = emitted & (is_eos(tokens, eos_ids) | (steps >= state.budgets) | (lengths >= L))
+  state = state.replace(cache=cache, lengths=lengths, tokens=jnp.where(emitted, tokens, state.tokens),
+                        steps=steps, active=state.active & ~finished)
+  return state, StepOutput(tokens=tokens, logprobs=logprobs, emitted=emitted, logits=logits)
+
+
+def decode_chunk(model: qwen2.Qwen2ForCausalLM, state: DecodeState, num_steps: int, stop_after_finished: jax.Array,
+                 sampling: sampling_lib.SamplingMethod, eos_ids: jax.Array,
+                 window: int | None = None) -> tuple[DecodeState, ChunkOutput]:
+  """Up to `num_steps` decode steps in one device call (`lax.while_loop`).
+
+  Stops early when no slot is active or once `stop_after_finished` slots have finished, so the host
+  can refill them. With a `window` W < L, the steps attend over (and write) only the first W cache rows:
+  each step reads W rows per slot instead of L. The loop then also stops before any active slot would
+  need row W, so a window chosen too small costs an early return, never a wrong token. The cache stays
+  whole and is carried through the loop: each step writes its new rows in place, nothing is copied.
+  """
+  S = state.tokens.shape[0]
+  L = state.cache.rows
+  W = L if window is None else min(window, L)
+  out = (jnp.zeros((S, num_steps), jnp.int32), jnp.zeros((S, num_steps), jnp.float32),
+         jnp.zeros((S, num_steps), bool))  # tokens, logprobs, emitted [S, num_steps]
+
+  def cond(carry):
+    i, state, _, finished = carry
+    fits = jnp.all(~state.active | (state.lengths < W))  # always true when W == L
+    return (i < num_steps) & jnp.any(state.active) & (finished < stop_after_finished) & fits
+
+  def body(carry):
+    i, state, (out_tokens, out_logprobs, out_emitted), finished = carry
+    new_state, step = decode_step(model, state, sampling, eos_ids, window=W)
+    column = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], i, axis=1)
+    out = (column(out_tokens, step.tokens), column(out_logprobs, step.logprobs), column(out_emitted, step.emitted))
+    finished = finished + jnp.sum(state.active & ~new_state.active)
+    return i + 1, new_state, out, finished
+
+  _, state, (tokens, logprobs, emitted), _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, out, jnp.int32(0)))
+  return state, ChunkOutput(tokens=tokens, logprobs=logprobs, emitted=emitted, active=state.active,
+                            lengths=state.lengths)

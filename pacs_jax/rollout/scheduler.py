@@ -1,0 +1,135 @@
+"""Continuous batching: `generate`, the whole rollout the trainer and evaluator call, over an `Engine`'s
+slots (requests queue, take slots as others finish, and share their prompt's prefill)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from pacs_jax.rollout import sampling as sampling_lib
+from pacs_jax.rollout.engine import Engine, next_pow2
+from pacs_jax.rollout.state import Completion, DecodeState, FirstTokens
+
+
+def prefill_insert(engine: Engine, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],
+                   prompt_rows: Sequence[int], slots: Sequence[int], prompt_index: Sequence[int],
+                   sample_index: Sequence[int], budgets: Sequence[int], seed: int,
+                   sampling: sampling_lib.SamplingMethod,
+                   eos_ids: Sequence[int]) -> tuple[DecodeState, list[FirstTokens]]:
+  """Prefills distinct `prompts` and inserts requests r into `slots[r]` from `prompts[prompt_rows[r]]`.
+
+  One prefill per prompt-length bucket; prompt rows and requests are padded to powers of two
+  (padding requests target slot S and are dropped). The first tokens come back as device arrays, one
+  `FirstTokens` per bucket, so the caller can read them after queueing more work.
+  """
+  by_bucket: dict[int, list[int]] = collections.defaultdict(list)
+  for i, p in enumerate(prompts):
+    by_bucket[engine.bucket_length(len(p))].append(i)
+  requests_of = collections.defaultdict(list)
+  for r, row in enumerate(prompt_rows):
+    requests_of[row].append(r)
+  firsts = []
+  for T, rows in sorted(by_bucket.items()):
+    B = next_pow2(len(rows))
+    tokens = np.zeros((B, T), np.int32)
+    lengths = np.ones((B,), np.int32)
+    for b, i in enumerate(rows):
+      tokens[b, :len(prompts[i])] = prompts[i]
+      lengths[b] = len(prompts[i])
+    req = [(b, r) for b, i in enumerate(rows) for r in requests_of[i]]
+    pad = next_pow2(len(req)) - len(req)
+    column = lambda values, fill, pad=pad: np.array(list(values) + [fill] * pad, np.int32)
+    cache, logits = engine.prefill_batch(params, tokens, lengths)
+    decode_state, first = engine.insert_requests(
+        decode_state, cache, logits, lengths, column((b for b, _ in req), 0),
+        column((slots[r] for _, r in req), engine.max_concurrent_decodes), seed,
+        column((prompt_index[r] for _, r in req), 0), column((sample_index[r] for _, r in req), 0),
+        column((budgets[r] for _, r in req), 0), sampling, eos_ids, requests=[r for _, r in req])
+    firsts.append(first)
+  return decode_state, firsts
+
+
+def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 1, max_new_tokens: int | None = None,
+             sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), seed: int = 0,
+             eos_ids: Sequence[int] = (), prompt_ids: Sequence[int] | None = None,
+             refill_fraction: float = 0.125) -> list[Completion]:
+  """Samples `n` responses for every prompt; returns completions ordered by (prompt, sample).
+
+  Requests beyond the slot count wait in a queue and take slots as others finish; samples of one
+  prompt that enter together share its prefill. Each request's randomness comes from (seed, prompt
+  id, sample index, token step) alone, so results do not depend on the slot count or on which
+  requests share a batch; `prompt_ids` (default: the prompts' indices; e.g. dataset row ids) make
+  them independent of the prompts' order too. A response stops at any of `eos_ids` (kept, with its
+  log-prob, as transformers / verl do) or after `max_new_tokens` (default: the engine's
+  `max_decode_length`). A decode call returns to the host early once `refill_fraction` of the slots
+  have finished while requests wait.
+  """
+  max_new_tokens = engine.max_decode_length if max_new_tokens is None else max_new_tokens
+  if not 0 < max_new_tokens <= engine.max_decode_length:
+    raise ValueError(f"max_new_tokens {max_new_tokens} is not in [1, max_decode_length={engine.max_decode_length}]")
+  prompts = [list(map(int, p)) for p in prompts]
+  for p in prompts:
+    engine.bucket_length(len(p))  # validates the length
+  prompt_ids = list(range(len(prompts))) if prompt_ids is None else [int(i) for i in prompt_ids]
+  if len(prompt_ids) != len(prompts):
+    raise ValueError(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
+  eos = tuple(sorted({int(e) for e in eos_ids}))
+  eos_set = set(eos)
+  S = engine.max_concurrent_decodes
+  refill_at = max(1, int(S * refill_fraction))
+
+  queue = collections.deque((p, s) for p in range(len(prompts)) for s in range(n))
+  if not queue:
+    return []
+  slot_request: list[tuple[int, int] | None] = [None] * S
+  slot_rows = np.zeros(S, np.int64)  # filled cache rows of each busy slot (the pending token's position)
+  tokens: dict[tuple[int, int], list[int]] = {}
+  logprobs: dict[tuple[int, int], list[float]] = {}
+  done: dict[tuple[int, int], Completion] = {}
+  state = engine.init_decode_state()
+
+  def finish(slot: int):
+    req = slot_request[slot]
+    toks = tokens.pop(req)
+    reason = "eos" if toks and toks[-1] in eos_set else "length"
+    done[req] = Completion(prompt_index=req[0], sample_index=req[1], tokens=toks,
+                           logprobs=np.asarray(logprobs.pop(req), np.float32), finish_reason=reason)
+    slot_request[slot] = None
+
+  while queue or any(r is not None for r in slot_request):
+    firsts, take = [], []
+    free = [i for i, r in enumerate(slot_request) if r is None]
+    if queue and free:
+      take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+      distinct = sorted({p for p, _ in take})
+      row_of = {p: i for i, p in enumerate(distinct)}
+      state, firsts = prefill_insert(
+          engine, params, state, [prompts[p] for p in distinct], [row_of[p] for p, _ in take], free[:len(take)],
+          [prompt_ids[p] for p, _ in take], [s for _, s in take], [max_new_tokens] * len(take), seed, sampling, eos)
+      for slot, req in zip(free, take):
+        slot_request[slot] = req
+        slot_rows[slot] = len(prompts[req[0]])
+        tokens[req], logprobs[req] = [], []
+    stop_after = min(refill_at, len(queue)) if queue else S + 1
+    busy = [slot_rows[i] for i, r in enumerate(slot_request) if r is not None]
+    window = engine.decode_window(max(busy, default=0) + engine.steps_per_call)
+    state, out = engine.decode(params, state, stop_after, sampling, eos, window)
+    # Host reads after the decode call is queued, so device work and transfers overlap.
+    for first in firsts:
+      for r, t, l in zip(first.requests, np.asarray(first.tokens).tolist(), np.asarray(first.logprobs).tolist()):
+        tokens[take[r]].append(t)
+        logprobs[take[r]].append(l)
+    out = jax.device_get(out)
+    slot_rows = np.array(out.lengths, np.int64)
+    for slot, req in enumerate(slot_request):
+      if req is None:
+        continue
+      emitted = out.emitted[slot]
+      tokens[req].extend(out.tokens[slot, emitted].tolist())
+      logprobs[req].extend(out.logprobs[slot, emitted].tolist())
+      if not out.active[slot]:
+        finish(slot)
+  return [done[(p, s)] for p in range(len(prompts)) for s in range(n)]

@@ -1,0 +1,112 @@
+"""The rollout engine's data: prefixes, the decode state, step / chunk results, completions, and the
+sharding each state field is declared with (logical axes, resolved on a mesh by `field_shardings`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from pacs_jax import sharding
+from pacs_jax.models import qwen2
+from pacs_jax.models.qwen2 import KVCache
+
+# Logical axes of each field (sharding.ACTIVATION_RULES maps them to mesh axes): rows (prompts, slots)
+# over the batch axes (data, fsdp), the cache's kv heads over tensor. A dimension the mesh does not
+# divide stays replicated.
+_PER_ROW = ("batch",)
+_KEY = ("batch", None)  # [rows, *key]
+
+
+def _axes(axes: tuple[str | None, ...]):
+  return flax.struct.field(metadata={"axes": axes})
+
+
+@flax.struct.dataclass
+class Prefix:
+  """A prefilled prompt (or a batch of them), ready to be inserted into decode slots."""
+  cache: KVCache = _axes(qwen2.CACHE_AXES)  # [layers, B, K, T, H]; rows >= lengths hold padding junk
+  lengths: jax.Array = _axes(_PER_ROW)  # [B] int32: cache rows holding the prompt = position of `tokens`
+  tokens: jax.Array = _axes(_PER_ROW)  # [B] int32: the next token to feed (first sampled, or last prompt token)
+  logprobs: jax.Array = _axes(_PER_ROW)  # [B] fp32: log-prob of `tokens` (0 for a prompt token)
+  keys: jax.Array = _axes(_KEY)  # [B, *key] uint32: each request's PRNG key data
+  steps: jax.Array = _axes(_PER_ROW)  # [B] int32: tokens generated so far (`tokens` included when sampled)
+
+
+@flax.struct.dataclass
+class DecodeState:
+  """Everything a decode step transforms, one row per slot."""
+  cache: KVCache = _axes(qwen2.CACHE_AXES)  # [layers, S, K, L, H]
+  lengths: jax.Array = _axes(_PER_ROW)  # [S] int32: filled cache rows = position of the pending token
+  tokens: jax.Array = _axes(_PER_ROW)  # [S] int32: pending token (last sampled), fed at the next step
+  keys: jax.Array = _axes(_KEY)  # [S, *key] uint32: request keys; token t of a request uses fold_in(key, t)
+  steps: jax.Array = _axes(_PER_ROW)  # [S] int32: tokens generated so far
+  budgets: jax.Array = _axes(_PER_ROW)  # [S] int32: most tokens the slot's request may generate
+  active: jax.Array = _axes(_PER_ROW)  # [S] bool: still generating
+
+
+@flax.struct.dataclass
+class StepOutput:
+  """One decode step (`decode.decode_step`): every slot samples; only active slots emit."""
+  tokens: jax.Array  # [S] int32 sampled
+  logprobs: jax.Array  # [S] fp32 of `tokens`
+  emitted: jax.Array  # [S] bool: the slot was active, so `tokens` belongs to its response
+  logits: jax.Array  # [S, V] fp32 the step sampled from
+
+
+@flax.struct.dataclass
+class SlotTokens:
+  """`Engine.step`'s host-readable result: each slot's newest token (what JetStream streams)."""
+  tokens: jax.Array  # [S] int32
+  valid: jax.Array  # [S] bool: the slot emitted `tokens`
+  lengths: jax.Array  # [S] int32: tokens generated so far
+
+
+@flax.struct.dataclass
+class ChunkOutput:
+  """Tokens of up to N decode steps in one call (`decode.decode_chunk`), and the slots afterwards."""
+  tokens: jax.Array  # [S, N] int32
+  logprobs: jax.Array  # [S, N] fp32
+  emitted: jax.Array  # [S, N] bool: column n holds a response token of the slot
+  active: jax.Array  # [S] bool: still generating after the call
+  lengths: jax.Array  # [S] int32: filled cache rows after the call
+
+
+@flax.struct.dataclass
+class FirstTokens:
+  """First response tokens of requests inserted together (`Engine.insert_requests`)."""
+  requests: tuple[int, ...] = flax.struct.field(pytree_node=False)  # the caller's request ids, one per token
+  tokens: jax.Array  # [R] int32
+  logprobs: jax.Array  # [R] fp32
+
+
+@dataclasses.dataclass
+class Completion:
+  """One sampled response: its tokens (EOS included when it stopped there) and their log-probs."""
+  prompt_index: int
+  sample_index: int
+  tokens: list[int]
+  logprobs: np.ndarray  # [len(tokens)] fp32, log_softmax(logits / temperature) at each token
+  finish_reason: str  # "eos" | "length"
+
+
+def _named(mesh: jax.sharding.Mesh, axes, shape) -> NamedSharding:
+  return NamedSharding(mesh, sharding.spec_for(axes, sharding.ACTIVATION_RULES, dict(mesh.shape), shape))
+
+
+def cache_shardings(cache: KVCache, mesh: jax.sharding.Mesh) -> KVCache:
+  """Shardings of a KV cache [layers, B, K, rows, H] (arrays or shapes): rows of the batch over the
+  batch axes, kv heads over tensor."""
+  return jax.tree.map(lambda x: _named(mesh, qwen2.CACHE_AXES, x.shape), cache)
+
+
+def field_shardings(tree: Prefix | DecodeState, mesh: jax.sharding.Mesh) -> Prefix | DecodeState:
+  """The same dataclass with a NamedSharding per array, from each field's declared logical axes."""
+  def of(field: dataclasses.Field):
+    axes = field.metadata["axes"]
+    return jax.tree.map(lambda x: _named(mesh, axes, x.shape), getattr(tree, field.name))
+
+  return tree.replace(**{f.name: of(f) for f in dataclasses.fields(tree)})
