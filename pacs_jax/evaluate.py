@@ -45,10 +45,10 @@ def main(argv):
   if os.environ.get("PACS_JAX_COMPILATION_CACHE"):
     jax.config.update("jax_compilation_cache_dir", os.environ["PACS_JAX_COMPILATION_CACHE"])
   from pacs_jax import sharding
-  from pacs_jax.eval import runner
+  from pacs_jax.eval import problems, results, runner
 
   try:  # bad flags get a usage message, not a traceback
-    data = runner.resolve_data(_DATA.value, _DATA_DIR.value)
+    data = problems.resolve_data(_DATA.value, _DATA_DIR.value)
   except (ValueError, FileNotFoundError) as e:
     raise app.UsageError(str(e)) from e
   settings = runner.EvalSettings(
@@ -61,7 +61,7 @@ def main(argv):
     mesh = sharding.make_mesh(data=-1, fsdp=1, tensor=_TENSOR.value)
   from pacs_jax import paths
   from pacs_jax.data import sources
-  from pacs_jax.train import checkpoint
+  from pacs_jax.storage import checkpoint
   try:
     metrics = runner.evaluate(_MODEL.value, data, settings, out_dir=_OUT.value, step=_STEP.value, mesh=mesh,
                               reward_workers=_WORKERS.value, reward_timeout_s=_TIMEOUT.value)
@@ -69,7 +69,7 @@ def main(argv):
     raise SystemExit(f"evaluate: {e}") from None  # one message, no traceback
   print(runner.summary_table(metrics))
   out_dir = _OUT.value or metrics["settings"]["model"]
-  print(f"wrote {runner.ROLLOUT_FILE}, {runner.METRICS_FILE} and {runner.SUMMARY_FILE} in {paths.normalize(out_dir)}")
+  print(f"wrote {results.ROLLOUT_FILE}, {results.METRICS_FILE} and {results.SUMMARY_FILE} in {paths.normalize(out_dir)}")
 
 
 if __name__ == "__main__":

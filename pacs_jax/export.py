@@ -17,7 +17,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
-  from pacs_jax.train import checkpoint, export_lib
+  from pacs_jax.storage import checkpoint, export as export_lib
   try:
     path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
                              max_shard_size=_SHARD.value)
