@@ -186,7 +186,6 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   """
   from pacs_jax import sharding
   from pacs_jax.algos import grpo, pacs  # the enum lists of their options
-  from pacs_jax.models import hf
   if devices is not None:
     num_devices = len(devices)
   _check(c.algorithm in ALGORITHMS, "algorithm", f"must be one of {ALGORITHMS}, got {c.algorithm!r}")
@@ -195,8 +194,6 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   if c.algorithm in ("pacs", "grpo") and c.rollout.n < 2:
     _check(False, "rollout.n", f"{c.algorithm} compares responses within a group and needs n >= 2")
   _check(c.rollout.temperature > 0, "rollout.temperature", "must be > 0 (greedy is used for validation only)")
-  _check(0 < c.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
-  _check(c.rollout.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
   t = c.train
   _check(t.batch_prompts > 0, "train.batch_prompts", "must be positive")
   _check(t.mini_batch_prompts > 0 and t.batch_prompts % t.mini_batch_prompts == 0, "train.mini_batch_prompts",
@@ -208,8 +205,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check_enum(t.schedule, LR_SCHEDULES, "train.schedule")
   _check(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = no clipping), got {t.grad_clip}")
   _check(t.verl_micro_batch_rows >= 1, "train.verl_micro_batch_rows", f"must be >= 1, got {t.verl_micro_batch_rows}")
-  _check(hf.parse_stop_tokens(c.rollout.stop_tokens) is not None, "rollout.stop_tokens",
-         f'"released" | "chat" | comma-separated token ids, got {c.rollout.stop_tokens!r}')
+  _check_sampling(c)
   p = c.pacs
   _check(p.reward_method in REWARD_METHODS, "pacs.reward_method", f'"1" | "2", got {p.reward_method!r}')
   _check_enum(p.adv_estimator, pacs.ADV_ESTIMATORS, "pacs.adv_estimator")
@@ -222,20 +218,14 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
            f"{t.verl_micro_batch_rows}, which must divide them")
   _check(c.grpo.loss_agg_mode in grpo.LOSS_AGG_MODES, "grpo.loss_agg_mode", f"unknown mode {c.grpo.loss_agg_mode!r}")
   _check(c.model.hf_path or c.model.preset, "model.preset", "set model.preset or model.hf_path")
-  _check_enum(c.model.dtype, DTYPE_NAMES, "model.dtype")
   _check_enum(c.model.param_dtype, DTYPE_NAMES, "model.param_dtype")
   _check(c.model.attention_chunk >= 0, "model.attention_chunk", "must be >= 0 (0 = all queries at once)")
-  _check(c.data.max_prompt_length > 0, "data.max_prompt_length", "must be positive")
   _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
   _check(c.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0 (0 = keep every checkpoint)")
   _check_enum(c.checkpoint.restore, RESTORE_MODES, "checkpoint.restore")
   _check(c.checkpoint.lock_stale_after_s > 0, "checkpoint.lock_stale_after_s", "must be positive (seconds)")
-  _check(isinstance(c.seed, int) and 0 <= c.seed < 2**31, "seed", f"must be an integer in [0, 2**31), got {c.seed!r}")
   _check(c.log_every >= 1, "log_every", f"must be >= 1 (the last step is always logged), got {c.log_every}")
   _check(c.eval_every >= 0, "eval_every", f"must be >= 0 (0 = no validation), got {c.eval_every}")
-  _check(c.reward_workers >= 1, "reward_workers", f"must be >= 1 (math-verify worker processes), got {c.reward_workers}")
-  _check(c.reward_timeout_s > 0, "reward_timeout_s", f"must be positive (seconds), got {c.reward_timeout_s}")
-  _check(c.rollout.top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {c.rollout.top_k}")
   _check(c.rollout.slots >= 0, "rollout.slots", f"must be >= 0 (0 = the whole rollout batch), got {c.rollout.slots}")
   _check(c.rollout.val_max_new_tokens >= 0, "rollout.val_max_new_tokens",
          f"must be >= 0 (0 = max_new_tokens), got {c.rollout.val_max_new_tokens}")
@@ -277,15 +267,29 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
          "process feeds whole groups to every micro-batch")
 
 
-TPU_CHIPS_PER_HOST = 4
+def _check_sampling(c: ml_collections.ConfigDict) -> None:
+  """The fields training and evaluation share: sampling, lengths, dtype, seed, reward workers."""
+  from pacs_jax.models import hf
+  _check(0 < c.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
+  _check(c.rollout.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
+  _check(c.rollout.top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {c.rollout.top_k}")
+  _check(hf.parse_stop_tokens(c.rollout.stop_tokens) is not None, "rollout.stop_tokens",
+         f'"released" | "chat" | comma-separated token ids, got {c.rollout.stop_tokens!r}')
+  _check_enum(c.model.dtype, DTYPE_NAMES, "model.dtype")
+  _check(c.data.max_prompt_length > 0, "data.max_prompt_length", "must be positive")
+  _check(isinstance(c.seed, int) and 0 <= c.seed < 2**31, "seed", f"must be an integer in [0, 2**31), got {c.seed!r}")
+  _check(c.reward_workers >= 1, "reward_workers", f"must be >= 1 (math-verify worker processes), got {c.reward_workers}")
+  _check(c.reward_timeout_s > 0, "reward_timeout_s", f"must be positive (seconds), got {c.reward_timeout_s}")
 
 
-def topology_chips(topology: str) -> int:
-  """Chips of a TPU topology name: "v5p:4x4x4" -> 64."""
-  dims = topology.partition(":")[2].split("x")
-  if not topology.count(":") == 1 or not all(d.isdigit() and int(d) > 0 for d in dims):
-    raise ConfigError(f'config.hardware.tpu_topology: expected "<generation>:<dims>" such as "v5p:4x4x4", got {topology!r}')
-  return math.prod(int(d) for d in dims)
+def validate_eval(c: ml_collections.ConfigDict) -> None:
+  """Checks evaluation's config (`eval.settings.eval_config()`, the training config's field names for what the two
+  share); raises ConfigError naming the field."""
+  _check(c.rollout.n >= 1, "rollout.n", f"must be >= 1, got {c.rollout.n}")
+  _check(c.rollout.temperature >= 0, "rollout.temperature", f"must be >= 0 (0 = greedy), got {c.rollout.temperature}")
+  _check(c.rollout.slots >= 1, "rollout.slots", f"must be >= 1, got {c.rollout.slots}")
+  _check(c.mesh.tensor >= 1, "mesh.tensor", f"must be >= 1, got {c.mesh.tensor}")
+  _check_sampling(c)
 
 
 def _check_topology(c: ml_collections.ConfigDict) -> None:
@@ -293,12 +297,16 @@ def _check_topology(c: ml_collections.ConfigDict) -> None:
   h = c.hardware
   if not h.tpu_topology:
     return
-  chips = topology_chips(h.tpu_topology)
+  from pacs_jax import sharding
+  try:
+    chips = sharding.topology_chips(h.tpu_topology)
+  except ValueError as e:
+    raise ConfigError(f"config.hardware.tpu_topology: {e}") from None
   _check(h.num_devices in (0, chips), "hardware.num_devices",
          f"{h.tpu_topology} has {chips} chips, got {h.num_devices}")
-  hosts = max(1, chips // TPU_CHIPS_PER_HOST)
+  hosts = max(1, chips // sharding.TPU_CHIPS_PER_HOST)
   _check(h.num_processes in (0, hosts), "hardware.num_processes",
-         f"{h.tpu_topology} has {hosts} hosts of {TPU_CHIPS_PER_HOST} chips, got {h.num_processes}")
+         f"{h.tpu_topology} has {hosts} hosts of {sharding.TPU_CHIPS_PER_HOST} chips, got {h.num_processes}")
 
 
 def check_mesh_layout(c: ml_collections.ConfigDict, devices) -> None:
@@ -324,14 +332,27 @@ def load_config_file(path: str, overrides: dict | None = None) -> ml_collections
     raise ValueError(f"{path}: has no get_config()")
   cfg = module.get_config()
   for key, value in (overrides or {}).items():
-    node = cfg
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    if leaf not in node:
-      raise KeyError(f"{path}: config has no field {key!r}")
-    node[leaf] = value
+    try:
+      set_field(cfg, key, value)
+    except KeyError:
+      raise KeyError(f"{path}: config has no field {key!r}") from None
   return cfg
+
+
+def get_field(cfg: ml_collections.ConfigDict, dotted: str):
+  """cfg["a"]["b"] for "a.b"."""
+  for key in dotted.split("."):
+    cfg = cfg[key]
+  return cfg
+
+
+def set_field(cfg: ml_collections.ConfigDict, dotted: str, value) -> None:
+  """cfg["a"]["b"] = value for "a.b"; KeyError for a field the config does not have."""
+  *parents, leaf = dotted.split(".")
+  node = get_field(cfg, ".".join(parents)) if parents else cfg
+  if leaf not in node:
+    raise KeyError(dotted)
+  node[leaf] = value
 
 
 # ----------------------------------------------------------------------------------------------

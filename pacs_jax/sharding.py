@@ -97,6 +97,15 @@ def device_grid(shape: tuple[int, int, int], devices: Sequence[jax.Device]) -> n
 
 # Chips per host of multi-host TPU slices (x, y, z): 4 chips per VM on v4, v5p, and multi-host v5e / v6e.
 _TPU_CHIPS_PER_HOST_BOUNDS = (2, 2, 1)
+TPU_CHIPS_PER_HOST = math.prod(_TPU_CHIPS_PER_HOST_BOUNDS)
+
+
+def topology_chips(topology: str) -> int:
+  """Chips of a TPU topology name: "v5p:4x4x4" -> 64."""
+  dims = topology.partition(":")[2].split("x")
+  if not topology.count(":") == 1 or not all(d.isdigit() and int(d) > 0 for d in dims):
+    raise ValueError(f'expected "<generation>:<dims>" such as "v5p:4x4x4", got {topology!r}')
+  return math.prod(int(d) for d in dims)
 
 
 def _prepare_compile_only_libtpu() -> None:

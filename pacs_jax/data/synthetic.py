@@ -1,24 +1,13 @@
-"""Built-in verifiable tasks (modular arithmetic) and a tiny word-level tokenizer for CPU runs.
+"""Built-in verifiable tasks (modular arithmetic) and a tiny word-level tokenizer for CPU runs (the verifier is
+`pacs_jax.rewards.synthetic`)."""
 
-Why this design (the task is the CPU demo's, so its numbers matter):
-
-* A randomly initialised tiny Qwen2 (vocab 256, weights ~N(0, 0.02)) samples its first tokens
-  almost uniformly over all 256 ids. A task whose answer is one fixed token would succeed ~1/256 of
-  the time, too rarely for RL to get a signal; so the answer is a *residue class*. Problems ask for
-  `a mod m` in Z/mZ, where every representative of the class is a correct answer (for `7 mod 3`,
-  `1`, `4` and `7` are all right). The numbers 0..54 are single tokens, so a class holds ~55/m.
-* The verifier reads the first word of the response (cut at the first end-of-turn marker, special
-  tokens removed) and accepts a number congruent to the answer mod m.
-* The tokenizer has 64 ids; ids 64..255 of the model's vocabulary decode to nothing, so a random
-  model's first word is the first in-vocabulary token it samples, a number ~90% of the time. With
-  1 / 2 / 4 / 8 / 16 new tokens, `mod3` then succeeds ~7 / 12 / 20 / 25 / 29% at init (3 model seeds);
-  a model whose vocabulary is cut to the tokenizer's 64 ids succeeds ~31% with 4 new tokens.
-* What is learnt is small and depends on the prompt: fetch the operand with attention and move the
-  probability mass onto the numbers of its class (an m-way split, not a 256-way one). A minimal
-  PACS loop (16 prompts x 8 samples, 4 new tokens, frozen reference, beta 1) takes `mod3` to 90%
-  in ~150-200 steps with vocab 256 (AdamW lr 1e-3, 4 mini-batches a step; lr 3e-3 learnt slower)
-  and in ~60 steps with vocab 64 (lr 3e-3, 2 mini-batches a step); each run ~1 min on 2 CPU cores.
-"""
+# Why this design: a randomly initialised tiny Qwen2 samples its first tokens almost uniformly over its
+# vocabulary, so a task whose answer is one fixed token would rarely succeed and RL would get no signal.
+# The answer is therefore a residue class: `a mod m` in Z/mZ, where every representative is correct (for
+# `7 mod 3`, `1`, `4` and `7` are all right), and the numbers 0..54 are single tokens. The tokenizer has 64
+# ids; a model's ids beyond them decode to nothing, so its first word is the first in-vocabulary token it
+# samples, usually a number. What is learnt is small and depends on the prompt: fetch the operand with
+# attention and move the probability onto the numbers of its class (an m-way split, not a vocabulary-wide one).
 
 from __future__ import annotations
 
@@ -112,12 +101,10 @@ class SyntheticTask:
     return verifier.score_residue(response_text, answer, self.modulus)
 
 
-# Success at init -> 90% with the minimal PACS loop of the module docstring, vocab 256 (lr 1e-3).
-# With vocab 64 and lr 3e-3, mod3 reached 93% at step 60 while mod4 was at 50% after 150 steps.
 TASKS = {
-    "mod3": SyntheticTask("mod3", modulus=verifier.MODULI["mod3"], max_operand=8),  # ~20% -> 90% in ~150-200 steps (default)
-    "mod4": SyntheticTask("mod4", modulus=verifier.MODULI["mod4"], max_operand=7),  # ~15% -> 90% in ~200-250 steps
-    "mod2": SyntheticTask("mod2", modulus=verifier.MODULI["mod2"], max_operand=MAX_NUMBER),  # ~32% -> 90% in ~120 steps
+    "mod3": SyntheticTask("mod3", modulus=verifier.MODULI["mod3"], max_operand=8),  # the default
+    "mod4": SyntheticTask("mod4", modulus=verifier.MODULI["mod4"], max_operand=7),
+    "mod2": SyntheticTask("mod2", modulus=verifier.MODULI["mod2"], max_operand=MAX_NUMBER),
 }
 DEFAULT_TASK = "mod3"
 

@@ -15,38 +15,10 @@ from pacs_jax import config as config_lib
 from pacs_jax import paths
 from pacs_jax.eval import problems as problems_lib
 from pacs_jax.eval import results
+from pacs_jax.eval.settings import EvalSettings
 from pacs_jax.eval.results import ROLLOUT_FILE
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSettings:
-  n: int = 32
-  temperature: float = 0.6
-  top_k: int = 0
-  top_p: float = 0.95
-  max_new_tokens: int = 4096
-  max_prompt_length: int = 1024  # longer prompts are dropped (and counted), never truncated
-  seed: int = 0
-  dtype: str = "bfloat16"  # weights and compute
-  stop_tokens: str = "released"  # as config.rollout.stop_tokens; inference.py stops as the released rollout
-  batch_slots: int = 256  # concurrent decodes; each holds a KV cache of max_prompt_length + max_new_tokens rows
-  chunk_problems: int = 0  # problems per generate call and file append; 0: enough for 4x batch_slots responses
-  limit: int | None = None  # first `limit` problems of each data file
-
-  def __post_init__(self):
-    if self.n < 1 or self.max_new_tokens < 1 or self.max_prompt_length < 1 or self.batch_slots < 1:
-      raise ValueError(f"n, max_new_tokens, max_prompt_length and batch_slots must be positive: {self}")
-    if self.dtype not in config_lib.DTYPE_NAMES:
-      raise ValueError(f"dtype must be one of {config_lib.DTYPE_NAMES}, got {self.dtype!r}")
-    if not 0 <= self.seed < 2**32:
-      raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-    if self.limit is not None and self.limit < 1:
-      raise ValueError(f"limit must be positive, got {self.limit}")
-
-  def problems_per_chunk(self) -> int:
-    return self.chunk_problems or max(1, -(-4 * self.batch_slots // self.n))
 
 
 def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, out_dir: str | None = None,
