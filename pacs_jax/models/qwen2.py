@@ -241,6 +241,7 @@ class MLP(nnx.Module):
     self.down_kernel = _param(rngs, (F, D), ("mlp", "embed"), pd)
 
   def __call__(self, x):
+    """x [B, T, D] -> [B, T, D] (SwiGLU through [B, T, F])."""
     dt = self.dtype
     x = x.astype(dt)
     gate = jnp.einsum("BTD,DF->BTF", x, self.gate_kernel[...].astype(dt))
@@ -258,6 +259,7 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(c, rngs=rngs)
 
   def __call__(self, x, cos, sin, mask, cache=None, layer=None, write_index=None):
+    """x [B, T, D] -> (x [B, T, D], cache): pre-norm attention and MLP, each added to the residual."""
     attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, write_index)
     x = x + attn_out.astype(x.dtype)
     x = x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype)
