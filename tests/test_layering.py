@@ -76,8 +76,7 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
         continue
       if dst.startswith(src + "."):  # a package's own command line (pacs_jax.train -> pacs_jax.train.__main__)
         out.append(f"{importer} imports {target}: a command line, layer {LAYERS[dst]} above {LAYERS[src]}")
-      elif LAYERS[dst] > LAYERS[src] or (LAYERS[dst] == LAYERS[src] and not src.startswith(dst + ".")
-                                         and not dst.startswith(src + ".")):
+      elif LAYERS[dst] >= LAYERS[src]:  # a higher layer, or another package of the same layer
         out.append(f"{importer} (layer {LAYERS[src]}, {src}) imports {target} (layer {LAYERS[dst]}, {dst})")
   return out
 

@@ -64,16 +64,17 @@ def hf_shape(layout: str, shape: tuple) -> tuple:
 
 
 def to_hf(layout: str, x: np.ndarray) -> np.ndarray:
+  """Our array (one layer's slice) -> the HF tensor (see the layouts above)."""
   if layout == "same":
     return x
   if layout == "t":
-    return x.T
+    return x.T  # [in, out] -> [out, in]
   if layout == "heads_in":
-    return x.reshape(x.shape[0], -1).T
+    return x.reshape(x.shape[0], -1).T  # [D, N, H] -> [N*H, D]
   if layout == "heads":
-    return x.reshape(-1)
+    return x.reshape(-1)  # [N, H] -> [N*H]
   if layout == "heads_out":
-    return x.reshape(-1, x.shape[2]).T
+    return x.reshape(-1, x.shape[2]).T  # [N, H, D] -> [D, N*H]
   raise ValueError(layout)
 
 
