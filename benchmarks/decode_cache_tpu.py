@@ -21,7 +21,6 @@ from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.train import memory
 
 GB = 1e9
 
@@ -60,7 +59,7 @@ def main():
   args = parser.parse_args()
 
   cfg = config_lib.load_config_file(args.config)
-  mc = memory.model_config(cfg)
+  mc = config_lib.preset_model_config(cfg)
   devices = topology_devices(args.topology)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
   model = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(0)))

@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
-from pacs_jax.train import memory
 from pacs_jax.train import state as state_lib
 from pacs_jax.train import step as step_lib
 
@@ -70,7 +69,7 @@ def main():
   devices = topologies.get_topology_desc(platform="tpu", topology_name=args.topology, chip_config_name="default",
                                          chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-  mc = memory.model_config(cfg)
+  mc = config_lib.preset_model_config(cfg)
   if args.layers:
     mc = mc.replace(num_hidden_layers=args.layers)
   optimizer = state_lib.make_optimizer(cfg.train, cfg.train.lr, cfg.steps)

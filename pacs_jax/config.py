@@ -12,8 +12,14 @@ import os
 import ml_collections
 
 from pacs_jax import paths
+from pacs_jax.data import prompts
 
 ALGORITHMS = ("pacs", "grpo", "ppo")
+DTYPE_NAMES = ("float32", "bfloat16")  # model.dtype, model.param_dtype, evaluate --dtype, export --dtype
+LR_SCHEDULES = ("constant", "cosine")
+RESTORE_MODES = ("latest", "never")
+REFERENCE_POLICIES = ("frozen", "rollout")
+REWARD_METHODS = ("1", "2")
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -42,7 +48,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.synthetic_val_size = 64
   c.data.max_prompt_length = 512  # longer prompts are dropped (counted), never truncated
   # Appended to the problem (after one space) in the user message; "" for none (synthetic tasks).
-  c.data.instruction = "Please reason step by step, and put your final answer within \\boxed{}."
+  c.data.instruction = prompts.MATH_INSTRUCTION
   c.data.skip_bad_rows = False
   c.data.val_max_examples = 0  # >0: evaluate on the first N validation problems only
   # A folder of the released evaluation sets (<name>/test.jsonl for gsm8k, math500, aime2024, aime2025,
@@ -158,19 +164,6 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
-def parse_stop_tokens(value) -> str | tuple[int, ...] | None:
-  """rollout.stop_tokens -> "released" | "chat" | a tuple of ids; None when it is none of these."""
-  if value in ("released", "chat"):
-    return value
-  if isinstance(value, int) and not isinstance(value, bool):
-    return (value,)
-  try:
-    ids = tuple(int(v) for v in str(value).split(",") if v.strip())
-  except ValueError:
-    return None
-  return ids if ids and min(ids) >= 0 else None
-
-
 class ConfigError(ValueError):
   """A config field has a bad value; the message names the field."""
 
@@ -180,6 +173,10 @@ def _check(ok: bool, field: str, msg: str):
     raise ConfigError(f"config.{field}: {msg}")
 
 
+def _check_enum(value, choices: tuple, field: str) -> None:
+  _check(value in choices, field, f"{' | '.join(choices)}, got {value!r}")
+
+
 def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_processes: int = 1,
              devices=None, check_paths: bool = True) -> None:
   """Checks a config before anything is built; raises ConfigError naming the field.
@@ -187,6 +184,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   With `devices` (real ones, or a TPU topology's abstract ones) the mesh is also laid out on them.
   `check_paths=False` (--dry_run, --compile_only: nothing is loaded) skips checking that local paths exist.
   """
+  from pacs_jax import sharding
+  from pacs_jax.algos import grpo, pacs  # the enum lists of their options
   if devices is not None:
     num_devices = len(devices)
   _check(c.algorithm in ALGORITHMS, "algorithm", f"must be one of {ALGORITHMS}, got {c.algorithm!r}")
@@ -195,8 +194,6 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   if c.algorithm in ("pacs", "grpo") and c.rollout.n < 2:
     _check(False, "rollout.n", f"{c.algorithm} compares responses within a group and needs n >= 2")
   _check(c.rollout.temperature > 0, "rollout.temperature", "must be > 0 (greedy is used for validation only)")
-  _check(0 < c.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
-  _check(c.rollout.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
   t = c.train
   _check(t.batch_prompts > 0, "train.batch_prompts", "must be positive")
   _check(t.mini_batch_prompts > 0 and t.batch_prompts % t.mini_batch_prompts == 0, "train.mini_batch_prompts",
@@ -205,41 +202,30 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(t.mini_batch_prompts % micro == 0, "train.micro_batch_prompts",
          f"must divide train.mini_batch_prompts={t.mini_batch_prompts} (micro-batches hold whole groups), got {micro}")
   _check(t.lr > 0, "train.lr", "must be positive")
-  _check(t.schedule in ("constant", "cosine"), "train.schedule", f"constant | cosine, got {t.schedule!r}")
+  _check_enum(t.schedule, LR_SCHEDULES, "train.schedule")
   _check(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = no clipping), got {t.grad_clip}")
   _check(t.verl_micro_batch_rows >= 1, "train.verl_micro_batch_rows", f"must be >= 1, got {t.verl_micro_batch_rows}")
-  _check(parse_stop_tokens(c.rollout.stop_tokens) is not None, "rollout.stop_tokens",
-         f'"released" | "chat" | comma-separated token ids, got {c.rollout.stop_tokens!r}')
+  _check_sampling(c)
   p = c.pacs
-  _check(p.reward_method in ("1", "2"), "pacs.reward_method", f'"1" | "2", got {p.reward_method!r}')
-  _check(p.adv_estimator in ("rloo", "grpo", "naive"), "pacs.adv_estimator", f"rloo | grpo | naive, got {p.adv_estimator!r}")
-  _check(p.weight_mode in ("question", "only_positive", "only_negative"), "pacs.weight_mode",
-         f"question | only_positive | only_negative, got {p.weight_mode!r}")
-  _check(p.reference_policy in ("frozen", "rollout"), "pacs.reference_policy", f"frozen | rollout, got {p.reference_policy!r}")
+  _check(p.reward_method in REWARD_METHODS, "pacs.reward_method", f'"1" | "2", got {p.reward_method!r}')
+  _check_enum(p.adv_estimator, pacs.ADV_ESTIMATORS, "pacs.adv_estimator")
+  _check_enum(p.weight_mode, pacs.WEIGHT_MODES, "pacs.weight_mode")
+  _check_enum(p.reference_policy, REFERENCE_POLICIES, "pacs.reference_policy")
   if c.algorithm == "pacs" and p.exact_padding_replication:
     local_rows = t.batch_prompts * c.rollout.n // max(num_processes, 1)
     _check(local_rows % t.verl_micro_batch_rows == 0, "train.verl_micro_batch_rows",
            f"pacs.exact_padding_replication packs each process's {local_rows} rows in groups of "
            f"{t.verl_micro_batch_rows}, which must divide them")
-  _check(c.grpo.loss_agg_mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-         "grpo.loss_agg_mode", f"unknown mode {c.grpo.loss_agg_mode!r}")
+  _check(c.grpo.loss_agg_mode in grpo.LOSS_AGG_MODES, "grpo.loss_agg_mode", f"unknown mode {c.grpo.loss_agg_mode!r}")
   _check(c.model.hf_path or c.model.preset, "model.preset", "set model.preset or model.hf_path")
-  _check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", f"float32 | bfloat16, got {c.model.dtype!r}")
-  _check(c.model.param_dtype in ("float32", "bfloat16"), "model.param_dtype",
-         f"float32 | bfloat16, got {c.model.param_dtype!r}")
+  _check_enum(c.model.param_dtype, DTYPE_NAMES, "model.param_dtype")
   _check(c.model.attention_chunk >= 0, "model.attention_chunk", "must be >= 0 (0 = all queries at once)")
-  _check(c.data.max_prompt_length > 0, "data.max_prompt_length", "must be positive")
   _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
   _check(c.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0 (0 = keep every checkpoint)")
-  _check(c.checkpoint.restore in ("latest", "never"), "checkpoint.restore",
-         f"latest | never, got {c.checkpoint.restore!r}")
+  _check_enum(c.checkpoint.restore, RESTORE_MODES, "checkpoint.restore")
   _check(c.checkpoint.lock_stale_after_s > 0, "checkpoint.lock_stale_after_s", "must be positive (seconds)")
-  _check(isinstance(c.seed, int) and 0 <= c.seed < 2**31, "seed", f"must be an integer in [0, 2**31), got {c.seed!r}")
   _check(c.log_every >= 1, "log_every", f"must be >= 1 (the last step is always logged), got {c.log_every}")
   _check(c.eval_every >= 0, "eval_every", f"must be >= 0 (0 = no validation), got {c.eval_every}")
-  _check(c.reward_workers >= 1, "reward_workers", f"must be >= 1 (math-verify worker processes), got {c.reward_workers}")
-  _check(c.reward_timeout_s > 0, "reward_timeout_s", f"must be positive (seconds), got {c.reward_timeout_s}")
-  _check(c.rollout.top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {c.rollout.top_k}")
   _check(c.rollout.slots >= 0, "rollout.slots", f"must be >= 0 (0 = the whole rollout batch), got {c.rollout.slots}")
   _check(c.rollout.val_max_new_tokens >= 0, "rollout.val_max_new_tokens",
          f"must be >= 0 (0 = max_new_tokens), got {c.rollout.val_max_new_tokens}")
@@ -259,16 +245,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(size == -1 or size >= 1, f"mesh.{axis}", f"must be >= 1 or -1, got {size}")
   _check(sum(v == -1 for v in sizes.values()) <= 1, "mesh", "at most one of data/fsdp/tensor may be -1")
   if num_devices is not None:
-    known = 1
-    for v in sizes.values():
-      known *= v if v != -1 else 1
     field = next((f"mesh.{a}" for a, v in sizes.items() if v != -1 and v > 1), "mesh")
-    if -1 in sizes.values():
-      _check(num_devices % known == 0, field, f"mesh sizes {sizes} do not divide the {num_devices} devices")
-    else:
-      _check(known == num_devices, field, f"data*fsdp*tensor = {known} must equal the {num_devices} devices")
-    batch_shards = (sizes["data"] if sizes["data"] != -1 else num_devices // known) * (
-        sizes["fsdp"] if sizes["fsdp"] != -1 else num_devices // known)
+    try:
+      resolved = sharding.mesh_sizes(**sizes, num_devices=num_devices)
+    except ValueError as e:
+      raise ConfigError(f"config.{field}: {e}") from None
+    batch_shards = resolved["data"] * resolved["fsdp"]
     micro_rows = micro * c.rollout.n
     _check(micro_rows % batch_shards == 0, "train.micro_batch_prompts",
            f"micro-batch rows ({micro} prompts x n={c.rollout.n} = {micro_rows}) must be divisible by data*fsdp = {batch_shards}")
@@ -285,15 +267,29 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
          "process feeds whole groups to every micro-batch")
 
 
-TPU_CHIPS_PER_HOST = 4
+def _check_sampling(c: ml_collections.ConfigDict) -> None:
+  """The fields training and evaluation share: sampling, lengths, dtype, seed, reward workers."""
+  from pacs_jax.models import hf
+  _check(0 < c.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
+  _check(c.rollout.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
+  _check(c.rollout.top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {c.rollout.top_k}")
+  _check(hf.parse_stop_tokens(c.rollout.stop_tokens) is not None, "rollout.stop_tokens",
+         f'"released" | "chat" | comma-separated token ids, got {c.rollout.stop_tokens!r}')
+  _check_enum(c.model.dtype, DTYPE_NAMES, "model.dtype")
+  _check(c.data.max_prompt_length > 0, "data.max_prompt_length", "must be positive")
+  _check(isinstance(c.seed, int) and 0 <= c.seed < 2**31, "seed", f"must be an integer in [0, 2**31), got {c.seed!r}")
+  _check(c.reward_workers >= 1, "reward_workers", f"must be >= 1 (math-verify worker processes), got {c.reward_workers}")
+  _check(c.reward_timeout_s > 0, "reward_timeout_s", f"must be positive (seconds), got {c.reward_timeout_s}")
 
 
-def topology_chips(topology: str) -> int:
-  """Chips of a TPU topology name: "v5p:4x4x4" -> 64."""
-  dims = topology.partition(":")[2].split("x")
-  if not topology.count(":") == 1 or not all(d.isdigit() and int(d) > 0 for d in dims):
-    raise ConfigError(f'config.hardware.tpu_topology: expected "<generation>:<dims>" such as "v5p:4x4x4", got {topology!r}')
-  return math.prod(int(d) for d in dims)
+def validate_eval(c: ml_collections.ConfigDict) -> None:
+  """Checks evaluation's config (`eval.settings.eval_config()`, the training config's field names for what the two
+  share); raises ConfigError naming the field."""
+  _check(c.rollout.n >= 1, "rollout.n", f"must be >= 1, got {c.rollout.n}")
+  _check(c.rollout.temperature >= 0, "rollout.temperature", f"must be >= 0 (0 = greedy), got {c.rollout.temperature}")
+  _check(c.rollout.slots >= 1, "rollout.slots", f"must be >= 1, got {c.rollout.slots}")
+  _check(c.mesh.tensor >= 1, "mesh.tensor", f"must be >= 1, got {c.mesh.tensor}")
+  _check_sampling(c)
 
 
 def _check_topology(c: ml_collections.ConfigDict) -> None:
@@ -301,17 +297,21 @@ def _check_topology(c: ml_collections.ConfigDict) -> None:
   h = c.hardware
   if not h.tpu_topology:
     return
-  chips = topology_chips(h.tpu_topology)
+  from pacs_jax import sharding
+  try:
+    chips = sharding.topology_chips(h.tpu_topology)
+  except ValueError as e:
+    raise ConfigError(f"config.hardware.tpu_topology: {e}") from None
   _check(h.num_devices in (0, chips), "hardware.num_devices",
          f"{h.tpu_topology} has {chips} chips, got {h.num_devices}")
-  hosts = max(1, chips // TPU_CHIPS_PER_HOST)
+  hosts = max(1, chips // sharding.TPU_CHIPS_PER_HOST)
   _check(h.num_processes in (0, hosts), "hardware.num_processes",
-         f"{h.tpu_topology} has {hosts} hosts of {TPU_CHIPS_PER_HOST} chips, got {h.num_processes}")
+         f"{h.tpu_topology} has {hosts} hosts of {sharding.TPU_CHIPS_PER_HOST} chips, got {h.num_processes}")
 
 
 def check_mesh_layout(c: ml_collections.ConfigDict, devices) -> None:
   """The mesh (data, fsdp, tensor) can be laid out on `devices`, each host holding whole batch shards."""
-  from pacs_jax import sharding  # jax only when devices are given
+  from pacs_jax import sharding
   try:
     sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
   except ValueError as e:
@@ -332,11 +332,59 @@ def load_config_file(path: str, overrides: dict | None = None) -> ml_collections
     raise ValueError(f"{path}: has no get_config()")
   cfg = module.get_config()
   for key, value in (overrides or {}).items():
-    node = cfg
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    if leaf not in node:
-      raise KeyError(f"{path}: config has no field {key!r}")
-    node[leaf] = value
+    try:
+      set_field(cfg, key, value)
+    except KeyError:
+      raise KeyError(f"{path}: config has no field {key!r}") from None
   return cfg
+
+
+def get_field(cfg: ml_collections.ConfigDict, dotted: str):
+  """cfg["a"]["b"] for "a.b"."""
+  for key in dotted.split("."):
+    cfg = cfg[key]
+  return cfg
+
+
+def set_field(cfg: ml_collections.ConfigDict, dotted: str, value) -> None:
+  """cfg["a"]["b"] = value for "a.b"; KeyError for a field the config does not have."""
+  *parents, leaf = dotted.split(".")
+  node = get_field(cfg, ".".join(parents)) if parents else cfg
+  if leaf not in node:
+    raise KeyError(dotted)
+  node[leaf] = value
+
+
+# ----------------------------------------------------------------------------------------------
+# Run config -> model config
+
+
+def dtype(name: str):
+  """A dtype name of the config (one of DTYPE_NAMES) -> the jnp scalar type."""
+  import jax.numpy as jnp  # jax only when a model is built
+  if name not in DTYPE_NAMES:
+    raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {name!r}")
+  return getattr(jnp, name)
+
+
+def model_overrides(c: ml_collections.ConfigDict) -> dict:
+  """The `Qwen2Config` fields a run config sets on top of a preset or a checkpoint's config.json."""
+  return dict(param_dtype=dtype(c.model.param_dtype), dtype=dtype(c.model.dtype), remat=c.model.remat,
+              attention_chunk=c.model.attention_chunk)
+
+
+def preset_model_config(c: ml_collections.ConfigDict):
+  """The policy's `Qwen2Config` from `model.preset` alone (shapes for dry runs; never reads a checkpoint)."""
+  from pacs_jax.models import qwen2
+  overrides = model_overrides(c)
+  if c.model.vocab_size:
+    overrides["vocab_size"] = c.model.vocab_size
+  return qwen2.get_preset(c.model.preset, **overrides)
+
+
+def model_config(c: ml_collections.ConfigDict):
+  """The policy's `Qwen2Config`: `model.hf_path`'s config.json when set, else the preset's."""
+  from pacs_jax.models import hf
+  if c.model.hf_path:
+    return hf.load_config(c.model.hf_path, **model_overrides(c))
+  return preset_model_config(c)

@@ -5,10 +5,12 @@ The result (weights, config.json, tokenizer files) loads unchanged in transforme
 
 from absl import app, flags, logging
 
+from pacs_jax import config
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds checkpoints/ and model/).", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
-_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Convert weights (default: as trained).")
+_DTYPE = flags.DEFINE_enum("dtype", None, config.DTYPE_NAMES, "Convert weights (default: as trained).")
 _SHARD = flags.DEFINE_string("max_shard_size", "5GB", "Split weight files at this size.")
 
 
@@ -17,7 +19,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
-  from pacs_jax.train import checkpoint, export_lib
+  from pacs_jax.storage import checkpoint, export as export_lib
   try:
     path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
                              max_shard_size=_SHARD.value)

@@ -42,9 +42,9 @@ ACTIVATION_RULES: dict[str, Any] = {
 }
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A ('data', 'fsdp', 'tensor') mesh; one size may be -1 (= the remaining devices). See `device_grid`."""
-  devices = list(jax.devices() if devices is None else devices)
+def mesh_sizes(data: int, fsdp: int, tensor: int, num_devices: int) -> dict[str, int]:
+  """{axis: size} of a ('data', 'fsdp', 'tensor') mesh on `num_devices` devices; one size may be -1 (= the
+  remaining devices). ValueError when the sizes do not fit the devices."""
   sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
   free = [k for k, v in sizes.items() if v == -1]
   if len(free) > 1:
@@ -53,12 +53,19 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[
   if any(v == 0 or v < -1 for v in sizes.values()):
     raise ValueError(f"mesh: sizes must be positive or -1, got {sizes}")
   if free:
-    if len(devices) % known:
-      raise ValueError(f"mesh: {len(devices)} devices are not divisible by {sizes} (product of the others {known})")
-    sizes[free[0]] = len(devices) // known
+    if num_devices % known:
+      raise ValueError(f"mesh: {num_devices} devices are not divisible by {sizes} (product of the others {known})")
+    sizes[free[0]] = num_devices // known
   total = math.prod(sizes.values())
-  if total != len(devices):
-    raise ValueError(f"mesh: data*fsdp*tensor = {total} but there are {len(devices)} devices ({sizes})")
+  if total != num_devices:
+    raise ValueError(f"mesh: data*fsdp*tensor = {total} but there are {num_devices} devices ({sizes})")
+  return sizes
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ('data', 'fsdp', 'tensor') mesh; one size may be -1 (= the remaining devices). See `device_grid`."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = mesh_sizes(data, fsdp, tensor, len(devices))
   shape = tuple(sizes[a] for a in MESH_AXES)
   # Auto axes: XLA's partitioner propagates shardings from parameters and our constraints.
   return Mesh(device_grid(shape, devices), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
@@ -90,6 +97,15 @@ def device_grid(shape: tuple[int, int, int], devices: Sequence[jax.Device]) -> n
 
 # Chips per host of multi-host TPU slices (x, y, z): 4 chips per VM on v4, v5p, and multi-host v5e / v6e.
 _TPU_CHIPS_PER_HOST_BOUNDS = (2, 2, 1)
+TPU_CHIPS_PER_HOST = math.prod(_TPU_CHIPS_PER_HOST_BOUNDS)
+
+
+def topology_chips(topology: str) -> int:
+  """Chips of a TPU topology name: "v5p:4x4x4" -> 64."""
+  dims = topology.partition(":")[2].split("x")
+  if not topology.count(":") == 1 or not all(d.isdigit() and int(d) > 0 for d in dims):
+    raise ValueError(f'expected "<generation>:<dims>" such as "v5p:4x4x4", got {topology!r}')
+  return math.prod(int(d) for d in dims)
 
 
 def _prepare_compile_only_libtpu() -> None:
@@ -227,18 +243,3 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
                                process_id=process_id)
   else:
     jax.distributed.initialize()
-
-
-def host_local_batch_slice(global_batch: int) -> slice:
-  """The rows of a global batch this process feeds (processes split the leading axis evenly)."""
-  n, i = jax.process_count(), jax.process_index()
-  if global_batch % n:
-    raise ValueError(f"global batch {global_batch} is not divisible by {n} processes")
-  per = global_batch // n
-  return slice(i * per, (i + 1) * per)
-
-
-def global_array_from_host_local(local: np.ndarray, mesh: Mesh, global_batch: int) -> jax.Array:
-  """Assembles per-process rows into one global array sharded over (data, fsdp)."""
-  sharding = batch_sharding(mesh, local.ndim)
-  return jax.make_array_from_process_local_data(sharding, local, (global_batch,) + local.shape[1:])

@@ -8,9 +8,10 @@ silently escape the end-to-end test.
 
 from __future__ import annotations
 
-import math
 
 import ml_collections
+
+from pacs_jax import sharding
 
 # Kept exactly as the config sets them. A trailing ".*" keeps a whole group: `pacs`, `grpo` and `ppo` are
 # the algorithm; `hardware` and `distributed` describe the target machine, not what a step computes.
@@ -51,9 +52,7 @@ def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
   c = cfg
   # Mesh: the same axes, each cut down, on at most 8 CPU devices (tensor and data at most 2).
   total = c.hardware.num_devices or 1
-  sizes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor}
-  known = math.prod(v for v in sizes.values() if v != -1)
-  sizes = {a: (total // known if v == -1 else v) for a, v in sizes.items()}
+  sizes = sharding.mesh_sizes(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, total)
   tensor, data = min(sizes["tensor"], 2), min(sizes["data"], 2)
   fsdp = min(sizes["fsdp"], CPU_DEVICES // (tensor * data))
   devices = data * fsdp * tensor

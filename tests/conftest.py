@@ -23,14 +23,6 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 SHARED_DATA = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
 
 
-def pytest_collection_modifyitems(config, items):
-  on_gpu = any(d.platform == "gpu" for d in jax.devices())
-  skip_gpu = pytest.mark.skip(reason="needs a GPU (run with JAX_PLATFORMS=cuda on a GPU machine)")
-  for item in items:
-    if "gpu" in item.keywords and not on_gpu:
-      item.add_marker(skip_gpu)
-
-
 @pytest.fixture(scope="session")
 def shared_data():
   if not os.path.isdir(SHARED_DATA):

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import config_shrink
-from pacs_jax.train import checkpoint as checkpoint_lib
+from pacs_jax.storage import checkpoint as checkpoint_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.environ.get("PACS_JAX_TEST_CACHE", os.path.join(ROOT, ".jax_cache"))

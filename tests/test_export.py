@@ -12,7 +12,8 @@ import transformers
 
 from pacs_jax import config as config_lib
 from pacs_jax.models import hf
-from pacs_jax.train import export_lib, loop
+from pacs_jax.storage import export as export_lib
+from pacs_jax.train import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

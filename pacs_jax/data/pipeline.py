@@ -1,6 +1,5 @@
-"""Grain prompt pipeline: records -> chat prompt -> token ids -> overlong prompts dropped -> a seeded
-shuffle per epoch -> global batches of prompts, each split across JAX processes. Checkpointable.
-"""
+"""Grain prompt pipeline: records -> token ids (`prompts`) -> overlong prompts dropped -> a seeded shuffle per
+epoch -> global batches of prompts, each split across JAX processes. Checkpointable."""
 
 from __future__ import annotations
 
@@ -11,31 +10,10 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
-from pacs_jax.data.sources import MATH_INSTRUCTION
+from pacs_jax.data import prompts
+from pacs_jax.data.prompts import MATH_INSTRUCTION
 
 logger = logging.getLogger(__name__)
-
-
-def user_message(problem: str, instruction: str | None = MATH_INSTRUCTION) -> str:
-  """The released user message: the problem, one space, the instruction (none for synthetic tasks)."""
-  return f"{problem} {instruction}" if instruction else problem
-
-
-def render_prompts(tokenizer, problems: Sequence[str], instruction: str | None = MATH_INSTRUCTION) -> list[str]:
-  """Prompt texts: each user message through the tokenizer's chat template with the generation prompt."""
-  conversations = [[{"role": "user", "content": user_message(p, instruction)}] for p in problems]
-  if not conversations:
-    return []
-  return tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=True)
-
-
-def encode_prompts(tokenizer, problems: Sequence[str], instruction: str | None = MATH_INSTRUCTION) -> list[np.ndarray]:
-  """Token ids [T_i] (int32) of each rendered prompt; the template already holds any special tokens."""
-  texts = render_prompts(tokenizer, problems, instruction)
-  if not texts:
-    return []
-  ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-  return [np.asarray(x, dtype=np.int32) for x in ids]
 
 
 def pad_prompts(prompt_ids: Sequence[np.ndarray], pad_id: int, length: int | None = None):
@@ -90,7 +68,7 @@ class PromptPipeline:
     self.process_index, self.process_count = process_index, process_count
     self.num_epochs = num_epochs
 
-    prompt_ids = encode_prompts(tokenizer, [r["problem"] for r in records], instruction)
+    prompt_ids = prompts.encode_prompts(tokenizer, [r["problem"] for r in records], instruction)
     keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= max_prompt_length]
     self.num_records = len(records)
     self.num_dropped = len(records) - len(keep)

@@ -11,12 +11,13 @@ import os
 from typing import Any, Iterable, Iterator, NamedTuple
 
 from pacs_jax import paths
+from pacs_jax.data import prompts
+from pacs_jax.data.prompts import MATH_INSTRUCTION
 from pacs_jax.data import synthetic
+from pacs_jax.rewards import synthetic as synthetic_verifier
 
 logger = logging.getLogger(__name__)
 
-# The released prompt's instruction, appended to the problem after one space.
-MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 HUB_PREFIX = "hf://"
 # Substrings of a path or hub name -> the data_source names of the released preprocessing
 # (ritzz-ai/PACS src/preprocess_dataset.py, without its `_{repeat}` suffix). First match wins.
@@ -259,7 +260,7 @@ def load_records(spec: str, *, data_source: str | None = None, skip_bad_rows: bo
                  synthetic_size: int = 4096, seed: int = 0, with_solution: bool = False) -> ReadResult:
   """Records from a file path (.json, .jsonl, .parquet), a hub path (`hf://...`) or a built-in
   synthetic task (`synthetic/<name>`: `synthetic_size` problems drawn with `seed`)."""
-  if synthetic.is_synthetic(spec):
+  if synthetic_verifier.is_synthetic(spec):
     records = synthetic.get_task(spec).records(synthetic_size, seed)
     return ReadResult([dict(r, solution=r["answer"]) for r in records] if with_solution else records, 0)
   if spec.startswith(HUB_PREFIX):
@@ -289,7 +290,7 @@ def to_verl_rows(records: list[dict], split: str = "train", repeat: int = 1) -> 
   list is repeated `repeat` times (indices restart with each copy, as `data * repeat` there)."""
   rows = [{
       "data_source": released_data_source(r["data_source"], repeat),
-      "prompt": [{"role": "user", "content": f"{r['problem']} {MATH_INSTRUCTION}"}],
+      "prompt": [{"role": "user", "content": prompts.user_message(r["problem"])}],
       "ability": "math",
       "reward_model": {"style": "rule", "ground_truth": r["answer"]},
       "extra_info": {"split": split, "index": i, "answer": r.get("solution", r["answer"])},

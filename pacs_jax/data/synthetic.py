@@ -1,39 +1,26 @@
-"""Built-in verifiable tasks (modular arithmetic) and a tiny word-level tokenizer for CPU runs.
+"""Built-in verifiable tasks (modular arithmetic) and a tiny word-level tokenizer for CPU runs (the verifier is
+`pacs_jax.rewards.synthetic`)."""
 
-Why this design (the task is the CPU demo's, so its numbers matter):
-
-* A randomly initialised tiny Qwen2 (vocab 256, weights ~N(0, 0.02)) samples its first tokens
-  almost uniformly over all 256 ids. A task whose answer is one fixed token would succeed ~1/256 of
-  the time, too rarely for RL to get a signal; so the answer is a *residue class*. Problems ask for
-  `a mod m` in Z/mZ, where every representative of the class is a correct answer (for `7 mod 3`,
-  `1`, `4` and `7` are all right). The numbers 0..54 are single tokens, so a class holds ~55/m.
-* The verifier reads the first word of the response (cut at the first end-of-turn marker, special
-  tokens removed) and accepts a number congruent to the answer mod m.
-* The tokenizer has 64 ids; ids 64..255 of the model's vocabulary decode to nothing, so a random
-  model's first word is the first in-vocabulary token it samples, a number ~90% of the time. With
-  1 / 2 / 4 / 8 / 16 new tokens, `mod3` then succeeds ~7 / 12 / 20 / 25 / 29% at init (3 model seeds);
-  a model whose vocabulary is cut to the tokenizer's 64 ids succeeds ~31% with 4 new tokens.
-* What is learnt is small and depends on the prompt: fetch the operand with attention and move the
-  probability mass onto the numbers of its class (an m-way split, not a 256-way one). A minimal
-  PACS loop (16 prompts x 8 samples, 4 new tokens, frozen reference, beta 1) takes `mod3` to 90%
-  in ~150-200 steps with vocab 256 (AdamW lr 1e-3, 4 mini-batches a step; lr 3e-3 learnt slower)
-  and in ~60 steps with vocab 64 (lr 3e-3, 2 mini-batches a step); each run ~1 min on 2 CPU cores.
-"""
+# Why this design: a randomly initialised tiny Qwen2 samples its first tokens almost uniformly over its
+# vocabulary, so a task whose answer is one fixed token would rarely succeed and RL would get no signal.
+# The answer is therefore a residue class: `a mod m` in Z/mZ, where every representative is correct (for
+# `7 mod 3`, `1`, `4` and `7` are all right), and the numbers 0..54 are single tokens. The tokenizer has 64
+# ids; a model's ids beyond them decode to nothing, so its first word is the first in-vocabulary token it
+# samples, usually a number. What is learnt is small and depends on the prompt: fetch the operand with
+# attention and move the probability onto the numbers of its class (an m-way split, not a vocabulary-wide one).
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import re
 
 import numpy as np
 
-DATA_SOURCE_PREFIX = "synthetic/"
-# Qwen2.5's special tokens; <|im_end|> ends a chat turn, <|endoftext|> ends a document (both stop).
-ENDOFTEXT, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
+from pacs_jax.rewards import synthetic as verifier
+from pacs_jax.rewards.synthetic import DATA_SOURCE_PREFIX, ENDOFTEXT, EOS_TOKENS, IM_END, IM_START, UNK
+
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, UNK)
-EOS_TOKENS = (IM_END, ENDOFTEXT)
 WORDS = ("system", "user", "assistant", "mod", "+")
 MAX_NUMBER = 54  # numbers 0..54 are tokens: 4 special + 5 words + 55 numbers = 64 ids
 VOCAB = SPECIAL_TOKENS + WORDS + tuple(str(i) for i in range(MAX_NUMBER + 1))
@@ -47,9 +34,6 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
-_SPECIAL_RE = re.compile("|".join(re.escape(t) for t in (IM_START, UNK)))
-_STOP_RE = re.compile("|".join(re.escape(t) for t in EOS_TOKENS))
 
 
 def build_tokenizer():
@@ -80,13 +64,6 @@ def save_tokenizer(directory: str):
   with open(os.path.join(directory, "generation_config.json"), "w") as f:
     json.dump({"eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id}, f, indent=2)
   return tokenizer
-
-
-def first_word(response_text: str) -> str:
-  """The first word of a response: text before the first end marker, special tokens removed."""
-  text = _STOP_RE.split(response_text, maxsplit=1)[0]
-  words = _SPECIAL_RE.sub(" ", text).split()
-  return words[0] if words else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,37 +98,17 @@ class SyntheticTask:
 
   def score(self, response_text: str, answer: str) -> float:
     """1.0 when the response's first word is a number congruent to `answer` mod m, else 0.0."""
-    word = first_word(response_text)
-    if not word.isdecimal() or not word.isascii():
-      return 0.0
-    return 1.0 if (int(word) - int(answer)) % self.modulus == 0 else 0.0
-
-  def compute_score(self, solution_str: str, ground_truth: str) -> float:
-    return self.score(solution_str, ground_truth)
+    return verifier.score_residue(response_text, answer, self.modulus)
 
 
-# Success at init -> 90% with the minimal PACS loop of the module docstring, vocab 256 (lr 1e-3).
-# With vocab 64 and lr 3e-3, mod3 reached 93% at step 60 while mod4 was at 50% after 150 steps.
 TASKS = {
-    "mod3": SyntheticTask("mod3", modulus=3, max_operand=8),  # ~20% -> 90% in ~150-200 steps (default)
-    "mod4": SyntheticTask("mod4", modulus=4, max_operand=7),  # ~15% -> 90% in ~200-250 steps
-    "mod2": SyntheticTask("mod2", modulus=2, max_operand=MAX_NUMBER),  # ~32% -> 90% in ~120 steps
+    "mod3": SyntheticTask("mod3", modulus=verifier.MODULI["mod3"], max_operand=8),  # the default
+    "mod4": SyntheticTask("mod4", modulus=verifier.MODULI["mod4"], max_operand=7),
+    "mod2": SyntheticTask("mod2", modulus=verifier.MODULI["mod2"], max_operand=MAX_NUMBER),
 }
 DEFAULT_TASK = "mod3"
 
 
 def get_task(name_or_data_source: str) -> SyntheticTask:
   """A built-in task by name (`mod4`) or data source (`synthetic/mod4`)."""
-  name = name_or_data_source.removeprefix(DATA_SOURCE_PREFIX)
-  if name not in TASKS:
-    raise ValueError(f"unknown synthetic task {name_or_data_source!r}; choose one of {sorted(TASKS)}")
-  return TASKS[name]
-
-
-def is_synthetic(data_source: str) -> bool:
-  return data_source.startswith(DATA_SOURCE_PREFIX)
-
-
-def compute_score(data_source: str, solution_str: str, ground_truth: str) -> float:
-  """Scores a response to a built-in task named by its data source (`synthetic/<name>`)."""
-  return get_task(data_source).score(solution_str, ground_truth)
+  return TASKS[verifier.task_name(name_or_data_source)]

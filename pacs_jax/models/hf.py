@@ -6,7 +6,6 @@ so no process ever holds a full host copy of a large model.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -21,118 +20,14 @@ from safetensors.numpy import save_file
 
 from pacs_jax import paths
 from pacs_jax import sharding
+from pacs_jax.models import hf_layout
+from pacs_jax.models.hf_layout import TensorMap, read_slice, tensor_maps, to_hf
 from pacs_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SUPPORTED_MODEL_TYPES = ("qwen2",)
-
-
-# ----------------------------------------------------------------------------------------------
-# Name and layout mapping. Each entry: our state path (and layer, for the stacked decoder layers) ->
-# (HF tensor name, layout). Layouts say how our array (one layer's slice) is laid out relative to HF's
-# [out, in] weights:
-#   "same"      ours == HF
-#   "t"         ours [in, out] == HF[out, in].T
-#   "heads_in"  ours [D, N, H] == HF[N*H, D].T reshaped (q/k/v kernels)
-#   "heads"     ours [N, H] == HF[N*H] reshaped (q/k/v biases)
-#   "heads_out" ours [N, H, D] == HF[D, N*H].T reshaped (o kernel)
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorMap:
-  path: tuple  # path in nnx.state(model)
-  hf_name: str
-  layout: str
-  layer: int | None = None  # decoder layers are stacked: the HF tensor is slice `layer` of our array
-
-
-def tensor_maps(config: Qwen2Config) -> list[TensorMap]:
-  maps = [TensorMap(("model", "embed_tokens"), "model.embed_tokens.weight", "same"),
-          TensorMap(("model", "norm", "weight"), "model.norm.weight", "same")]
-  ours = ("model", "layers")
-  for i in range(config.num_hidden_layers):
-    hf = f"model.layers.{i}."
-    maps += [
-        TensorMap(ours + ("input_layernorm", "weight"), hf + "input_layernorm.weight", "same", i),
-        TensorMap(ours + ("post_attention_layernorm", "weight"), hf + "post_attention_layernorm.weight", "same", i),
-        TensorMap(ours + ("self_attn", "o_kernel"), hf + "self_attn.o_proj.weight", "heads_out", i),
-        TensorMap(ours + ("mlp", "gate_kernel"), hf + "mlp.gate_proj.weight", "t", i),
-        TensorMap(ours + ("mlp", "up_kernel"), hf + "mlp.up_proj.weight", "t", i),
-        TensorMap(ours + ("mlp", "down_kernel"), hf + "mlp.down_proj.weight", "t", i),
-    ]
-    for p in "qkv":
-      maps += [TensorMap(ours + ("self_attn", f"{p}_kernel"), hf + f"self_attn.{p}_proj.weight", "heads_in", i),
-               TensorMap(ours + ("self_attn", f"{p}_bias"), hf + f"self_attn.{p}_proj.bias", "heads", i)]
-  if not config.tie_word_embeddings:
-    maps.append(TensorMap(("lm_head",), "lm_head.weight", "t"))
-  return maps
-
-
-def hf_shape(layout: str, shape: tuple) -> tuple:
-  """The HF tensor shape that holds our array of `shape` under `layout`."""
-  if layout == "same":
-    return shape
-  if layout == "t":
-    return shape[::-1]
-  if layout == "heads_in":
-    return (shape[1] * shape[2], shape[0])
-  if layout == "heads":
-    return (shape[0] * shape[1],)
-  if layout == "heads_out":
-    return (shape[2], shape[0] * shape[1])
-  raise ValueError(layout)
-
-
-def to_hf(layout: str, x: np.ndarray) -> np.ndarray:
-  if layout == "same":
-    return x
-  if layout == "t":
-    return x.T
-  if layout == "heads_in":
-    return x.reshape(x.shape[0], -1).T
-  if layout == "heads":
-    return x.reshape(-1)
-  if layout == "heads_out":
-    return x.reshape(-1, x.shape[2]).T
-  raise ValueError(layout)
-
-
-def _bounds(s: slice, dim: int) -> tuple[int, int]:
-  start, stop, step = s.indices(dim)
-  if step != 1:
-    raise ValueError("strided shard slices are not supported")
-  return start, stop
-
-
-def read_slice(tensor_slice, layout: str, shape: tuple, index: tuple) -> np.ndarray:
-  """Reads our array's `index` (tuple of slices over `shape`) from an HF tensor, loading only that part.
-
-  The head_dim axis is never sharded, so whole heads are read and sliced afterwards when needed.
-  """
-  index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-  b = [_bounds(s, d) for s, d in zip(index, shape)]
-  if layout == "same":
-    return tensor_slice[tuple(slice(lo, hi) for lo, hi in b)]
-  if layout == "t":
-    (r0, r1), (c0, c1) = b
-    return tensor_slice[c0:c1, r0:r1].T
-  if layout == "heads_in":  # ours [D, N, H]
-    (d0, d1), (n0, n1), (h0, h1) = b
-    H = shape[2]
-    x = tensor_slice[n0 * H:n1 * H, d0:d1].T  # [d, n*H]
-    return x.reshape(d1 - d0, n1 - n0, H)[:, :, h0:h1]
-  if layout == "heads":  # ours [N, H]
-    (n0, n1), (h0, h1) = b
-    H = shape[1]
-    return tensor_slice[n0 * H:n1 * H].reshape(n1 - n0, H)[:, h0:h1]
-  if layout == "heads_out":  # ours [N, H, D]
-    (n0, n1), (h0, h1), (d0, d1) = b
-    H = shape[1]
-    x = tensor_slice[d0:d1, n0 * H:n1 * H].T  # [n*H, d]
-    return x.reshape(n1 - n0, H, d1 - d0)[:, h0:h1, :]
-  raise ValueError(layout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,7 +103,7 @@ def _read_into(maps, files, abstract_state, mesh, dtype) -> dict:
     if fname not in handles:
       handles[fname] = safe_open(fname, framework="numpy").__enter__()
     tensor = handles[fname].get_slice(m.hf_name)
-    expected, got = hf_shape(m.layout, shape), tuple(tensor.get_shape())
+    expected, got = hf_layout.hf_shape(m.layout, shape), tuple(tensor.get_shape())
     if expected != got:
       raise ValueError(f"{fname}: tensor {m.hf_name!r} has shape {got}, expected {expected} from config.json")
     return tensor
@@ -225,7 +120,7 @@ def _read_into(maps, files, abstract_state, mesh, dtype) -> dict:
 
     def read(index):
       index = tuple(index) or (slice(None),)
-      lo, hi = _bounds(index[0], shape[0])
+      lo, hi = hf_layout.slice_bounds(index[0], shape[0])
       return np.stack([np.asarray(read_slice(tensors[i], layout, shape[1:], index[1:]), dtype=dtype)
                        for i in range(lo, hi)])
     return read
@@ -327,6 +222,19 @@ def generation_eos_ids(model_dir: str | None) -> tuple[int, ...] | None:
   return None
 
 
+def parse_stop_tokens(value) -> str | tuple[int, ...] | None:
+  """rollout.stop_tokens -> "released" | "chat" | a tuple of ids; None when it is none of these."""
+  if value in ("released", "chat"):
+    return value
+  if isinstance(value, int) and not isinstance(value, bool):
+    return (value,)
+  try:
+    ids = tuple(int(v) for v in str(value).split(",") if v.strip())
+  except ValueError:
+    return None
+  return ids if ids and min(ids) >= 0 else None
+
+
 def stop_and_mask_ids(tokenizer, model_dir: str | None, stop_tokens: str = "released"
                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """(ids that stop a response, ids whose first occurrence ends the response mask) for `rollout.stop_tokens`.
@@ -337,8 +245,7 @@ def stop_and_mask_ids(tokenizer, model_dir: str | None, stop_tokens: str = "rele
   tokenizer's EOS when the model has no generation config. "chat": `eos_token_ids`; explicit ids: those. For
   both, the mask ends at the stop token.
   """
-  from pacs_jax import config as config_lib
-  mode = config_lib.parse_stop_tokens(stop_tokens)
+  mode = parse_stop_tokens(stop_tokens)
   if mode is None:
     raise ValueError(f'stop_tokens must be "released", "chat" or comma-separated ids, got {stop_tokens!r}')
   if mode == "chat":

@@ -19,11 +19,7 @@ from flax import nnx
 from jax import lax
 
 from pacs_jax import sharding
-
-# A large finite negative: fully masked rows (left padding) then give a uniform softmax instead of NaN,
-# as transformers does with finfo.min.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
+from pacs_jax.models import attention
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
@@ -163,31 +159,6 @@ def init_cache(config: Qwen2Config, batch: int, length: int, dtype=None) -> KVCa
   return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
-def write_kv(cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, write_index=None) -> KVCache:
-  """Writes one layer's new keys and values k, v [B, T, K, H] to cache rows write_index[b] + [0, T) of
-  sequence b (None: rows [0, T) of every sequence). Only those rows are written.
-
-  One scatter over (sequence, row) pairs: in a loop-carried, donated cache XLA writes it in place in
-  the cache's own layout (a per-sequence dynamic_update_slice under vmap makes it re-lay the whole
-  cache out around the loop instead).
-  """
-  B, T = k.shape[:2]
-  if write_index is None:
-    block = lambda new: jnp.swapaxes(new, 1, 2)[None]  # [1, B, K, T, H]
-    write = lambda buf, new: lax.dynamic_update_slice(buf, block(new).astype(buf.dtype), (layer, 0, 0, 0, 0))
-  else:
-    seq = jnp.arange(B)[:, None]  # [B, 1]
-    rows = write_index[:, None] + jnp.arange(T)[None, :]  # [B, T]
-    write = lambda buf, new: buf.at[layer, seq, :, rows, :].set(new.astype(buf.dtype))  # new [B, T, K, H]
-  return KVCache(k=write(cache.k, k), v=write(cache.v, v))
-
-
-def read_kv(cache: KVCache, layer: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
-  """One layer's first `rows` cache rows: k, v [B, K, rows, H] (a decode window reads no further)."""
-  read = lambda buf: lax.dynamic_index_in_dim(buf, layer, axis=0, keepdims=False)[:, :, :rows]
-  return read(cache.k), read(cache.v)
-
-
 # ----------------------------------------------------------------------------------------------
 # Building blocks
 
@@ -206,27 +177,6 @@ class RMSNorm(nnx.Module):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
-
-
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
-  """cos, sin of shape [B, T, H] for integer positions [B, T] (transformers' default RoPE)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
-  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-  emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, H]
-  return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x, cos, sin):
-  """x: [B, T, N, H]; rotate-half convention of transformers (not interleaved).
-
-  rotate_half(x) = [-x2, x1] is written as a roll by H/2 times a sign: the same numbers, and on TPU a
-  much cheaper program to compile than a split and a concatenate along the lanes.
-  """
-  H = x.shape[-1]
-  x32 = x.astype(jnp.float32)
-  sign = jnp.where(jnp.arange(H) < H // 2, -1.0, 1.0).astype(jnp.float32)  # [H]
-  rotated = jnp.roll(x32, H // 2, axis=-1) * sign
-  return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
 class Attention(nnx.Module):
@@ -250,14 +200,14 @@ class Attention(nnx.Module):
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
     k = jnp.einsum("BTD,DKH->BTKH", x, self.k_kernel[...].astype(dt)) + self.k_bias[...].astype(dt)
     v = jnp.einsum("BTD,DKH->BTKH", x, self.v_kernel[...].astype(dt)) + self.v_bias[...].astype(dt)
-    return (sharding.constrain(apply_rope(q, cos, sin), ("batch", None, "heads", None)),
-            apply_rope(k, cos, sin), v)
+    return (sharding.constrain(attention.apply_rope(q, cos, sin), ("batch", None, "heads", None)),
+            attention.apply_rope(k, cos, sin), v)
 
   def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, layer=None, write_index=None):
     """x: [B, T, D]; mask: [B, T, S] bool (True = may attend). Returns (y [B, T, D], cache).
 
     Without a cache, S = T and keys are this call's tokens. With a cache (every layer's), this call's
-    keys/values are written to layer `layer` (see `write_kv`), and attention reads that layer's first S
+    keys/values are written to layer `layer` (see `attention.write_kv`), and attention reads that layer's first S
     cache rows (S = the decode window).
     """
     c = self.config
@@ -265,8 +215,8 @@ class Attention(nnx.Module):
     if cache is None:
       k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H]
     else:
-      cache = write_kv(cache, layer, k, v, write_index)
-      k, v = (t.astype(c.dtype) for t in read_kv(cache, layer, mask.shape[-1]))  # [B, K, S, H]
+      cache = attention.write_kv(cache, layer, k, v, write_index)
+      k, v = (t.astype(c.dtype) for t in attention.read_kv(cache, layer, mask.shape[-1]))  # [B, K, S, H]
     k = sharding.constrain(k, ("batch", "kv_heads", None, None))
     v = sharding.constrain(v, ("batch", "kv_heads", None, None))
 
@@ -274,38 +224,12 @@ class Attention(nnx.Module):
     K = k.shape[1]
     q = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     if c.attention_chunk and T > c.attention_chunk:
-      out = _attend_in_chunks(q, k, v, mask, c.attention_chunk)
+      out = attention.attend_in_chunks(q, k, v, mask, c.attention_chunk)
     else:
-      out = _attend(q, k, v, mask)
+      out = attention.attend(q, k, v, mask)
     out = sharding.constrain(out.reshape(B, T, N, H), ("batch", None, "heads", None))
     y = jnp.einsum("BTNH,NHD->BTD", out, self.o_kernel[...].astype(c.dtype))
     return y, cache
-
-
-def _attend(q, k, v, mask):
-  """Softmax attention. q: [B, T, K, G, H]; k, v: [B, K, S, H]; mask: [B, T, S] -> [B, T, K, G, H]."""
-  H = q.shape[-1]
-  scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
-  scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum("BKGTS,BKSH->BTKGH", probs, v)
-
-
-def _attend_in_chunks(q, k, v, mask, chunk: int):
-  """`_attend` on blocks of `chunk` queries in a loop, each block rematerialised in the backward pass.
-
-  Every query row sees all S keys, so each row's softmax is the one `_attend` computes; only the peak
-  memory changes, from [B, K, G, T, S] fp32 scores to [B, K, G, chunk, S].
-  """
-  B, T = q.shape[:2]
-  n = -(-T // chunk)
-  pad = n * chunk - T  # padded query rows see no key (a uniform softmax) and are dropped below
-  q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
-  mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
-  blocks = (jnp.moveaxis(q.reshape(B, n, chunk, *q.shape[2:]), 1, 0),  # [n, B, chunk, K, G, H]
-            jnp.moveaxis(mask.reshape(B, n, chunk, mask.shape[-1]), 1, 0))  # [n, B, chunk, S]
-  out = jax.lax.map(jax.checkpoint(lambda block: _attend(block[0], k, v, block[1])), blocks)
-  return jnp.moveaxis(out, 0, 1).reshape(B, n * chunk, *q.shape[2:])[:, :T]
 
 
 class MLP(nnx.Module):
@@ -317,6 +241,7 @@ class MLP(nnx.Module):
     self.down_kernel = _param(rngs, (F, D), ("mlp", "embed"), pd)
 
   def __call__(self, x):
+    """x [B, T, D] -> [B, T, D] (SwiGLU through [B, T, F])."""
     dt = self.dtype
     x = x.astype(dt)
     gate = jnp.einsum("BTD,DF->BTF", x, self.gate_kernel[...].astype(dt))
@@ -334,6 +259,7 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(c, rngs=rngs)
 
   def __call__(self, x, cos, sin, mask, cache=None, layer=None, write_index=None):
+    """x [B, T, D] -> (x [B, T, D], cache): pre-norm attention and MLP, each added to the residual."""
     attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, write_index)
     x = x + attn_out.astype(x.dtype)
     x = x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype)
@@ -423,7 +349,7 @@ class Qwen2Model(nnx.Module):
     c = self.config
     x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(c.dtype)  # [B, T, D]
     x = sharding.constrain(x, ("batch", None, None))
-    cos, sin = rope_cos_sin(positions, c.head_size, c.rope_theta)
+    cos, sin = attention.rope_cos_sin(positions, c.head_size, c.rope_theta)
     x, cache = scan_layers(self.layers, x, cos, sin, mask, cache, write_index, remat=c.remat)
     return self.norm(x), cache
 

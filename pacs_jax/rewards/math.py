@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import numpy as np
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from pacs_jax.data import synthetic
+from pacs_jax.rewards import synthetic
 
 logger = logging.getLogger(__name__)
 

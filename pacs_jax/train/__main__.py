@@ -42,7 +42,8 @@ def main(argv):
   runtime.init(cfg)
   from pacs_jax import config
   from pacs_jax.data import sources
-  from pacs_jax.train import checkpoint, loop, workdir_lock
+  from pacs_jax.storage import checkpoint, lock as workdir_lock
+  from pacs_jax.train import loop
   try:
     loop.train(cfg, workdir)
   except (config.ConfigError, sources.DataError, workdir_lock.WorkdirLocked, checkpoint.NoRestorableCheckpoint) as e:

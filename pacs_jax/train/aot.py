@@ -9,13 +9,11 @@ programs on any machine). Loop trip counts are applied to the compiler's cost fi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import re
-import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +25,9 @@ from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.train import hlo_cost
-from pacs_jax.train import memory
+from pacs_jax.train.aot_measure import (GB, ProgramReport, measure, outputs_of, per_chip_bytes,
+                                        persistent_cache_off)
 from pacs_jax.train import programs as programs_lib
-
-GB = 1e9
-
 
 class TargetUnavailable(RuntimeError):
   """The config's target backend cannot be compiled for on this machine."""
@@ -70,119 +65,6 @@ def target(cfg: ml_collections.ConfigDict) -> Target:
     stats = local[0].memory_stats() or {}
     hbm = stats.get("bytes_limit")
   return Target(tuple(local[:wanted]), f"{wanted} local {local[0].platform} devices", hbm, h.num_processes or 1)
-
-
-# ----------------------------------------------------------------------------------------------
-# Per-program figures
-
-
-def per_chip_bytes(tree: Any) -> float:
-  """Bytes one device holds of a tree of ShapeDtypeStructs (unsharded leaves: whole)."""
-  total = 0.0
-  for x in jax.tree.leaves(tree):
-    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-    total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
-  return total
-
-
-@dataclasses.dataclass
-class ProgramReport:
-  name: str
-  phase: str  # "rollout" | "update"
-  calls: float  # calls per training step (rollout programs: an upper bound, every response at full length)
-  model_flops: float  # per call and chip: 2 N (forward) or 6 N (forward + backward) per token / chips
-  compile_s: float = 0.0
-  load_average: float = 0.0  # the host's 1-minute load average after compiling (compile times depend on it)
-  argument: float = 0.0  # bytes per chip
-  output: float = 0.0
-  alias: float = 0.0
-  temp: float = 0.0
-  resident: float = 0.0  # bytes of its arguments / outputs the phase holds anyway (counted once, in `resident`)
-  flops: float | None = None  # per call, loop trip counts applied
-  bytes_accessed: float | None = None
-  optimal_s: float | None = None
-  raw_flops: float | None = None  # the compiler's count, each loop body once
-  raw_bytes: float | None = None
-  raw_optimal_s: float | None = None
-  uncosted: int = 0  # instructions the compiler gave no time estimate (left out of optimal_s)
-  cycles: float = 0.0  # the compiler's estimated cycles, loops applied (once: raw_cycles)
-  raw_cycles: float = 0.0
-  loops: list = dataclasses.field(default_factory=list)  # hlo_cost.Loop
-  error: str = ""  # the compiler's message when the program does not compile (e.g. out of memory)
-
-  @property
-  def peak(self) -> float:
-    """Everything the program holds at once per chip: arguments, outputs not aliased to them, temporaries."""
-    return self.argument + self.output - self.alias + self.temp
-
-  @property
-  def extra(self) -> float:
-    """What running it adds to the phase's resident bytes."""
-    return max(0.0, self.peak - self.resident)
-
-
-@contextlib.contextmanager
-def persistent_cache_off():
-  """Compile-only executables cannot be loaded back from jax's persistent cache (libtpu has no client to load
-  them into), and a cached compile would hide the compile time: the cache is off while compiling."""
-  from jax.experimental.compilation_cache import compilation_cache
-  enabled = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  compilation_cache.reset_cache()  # jax decides once per process whether the cache is used
-  try:
-    yield
-  finally:
-    jax.config.update("jax_enable_compilation_cache", enabled)
-    compilation_cache.reset_cache()
-
-
-def _cost(compiled) -> dict:
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else {}
-  return cost or {}
-
-
-def measure(report: ProgramReport, lower: Callable[[], Any], resident: Callable[[Any], float]) -> Any:
-  """Compiles one program and fills `report`; returns the compiled executable (None if it failed)."""
-  start = time.perf_counter()
-  try:
-    compiled = lower().compile()
-  except Exception as e:  # XLA's out-of-memory (RESOURCE_EXHAUSTED) or any compile error: reported, not raised
-    report.compile_s = time.perf_counter() - start
-    report.error = f"{type(e).__name__}: {e}"
-    return None
-  report.compile_s = time.perf_counter() - start
-  report.load_average = os.getloadavg()[0]
-  mem = compiled.memory_analysis()
-  report.argument, report.output = float(mem.argument_size_in_bytes), float(mem.output_size_in_bytes)
-  report.alias, report.temp = float(mem.alias_size_in_bytes), float(mem.temp_size_in_bytes)
-  report.resident = resident(compiled)
-  cost = _cost(compiled)
-  loops = hlo_cost.analyse(compiled.as_text())
-  report.loops = loops.loops
-  report.raw_flops, report.raw_bytes = cost.get("flops"), cost.get("bytes accessed")
-  report.raw_optimal_s = cost.get("optimal_seconds")
-  if report.raw_optimal_s is not None and report.raw_optimal_s < 0:
-    # The TPU cost model counts -1 s for each instruction it cannot cost (seen: an all-gather of a bool
-    # vector, as the engine's replicated `active` flags): keep the costed part, below 1 s for these programs.
-    report.uncosted = -math.floor(report.raw_optimal_s)
-    report.raw_optimal_s -= math.floor(report.raw_optimal_s)
-  if report.raw_flops is not None:
-    report.flops = report.raw_flops + loops.total("flops") - loops.total("flops", weighted=False)
-  if report.raw_bytes is not None:
-    report.bytes_accessed = report.raw_bytes + loops.total("bytes") - loops.total("bytes", weighted=False)
-  once = loops.total("cycles", weighted=False)
-  report.cycles, report.raw_cycles = loops.total("cycles"), once
-  if report.raw_optimal_s is not None:
-    report.optimal_s = report.raw_optimal_s * (loops.total("cycles") / once if once else 1.0)
-  return compiled
-
-
-def outputs_of(compiled) -> Any:
-  """The compiled program's outputs as ShapeDtypeStructs in the shardings it produces them in."""
-  return jax.tree.map(lambda info, s: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=s),
-                      compiled.out_info, compiled.output_shardings)
 
 
 def _i32(*shape) -> jax.ShapeDtypeStruct:
@@ -322,7 +204,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
                  lambda: progs.to_sample_params.lower(state.params),
                  lambda c: params_bytes + per_chip_bytes(outputs_of(c)))
   sample_params = outputs_of(compiled) if compiled is not None else engine.abstract_params(
-      memory.DTYPES[cfg.model.dtype])
+      config_lib.dtype(cfg.model.dtype))
   rollout_weights = per_chip_bytes(sample_params)
   compiled = run(ProgramReport("init_decode_state", "rollout", 1, 0.0), lambda: engine._init_jit.lower(),
                  lambda c: per_chip_bytes(outputs_of(c)))

@@ -25,22 +25,20 @@ from pacs_jax import sharding
 from pacs_jax.algos import pacs as pacs_lib
 from pacs_jax.algos import ppo
 from pacs_jax.data import pipeline as pipeline_lib
+from pacs_jax.data import prompts as prompts_lib
 from pacs_jax.data import sources, synthetic
 from pacs_jax.models import hf, qwen2
 from pacs_jax.rewards import math as rewards_lib
 from pacs_jax.rollout import scheduler
 from pacs_jax.rollout import state as rollout_state
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.train import checkpoint as checkpoint_lib
-from pacs_jax.train import export_lib
-from pacs_jax.train import memory
+from pacs_jax.storage import checkpoint as checkpoint_lib
+from pacs_jax.storage import export as export_lib
+from pacs_jax.storage import lock as workdir_lock
+from pacs_jax.storage.workdir import CHECKPOINT_DIR
 from pacs_jax.train import metrics as metrics_lib
 from pacs_jax.train import programs as programs_lib
 from pacs_jax.train import state as state_lib
-from pacs_jax.train import workdir_lock
-
-DTYPES = memory.DTYPES
-CHECKPOINT_DIR = "checkpoints"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,15 +52,9 @@ def load_tokenizer(cfg: ml_collections.ConfigDict):
   return hf.load_tokenizer(name)
 
 
-def model_config(cfg: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
-  if cfg.model.hf_path:
-    return hf.load_config(cfg.model.hf_path, **memory.model_overrides(cfg))
-  return memory.model_config(cfg)
-
-
 def build_policy(cfg: ml_collections.ConfigDict, mesh) -> qwen2.Qwen2ForCausalLM:
   """The initial policy in its train-mode shardings: a HF checkpoint, or a seeded random init."""
-  mc = model_config(cfg)
+  mc = config_lib.model_config(cfg)
   if cfg.model.hf_path:
     model, _ = hf.load_pretrained(cfg.model.hf_path, dtype=mc.param_dtype, mesh=mesh, compute_dtype=mc.dtype,
                                   remat=mc.remat, attention_chunk=mc.attention_chunk)
@@ -272,7 +264,7 @@ class Trainer:
       self.val_records, _ = load_split(val_spec, cfg, cfg.data.synthetic_val_size, cfg.seed + 12345)
       if cfg.data.val_max_examples:
         self.val_records = self.val_records[:cfg.data.val_max_examples]
-    val_ids = pipeline_lib.encode_prompts(self.tokenizer, [r["problem"] for r in self.val_records], instruction)
+    val_ids = prompts_lib.encode_prompts(self.tokenizer, [r["problem"] for r in self.val_records], instruction)
     # Validation prompts over max_prompt_length are dropped like training ones.
     keep = [i for i, ids in enumerate(val_ids) if len(ids) <= self.P]
     self.val_records = [self.val_records[i] for i in keep]

@@ -24,15 +24,10 @@ from pacs_jax.models import qwen2
 from pacs_jax.train import state as state_lib
 
 GB = 1e9
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def abstract_mesh(cfg: ml_collections.ConfigDict, num_devices: int) -> AbstractMesh:
-  sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
-  known = math.prod(v for v in sizes.values() if v != -1)
-  for axis, v in sizes.items():
-    if v == -1:
-      sizes[axis] = num_devices // known
+  sizes = sharding.mesh_sizes(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, num_devices)
   return AbstractMesh(tuple(sizes[a] for a in sharding.MESH_AXES), sharding.MESH_AXES)
 
 
@@ -52,26 +47,12 @@ def tree_bytes_per_device(tree: Any, specs: Any, mesh_shape: dict[str, int]) -> 
   return sum(_shard_bytes(x.shape, x.dtype, s, mesh_shape) for x, s in zip(leaves, spec_leaves, strict=True))
 
 
-def model_overrides(cfg: ml_collections.ConfigDict) -> dict:
-  """The `Qwen2Config` fields a run config sets on top of a preset or a checkpoint's config.json."""
-  return dict(param_dtype=DTYPES[cfg.model.param_dtype], dtype=DTYPES[cfg.model.dtype], remat=cfg.model.remat,
-              attention_chunk=cfg.model.attention_chunk)
-
-
-def model_config(cfg: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
-  """Shapes come from the preset (a dry run never reads a checkpoint or the hub)."""
-  overrides = model_overrides(cfg)
-  if cfg.model.vocab_size:
-    overrides["vocab_size"] = cfg.model.vocab_size
-  return qwen2.get_preset(cfg.model.preset, **overrides)
-
-
 def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, float]:
   """Per-device bytes of each part of a training run on `num_devices` devices."""
   config_lib.validate(cfg, num_devices, cfg.hardware.num_processes or 1, check_paths=False)
   mesh = abstract_mesh(cfg, num_devices)
   mesh_shape = dict(mesh.shape)
-  mc = model_config(cfg)
+  mc = config_lib.preset_model_config(cfg)
   abstract = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(0)))
   _, params = nnx.split(abstract, nnx.Param)
   train_specs = sharding.state_specs(params, mesh, "train")

@@ -14,11 +14,11 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.algos import ppo
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.train import memory
 from pacs_jax.train import state as state_lib
 from pacs_jax.train import step as step_lib
 
@@ -102,7 +102,7 @@ def minibatch_shapes(cfg: ml_collections.ConfigDict, mesh) -> dict[str, jax.Shap
 
 def abstract_policy(cfg: ml_collections.ConfigDict) -> qwen2.Qwen2ForCausalLM:
   """The policy's structure and shapes from `model.preset` (nothing allocated, no checkpoint read)."""
-  mc = memory.model_config(cfg)
+  mc = config_lib.preset_model_config(cfg)
   return nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(0)))
 
 
@@ -147,7 +147,7 @@ def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, opt
   step_fn = step_lib.make_train_step(cfg, graphdef, optimizer, critic_graphdef, critic_optimizer)
   # Rollout weights: sample-mode layout in the compute dtype. The model casts every weight to that
   # dtype before use, so sampling numerics are unchanged while memory and bandwidth drop.
-  compute = memory.DTYPES[cfg.model.dtype]
+  compute = config_lib.dtype(cfg.model.dtype)
   return Programs(
       train_step=jax.jit(step_fn, in_shardings=(state_shardings, None), out_shardings=(state_shardings, None),
                          donate_argnums=(0,)),

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from pacs_jax.data import pipeline, sources, synthetic
+from pacs_jax.data import pipeline, prompts, sources, synthetic
 
 # Qwen2.5's chat template (tokenizer_config.json of the Qwen2.5 models).
 QWEN25_CHAT_TEMPLATE = """{%- if tools %}
@@ -95,7 +95,7 @@ def _take(iterator, n):
 
 def test_rendered_prompt_with_qwen25_template(qwen_style_tokenizer):
   problem = "What is $1+1$?"
-  [text] = pipeline.render_prompts(qwen_style_tokenizer, [problem])
+  [text] = prompts.render_prompts(qwen_style_tokenizer, [problem])
   assert text == (
       "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
       "<|im_start|>user\nWhat is $1+1$? Please reason step by step, and put your final answer within \\boxed{}."
@@ -103,9 +103,9 @@ def test_rendered_prompt_with_qwen25_template(qwen_style_tokenizer):
 
 
 def test_rendered_prompt_without_instruction(tokenizer):
-  assert pipeline.render_prompts(tokenizer, ["7 mod 3"], instruction=synthetic.INSTRUCTION) == [
+  assert prompts.render_prompts(tokenizer, ["7 mod 3"], instruction=synthetic.INSTRUCTION) == [
       "<|im_start|>user\n7 mod 3<|im_end|>\n<|im_start|>assistant\n"]
-  assert pipeline.user_message("p", "Do it.") == "p Do it." and pipeline.user_message("p", None) == "p"
+  assert prompts.user_message("p", "Do it.") == "p Do it." and prompts.user_message("p", None) == "p"
 
 
 def test_batches_carry_the_tokenized_prompts(tokenizer):

@@ -8,7 +8,7 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
-from pacs_jax.data import sources
+from pacs_jax.data import prompts, sources
 
 # (file under shared/data, records in SOURCES.md, data_source)
 SHARED_FILES = [
@@ -148,7 +148,7 @@ def test_parquet_round_trip(shared_data, tmp_path):
 def test_released_parquet_written_by_pandas(tmp_path):
   # The released preprocessing writes with pandas (answer kept in extra_info, repeat suffix in data_source).
   import pandas as pd
-  rows = [{"data_source": "aime_2024_1", "prompt": [{"role": "user", "content": "Find x. " + sources.MATH_INSTRUCTION}],
+  rows = [{"data_source": "aime_2024_1", "prompt": [{"role": "user", "content": "Find x. " + prompts.MATH_INSTRUCTION}],
            "ability": "math", "reward_model": {"style": "rule", "ground_truth": "204"},
            "extra_info": {"split": "train", "index": 0, "answer": "solution text"}}]
   path = str(tmp_path / "released.parquet")

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax.data import pipeline, synthetic
+from pacs_jax.data import pipeline, prompts, synthetic
 from pacs_jax.models import qwen2
+from pacs_jax.rewards import synthetic as synthetic_verifier
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def test_two_operand_task():
 def test_score(response, answer, expected):
   task = synthetic.get_task("mod3")
   assert task.score(response, answer) == expected
-  assert synthetic.compute_score("synthetic/mod3", response, answer) == expected
+  assert synthetic_verifier.compute_score("synthetic/mod3", response, answer) == expected
 
 
 def test_unknown_task_is_an_error():
@@ -94,7 +95,7 @@ def _sample_success_rate(task, tokenizer, model_seed, vocab_size, num_prompts=64
                          max_new_tokens=4):
   """Uncached temperature-1 sampling from a random tiny Qwen2; fraction of responses verified."""
   records = task.records(num_prompts, seed=0)
-  prompt_ids = pipeline.encode_prompts(tokenizer, [r["problem"] for r in records], instruction=synthetic.INSTRUCTION)
+  prompt_ids = prompts.encode_prompts(tokenizer, [r["problem"] for r in records], instruction=synthetic.INSTRUCTION)
   ids, mask = pipeline.pad_prompts(prompt_ids, tokenizer.pad_token_id)
   ids, mask = np.repeat(ids, samples_per_prompt, 0), np.repeat(mask, samples_per_prompt, 0)
   model = qwen2.Qwen2ForCausalLM(qwen2.get_preset("tiny", vocab_size=vocab_size), rngs=nnx.Rngs(model_seed))

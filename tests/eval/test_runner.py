@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax.data import sources
-from pacs_jax.eval import passk, runner
+from pacs_jax.data import prompts, sources
+from pacs_jax.eval import passk, problems, results, runner
 from pacs_jax.models import hf, qwen2
 
 NAMES = ("math500", "aime2024", "aime2025", "amc23")
@@ -76,7 +76,7 @@ def tiny_model(vocab_size):
 
 @pytest.fixture(scope="module")
 def tokenizer(data_dir):
-  texts = [sources.MATH_INSTRUCTION]
+  texts = [prompts.MATH_INSTRUCTION]
   for name in NAMES:
     texts += [r["problem"] for r in sources.load_records(os.path.join(data_dir, name, "test.jsonl")).records]
   return build_tokenizer(texts)
@@ -110,12 +110,12 @@ def first_run(model_dir, data_dir, tmp_path_factory):
 
 
 def read_lines(out):
-  with open(os.path.join(out, runner.ROLLOUT_FILE)) as f:
+  with open(os.path.join(out, results.ROLLOUT_FILE)) as f:
     return [json.loads(line) for line in f]
 
 
 def read_summary(out):
-  with open(os.path.join(out, runner.SUMMARY_FILE)) as f:
+  with open(os.path.join(out, results.SUMMARY_FILE)) as f:
     return json.load(f)
 
 
@@ -175,7 +175,7 @@ def test_writes_the_released_layouts_with_every_k_per_source(first_run):
   assert len(lines) == sum(KEPT.values())  # one line per problem
   for line in lines:
     assert {"data_source", "prompt", "ability", "reward_model", "extra_info", "rollout"} <= set(line)
-    assert line["prompt"][0]["role"] == "user" and line["prompt"][0]["content"].endswith(sources.MATH_INSTRUCTION)
+    assert line["prompt"][0]["role"] == "user" and line["prompt"][0]["content"].endswith(prompts.MATH_INSTRUCTION)
     assert len(line["rollout"]) == 4
     for r in line["rollout"]:
       assert set(r["score"]) == {"score", "data_source", "ground_truth"}
@@ -184,7 +184,7 @@ def test_writes_the_released_layouts_with_every_k_per_source(first_run):
       assert isinstance(r["output"], str) and r["finish_reason"] in ("eos", "length") and 1 <= r["num_tokens"] <= 8
   assert {line["extra_info"]["index"] for line in lines if line["data_source"] == "aime_2024"} == {1, 2}  # #0 overlong
   # eval_metrics.json is exactly what the released reader computes from eval_rollout.jsonl.
-  with open(os.path.join(out, runner.METRICS_FILE)) as f:
+  with open(os.path.join(out, results.METRICS_FILE)) as f:
     written = json.load(f)
   assert written == released_metrics(out)
   assert set(written) == set(SOURCES) and all(set(v) == {"pass@1", "pass@2", "pass@4"} for v in written.values())
@@ -195,7 +195,7 @@ def test_pass_at_k_matches_the_lines(first_run):
   counts = {(line["data_source"], line["extra_info"]["index"]): sum(r["score"]["score"] == 1.0 for r in line["rollout"])
             for line in read_lines(out)}
   assert 0 < sum(counts.values()) < 4 * len(counts)  # the scorer gives a mix of 0 and 1
-  with open(os.path.join(out, runner.METRICS_FILE)) as f:
+  with open(os.path.join(out, results.METRICS_FILE)) as f:
     written = json.load(f)
   for source in SOURCES:
     per_problem = [c for (s, _), c in counts.items() if s == source]
@@ -216,7 +216,7 @@ def test_resume_redraws_only_missing_problems_identically(first_run, model_dir, 
   # Lost: two problems' lines, and a line of ours cut short by a crash.
   lost = {("math_500", 1), ("amc23", 0)}
   kept = [line for line in lines if key(line) not in lost]
-  with open(os.path.join(resumed, runner.ROLLOUT_FILE), "w") as f:
+  with open(os.path.join(resumed, results.ROLLOUT_FILE), "w") as f:
     f.write("".join(json.dumps(line) + "\n" for line in kept) + json.dumps(lines[0])[:30])
   again = runner.evaluate(model_dir, ",".join(NAMES), SETTINGS, out_dir=resumed, data_dir=data_dir,
                           scorer=ParityScorer(), progress=False)
@@ -237,18 +237,18 @@ def test_never_rewrites_released_results_beside_it(first_run, model_dir, data_di
   released_dir = tmp_path / "released"
   released_dir.mkdir()
   foreign = [{"data_source": "math_500", "prompt": [{"role": "user", "content": "What is 1+1? " +
-                                                     sources.MATH_INSTRUCTION}],
+                                                     prompts.MATH_INSTRUCTION}],
               "ability": "math", "reward_model": {"style": "rule", "ground_truth": "2"},
               "extra_info": {"split": "train", "index": 0, "answer": "2"},
               "rollout": [{"output": "\\boxed{2}", "score": {"score": 1.0, "data_source": "math_500",
                                                                 "ground_truth": "2"}}] * 4}]
   foreign_bytes = "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in foreign)  # save_jsonl
   foreign_bytes += '{"data_source": "gsm8k", "note": "a line nobody can parse'  # and no final newline
-  (released_dir / runner.ROLLOUT_FILE).write_text(foreign_bytes)
-  (released_dir / runner.METRICS_FILE).write_text('{"math_500": {"pass@1": 1.0}}')
+  (released_dir / results.ROLLOUT_FILE).write_text(foreign_bytes)
+  (released_dir / results.METRICS_FILE).write_text('{"math_500": {"pass@1": 1.0}}')
   runner.evaluate(model_dir, ",".join(NAMES), SETTINGS, out_dir=str(released_dir), data_dir=data_dir,
                   scorer=ParityScorer(), progress=False)
-  text = (released_dir / runner.ROLLOUT_FILE).read_text()
+  text = (released_dir / results.ROLLOUT_FILE).read_text()
   assert text.startswith(foreign_bytes)
   assert (released_dir / "eval_metrics.orig.json").read_text() == '{"math_500": {"pass@1": 1.0}}'
   ours = [json.loads(line) for line in text[len(foreign_bytes):].splitlines() if line]
@@ -258,7 +258,7 @@ def test_never_rewrites_released_results_beside_it(first_run, model_dir, data_di
   again = runner.evaluate(model_dir, ",".join(NAMES), SETTINGS, out_dir=str(released_dir), data_dir=data_dir,
                           scorer=ParityScorer(), progress=False)
   assert again["sources"] == summary["sources"]
-  assert (released_dir / runner.ROLLOUT_FILE).read_text() == text
+  assert (released_dir / results.ROLLOUT_FILE).read_text() == text
 
 
 def test_sharded_over_two_devices_draws_the_same_responses(first_run, model_dir, data_dir, tmp_path):
@@ -289,18 +289,18 @@ def test_refuses_to_mix_other_settings(first_run, model_dir, data_dir, tmp_path)
 
 def test_resolve_data(data_dir):
   with pytest.raises(ValueError, match="--data_dir"):
-    runner.resolve_data("math500")  # no default folder: the names only resolve under --data_dir
+    problems.resolve_data("math500")  # no default folder: the names only resolve under --data_dir
   with pytest.raises(FileNotFoundError, match="nosuch"):
-    runner.resolve_data("nosuch", data_dir)
+    problems.resolve_data("nosuch", data_dir)
   path = os.path.join(data_dir, "amc23", "test.jsonl")
-  assert runner.resolve_data(f"math500, {path},synthetic/mod3", data_dir) == [
+  assert problems.resolve_data(f"math500, {path},synthetic/mod3", data_dir) == [
       os.path.join(data_dir, "math500", "test.jsonl"), path, "synthetic/mod3"]
 
 
 def test_cli_on_a_training_workdir(data_dir, tokenizer, tmp_path):
   """The CLI end to end on one device: checkpoint -> export_step_<S> -> both files there, math-verify scores."""
-  from pacs_jax.train import checkpoint as checkpoint_lib
-  from pacs_jax.train import export_lib
+  from pacs_jax.storage import checkpoint as checkpoint_lib
+  from pacs_jax.storage import export as export_lib
 
   workdir = str(tmp_path / "run")
   model = tiny_model(len(tokenizer))
@@ -324,5 +324,5 @@ def test_cli_on_a_training_workdir(data_dir, tokenizer, tmp_path):
   for entry in summary["sources"].values():
     assert {"pass@1", "pass@2"} <= set(entry) and entry["num_responses"] == 4
   assert len(read_lines(out)) == 4
-  with open(os.path.join(out, runner.METRICS_FILE)) as f:
+  with open(os.path.join(out, results.METRICS_FILE)) as f:
     assert json.load(f) == released_metrics(out)

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from pacs_jax.train import workdir_lock
-from pacs_jax.train.workdir_lock import Holder, WorkdirLock, WorkdirLocked
+from pacs_jax.storage import lock as workdir_lock
+from pacs_jax.storage.lock import Holder, WorkdirLock, WorkdirLocked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -6,24 +6,24 @@ Workdirs and outputs may be local or `gs://`; reading a workdir never creates or
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 from flax import nnx
 
+from pacs_jax import config as config_lib
 from pacs_jax import paths
 from pacs_jax.models import hf, qwen2
-from pacs_jax.train import checkpoint as checkpoint_lib
-from pacs_jax.train.memory import DTYPES
-
-MODEL_DIR = "model"  # workdir/model: the policy's HF config.json and tokenizer, written when training starts
-CHECKPOINT_DIR = "checkpoints"
+from pacs_jax.storage import checkpoint as checkpoint_lib
+from pacs_jax.storage import workdir as workdir_lib
+from pacs_jax.storage.workdir import CHECKPOINT_DIR, MODEL_DIR
 
 
 def write_model_card(workdir: str, config: qwen2.Qwen2Config, tokenizer) -> None:
   """Saves what export needs besides weights (process 0 only)."""
   if jax.process_index() != 0:
     return
-  with paths.staged_dir(paths.join(workdir, MODEL_DIR), last=(hf.CONFIG_FILE,)) as local:
+  with paths.staged_dir(workdir_lib.model_dir(workdir), last=(hf.CONFIG_FILE,)) as local:
     tokenizer.save_pretrained(local)
     with open(f"{local}/{hf.CONFIG_FILE}", "w") as f:
       json.dump(config.to_hf_dict(), f, indent=2)
@@ -31,7 +31,7 @@ def write_model_card(workdir: str, config: qwen2.Qwen2Config, tokenizer) -> None
 
 def open_checkpoints(workdir: str) -> checkpoint_lib.Checkpointer:
   """The workdir's checkpoints, read-only; FileNotFoundError (creating nothing) when there are none."""
-  directory = paths.join(workdir, CHECKPOINT_DIR)
+  directory = workdir_lib.checkpoint_dir(workdir)
   if not paths.isdir(workdir):
     raise FileNotFoundError(f"{paths.normalize(workdir)}: no such workdir")
   if not paths.isdir(directory):
@@ -56,13 +56,13 @@ def load_policy(workdir: str, step: int | None = None) -> tuple[qwen2.Qwen2ForCa
   newest checkpoint that restores (a damaged newer one is skipped with a warning)."""
   ckpt = open_checkpoints(workdir)
   try:
-    with paths.local_dir(paths.join(workdir, MODEL_DIR)) as model_dir:
+    with paths.local_dir(workdir_lib.model_dir(workdir)) as model_dir:
       if not paths.isfile(f"{model_dir}/{hf.CONFIG_FILE}"):
-        raise FileNotFoundError(f"{paths.join(workdir, MODEL_DIR)}: missing {hf.CONFIG_FILE} (written when "
+        raise FileNotFoundError(f"{workdir_lib.model_dir(workdir)}: missing {hf.CONFIG_FILE} (written when "
                                 "training starts)")
 
       def restore(s: int) -> qwen2.Qwen2ForCausalLM:
-        param_dtype = DTYPES[ckpt.restore_config(s)["model"]["param_dtype"]]
+        param_dtype = config_lib.dtype(ckpt.restore_config(s)["model"]["param_dtype"])
         config = hf.load_config(model_dir, param_dtype=param_dtype, dtype=param_dtype)
         abstract = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)))
         graphdef, abstract_params = nnx.split(abstract, nnx.Param)
@@ -84,10 +84,37 @@ def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | Non
            max_shard_size: str | int | None = "5GB") -> str:
   """Writes the checkpoint's policy as a Hugging Face directory (weights, config.json, tokenizer)."""
   model, _ = load_policy(workdir, step)
-  with paths.local_dir(paths.join(workdir, MODEL_DIR)) as model_dir:
+  with paths.local_dir(workdir_lib.model_dir(workdir)) as model_dir:
     tokenizer = hf.load_tokenizer(model_dir)  # read whole: no file of it is needed afterwards
   # config.json goes last: a directory that has it is complete (evaluate relies on this).
   with paths.staged_dir(out_dir, last=(hf.CONFIG_FILE,)) as local:
     hf.save_pretrained(model, local, tokenizer=tokenizer, max_shard_size=max_shard_size,
-                       dtype=DTYPES[dtype] if dtype else None)
+                       dtype=config_lib.dtype(dtype) if dtype else None)
   return paths.normalize(out_dir)
+
+
+def is_workdir(path: str) -> bool:
+  """A training workdir (checkpoints and the model card), as opposed to a Hugging Face directory."""
+  return paths.isdir(workdir_lib.checkpoint_dir(path)) and paths.isfile(
+      paths.join(workdir_lib.model_dir(path), hf.CONFIG_FILE))
+
+
+def model_to_evaluate(path: str, step: int | None = None) -> str:
+  """A Hugging Face directory: `path` itself, or a training workdir's checkpoint exported to
+  `path/export_step_<S>` (latest step by default; reused when already there)."""
+  if not is_workdir(path):
+    if not paths.isfile(paths.join(path, hf.CONFIG_FILE)):
+      raise FileNotFoundError(f"--model {path}: neither a Hugging Face directory ({hf.CONFIG_FILE}) nor a training "
+                              f"workdir ({CHECKPOINT_DIR}/ and {MODEL_DIR}/)")
+    return path
+  if step is None:
+    step = latest_step(path)
+  out = paths.join(path, f"export_step_{step}")
+  if not paths.isfile(paths.join(out, hf.CONFIG_FILE)):
+    if paths.is_remote(out):  # config.json is uploaded last: a directory without it is incomplete
+      export(path, out, step=step)
+    else:  # exported beside, then renamed: a crash mid-export leaves no directory that looks complete
+      partial = f"{out}.partial-{os.getpid()}"
+      export(path, partial, step=step)
+      os.replace(partial, out)
+  return out

@@ -22,8 +22,7 @@ import uuid
 from absl import logging
 
 from pacs_jax import paths
-
-LOCK_FILE = "trainer.lock"
+from pacs_jax.storage.workdir import LOCK_FILE
 
 
 class WorkdirLocked(RuntimeError):

@@ -21,9 +21,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from pacs_jax import paths
+from pacs_jax.storage.workdir import SET_ASIDE_DIR
 
 T = TypeVar("T")
-SET_ASIDE_DIR = "checkpoints_set_aside"  # beside the checkpoints folder: damaged or discarded steps
 
 
 class NoRestorableCheckpoint(RuntimeError):
@@ -138,9 +138,6 @@ class Checkpointer:
         logging.warning("moved checkpoint step %d to %s", step, dst)
     _barrier("pacs_jax_checkpoint_set_aside")
     self.manager.reload()
-
-  def wait(self) -> None:
-    self.manager.wait_until_finished()
 
   def close(self) -> None:
     self.manager.wait_until_finished()

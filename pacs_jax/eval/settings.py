@@ -1,0 +1,80 @@
+"""Evaluation's settings: `eval_config()` (the training config's field names, defaults as the released
+inference.py, checked by `config.validate_eval`) and the `EvalSettings` the runner takes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from pacs_jax import config as config_lib
+
+
+def eval_config() -> ml_collections.ConfigDict:
+  """Evaluation's defaults, the released inference.py's sampling, under the training config's field names."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.model = ml_collections.ConfigDict()
+  c.model.dtype = "bfloat16"  # weights and compute
+  c.data = ml_collections.ConfigDict()
+  c.data.max_prompt_length = 1024  # longer prompts are dropped (and counted), never truncated
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.n = 32  # samples per problem
+  c.rollout.temperature = 0.6  # 0: greedy
+  c.rollout.top_p = 0.95
+  c.rollout.top_k = 0
+  c.rollout.max_new_tokens = 4096
+  c.rollout.slots = 256  # concurrent decodes, each with a KV cache of max_prompt_length + max_new_tokens rows
+  c.rollout.stop_tokens = "released"
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.tensor = 1  # devices per model replica
+  c.reward_workers = 4
+  c.reward_timeout_s = 10.0
+  return c
+
+
+# EvalSettings field -> the `eval_config()` field it is.
+CONFIG_FIELDS = {
+    "n": "rollout.n", "temperature": "rollout.temperature", "top_k": "rollout.top_k", "top_p": "rollout.top_p",
+    "max_new_tokens": "rollout.max_new_tokens", "max_prompt_length": "data.max_prompt_length", "seed": "seed",
+    "dtype": "model.dtype", "stop_tokens": "rollout.stop_tokens", "batch_slots": "rollout.slots",
+}
+_DEFAULTS = eval_config()
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+  """What decides the responses and how they are batched; defaults and checks are `eval_config()`'s."""
+  n: int = _DEFAULTS.rollout.n
+  temperature: float = _DEFAULTS.rollout.temperature
+  top_k: int = _DEFAULTS.rollout.top_k
+  top_p: float = _DEFAULTS.rollout.top_p
+  max_new_tokens: int = _DEFAULTS.rollout.max_new_tokens
+  max_prompt_length: int = _DEFAULTS.data.max_prompt_length  # longer prompts are dropped (and counted)
+  seed: int = _DEFAULTS.seed
+  dtype: str = _DEFAULTS.model.dtype  # weights and compute
+  stop_tokens: str = _DEFAULTS.rollout.stop_tokens  # inference.py stops as the released rollout
+  batch_slots: int = _DEFAULTS.rollout.slots  # concurrent decodes, each with a KV cache
+  chunk_problems: int = 0  # problems per generate call and file append; 0: enough for 4x batch_slots responses
+  limit: int | None = None  # first `limit` problems of each data file
+
+  @classmethod
+  def from_config(cls, cfg, **rest) -> "EvalSettings":
+    """From a validated `eval_config()`; `rest`: chunk_problems, limit."""
+    return cls(**{name: config_lib.get_field(cfg, field) for name, field in CONFIG_FIELDS.items()}, **rest)
+
+  def to_config(self):
+    cfg = eval_config()
+    for name, field in CONFIG_FIELDS.items():
+      config_lib.set_field(cfg, field, getattr(self, name))
+    return cfg
+
+  def __post_init__(self):
+    config_lib.validate_eval(self.to_config())  # a ConfigError (a ValueError) naming the field
+    if self.chunk_problems < 0:
+      raise ValueError(f"chunk_problems must be >= 0, got {self.chunk_problems}")
+    if self.limit is not None and self.limit < 1:
+      raise ValueError(f"limit must be positive, got {self.limit}")
+
+  def problems_per_chunk(self) -> int:
+    return self.chunk_problems or max(1, -(-4 * self.batch_slots // self.n))

@@ -1,0 +1,90 @@
+"""Attention maths of the Qwen2 decoder: rotary position embedding, grouped-query softmax attention, and the
+KV cache's per-layer writes and reads.
+
+Shapes: B batch, T query length, S key length, N query heads, K kv heads, G = N // K, H head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# A large finite negative: fully masked rows (left padding) then give a uniform softmax instead of NaN,
+# as transformers does with finfo.min.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
+  """cos, sin of shape [B, T, H] for integer positions [B, T] (transformers' default RoPE)."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, H]
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+  """x: [B, T, N, H]; rotate-half convention of transformers (not interleaved).
+
+  rotate_half(x) = [-x2, x1] is written as a roll by H/2 times a sign: the same numbers, and on TPU a
+  much cheaper program to compile than a split and a concatenate along the lanes.
+  """
+  H = x.shape[-1]
+  x32 = x.astype(jnp.float32)
+  sign = jnp.where(jnp.arange(H) < H // 2, -1.0, 1.0).astype(jnp.float32)  # [H]
+  rotated = jnp.roll(x32, H // 2, axis=-1) * sign
+  return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
+
+
+def attend(q, k, v, mask):
+  """Softmax attention. q: [B, T, K, G, H]; k, v: [B, K, S, H]; mask: [B, T, S] -> [B, T, K, G, H]."""
+  H = q.shape[-1]
+  scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
+  scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("BKGTS,BKSH->BTKGH", probs, v)
+
+
+def attend_in_chunks(q, k, v, mask, chunk: int):
+  """`attend` on blocks of `chunk` queries in a loop, each block rematerialised in the backward pass.
+
+  Every query row sees all S keys, so each row's softmax is the one `attend` computes; only the peak
+  memory changes, from [B, K, G, T, S] fp32 scores to [B, K, G, chunk, S].
+  """
+  B, T = q.shape[:2]
+  n = -(-T // chunk)
+  pad = n * chunk - T  # padded query rows see no key (a uniform softmax) and are dropped below
+  q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+  mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
+  blocks = (jnp.moveaxis(q.reshape(B, n, chunk, *q.shape[2:]), 1, 0),  # [n, B, chunk, K, G, H]
+            jnp.moveaxis(mask.reshape(B, n, chunk, mask.shape[-1]), 1, 0))  # [n, B, chunk, S]
+  out = jax.lax.map(jax.checkpoint(lambda block: attend(block[0], k, v, block[1])), blocks)
+  return jnp.moveaxis(out, 0, 1).reshape(B, n * chunk, *q.shape[2:])[:, :T]
+
+
+# The KV cache (`qwen2.KVCache`: k, v [layers, B, K, S, H]) as attention writes and reads it.
+
+
+def write_kv(cache, layer: jax.Array, k: jax.Array, v: jax.Array, write_index=None):
+  """Writes one layer's new keys and values k, v [B, T, K, H] to cache rows write_index[b] + [0, T) of
+  sequence b (None: rows [0, T) of every sequence). Only those rows are written.
+
+  One scatter over (sequence, row) pairs: in a loop-carried, donated cache XLA writes it in place in
+  the cache's own layout (a per-sequence dynamic_update_slice under vmap makes it re-lay the whole
+  cache out around the loop instead).
+  """
+  B, T = k.shape[:2]
+  if write_index is None:
+    block = lambda new: jnp.swapaxes(new, 1, 2)[None]  # [1, B, K, T, H]
+    write = lambda buf, new: lax.dynamic_update_slice(buf, block(new).astype(buf.dtype), (layer, 0, 0, 0, 0))
+  else:
+    seq = jnp.arange(B)[:, None]  # [B, 1]
+    rows = write_index[:, None] + jnp.arange(T)[None, :]  # [B, T]
+    write = lambda buf, new: buf.at[layer, seq, :, rows, :].set(new.astype(buf.dtype))  # new [B, T, K, H]
+  return cache.replace(k=write(cache.k, k), v=write(cache.v, v))
+
+
+def read_kv(cache, layer: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+  """One layer's first `rows` cache rows: k, v [B, K, rows, H] (a decode window reads no further)."""
+  read = lambda buf: lax.dynamic_index_in_dim(buf, layer, axis=0, keepdims=False)[:, :, :rows]
+  return read(cache.k), read(cache.v)
