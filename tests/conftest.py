@@ -10,6 +10,10 @@ if "cuda" not in os.environ["JAX_PLATFORMS"] and "tpu" not in os.environ["JAX_PL
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if "tpu" not in os.environ["JAX_PLATFORMS"]:
+  # Tests compile for abstract TPU topologies (no TPU attached) in several processes at once (xdist workers,
+  # CLI subprocesses): libtpu's one-process-per-host lockfile would make all but the first fail.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
