@@ -12,6 +12,7 @@ import os
 import ml_collections
 
 from pacs_jax import paths
+from pacs_jax.algos import registry as algo_registry
 
 ALGORITHMS = ("pacs", "grpo", "ppo")
 
@@ -189,11 +190,13 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   """
   if devices is not None:
     num_devices = len(devices)
-  _check(c.algorithm in ALGORITHMS, "algorithm", f"must be one of {ALGORITHMS}, got {c.algorithm!r}")
+  _check(algo_registry.is_registered(c.algorithm), "algorithm",
+         f"must be one of {algo_registry.names()}, got {c.algorithm!r}")
+  algo = algo_registry.get(c.algorithm)
   _check(c.steps > 0, "steps", f"must be positive, got {c.steps}")
   _check(c.rollout.n >= 1, "rollout.n", f"must be >= 1, got {c.rollout.n}")
-  if c.algorithm in ("pacs", "grpo") and c.rollout.n < 2:
-    _check(False, "rollout.n", f"{c.algorithm} compares responses within a group and needs n >= 2")
+  if c.rollout.n < algo.min_group_size:
+    _check(False, "rollout.n", f"{c.algorithm} compares responses within a group and needs n >= {algo.min_group_size}")
   _check(c.rollout.temperature > 0, "rollout.temperature", "must be > 0 (greedy is used for validation only)")
   _check(0 < c.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
   _check(c.rollout.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
@@ -216,11 +219,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(p.weight_mode in ("question", "only_positive", "only_negative"), "pacs.weight_mode",
          f"question | only_positive | only_negative, got {p.weight_mode!r}")
   _check(p.reference_policy in ("frozen", "rollout"), "pacs.reference_policy", f"frozen | rollout, got {p.reference_policy!r}")
-  if c.algorithm == "pacs" and p.exact_padding_replication:
-    local_rows = t.batch_prompts * c.rollout.n // max(num_processes, 1)
-    _check(local_rows % t.verl_micro_batch_rows == 0, "train.verl_micro_batch_rows",
-           f"pacs.exact_padding_replication packs each process's {local_rows} rows in groups of "
-           f"{t.verl_micro_batch_rows}, which must divide them")
+  algo.validate(c, _check, num_processes)
   _check(c.grpo.loss_agg_mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
          "grpo.loss_agg_mode", f"unknown mode {c.grpo.loss_agg_mode!r}")
   _check(c.model.hf_path or c.model.preset, "model.preset", "set model.preset or model.hf_path")

@@ -17,6 +17,10 @@ MODEL = qwen2.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, n
                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 
 
+def SGD_METRICS(opt_state):  # plain SGD keeps neither a skip counter nor a learning rate
+  return {"skipped_updates": jnp.zeros((), jnp.float32), "lr": jnp.ones(())}
+
+
 def make_cfg(algorithm="pacs", **grpo):
   cfg = config_lib.default_config()
   cfg.algorithm = algorithm
@@ -65,15 +69,10 @@ def grads_of(cfg, batch, k):
                                rng=state_lib.initial_rng(0), critic_params=critic_params,
                                critic_opt_state=sgd.init(critic_params) if critic_params is not None else None)
 
-  # sgd has no skip counter / lr hyperparams: patch the metrics those read.
-  orig_skipped, orig_lr = step_lib.skipped_updates, step_lib.last_lr
-  step_lib.skipped_updates = lambda s: jnp.zeros((), jnp.int32)
-  step_lib.last_lr = lambda s: jnp.ones(())
-  try:
-    fn = step_lib.make_train_step(cfg, graphdef, sgd, critic_graphdef, sgd if critic_graphdef else None)
-    new_state, metrics = jax.jit(fn)(state, split(batch, k))
-  finally:
-    step_lib.skipped_updates, step_lib.last_lr = orig_skipped, orig_lr
+  # sgd has no skip counter / lr hyperparams: constant optimizer metrics instead.
+  fn = step_lib.make_train_step(cfg, graphdef, sgd, critic_graphdef, sgd if critic_graphdef else None,
+                                optimizer_metrics=SGD_METRICS)
+  new_state, metrics = jax.jit(fn)(state, split(batch, k))
   grads = jax.tree.map(lambda a, b: a - b, params, new_state.params)
   critic_grads = None
   if critic_params is not None:
