@@ -28,6 +28,13 @@ class RolloutBatch:
   # The algorithm's host inputs ([rows, R] each; `Algorithm.host_inputs`), e.g. PACS's padding replication.
   extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
+  def __getattr__(self, name: str) -> np.ndarray:
+    """An `extra` field by name (e.g. PACS's `proxy_mask`), like the fixed fields."""
+    extra = self.__dict__.get("extra", {})
+    if name in extra:
+      return extra[name]
+    raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+
 
 def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
   """[rows, R] -> 1 up to and including each row's first token in `eos_ids`, 0 after (float32).

@@ -21,7 +21,7 @@ _NEVER = 2**31 - 1
 @flax.struct.dataclass
 class TrainState:
   """Everything a training step transforms. Graph definitions are static and live outside."""
-  step: jax.Array  # [] int32: training steps done (one rollout batch each)
+  step: jax.Array  # [] int32: training steps done (one rollout batch, several mini-batch updates each)
   params: nnx.State  # policy parameters
   opt_state: Any
   rng: jax.Array  # [2] uint32 key data

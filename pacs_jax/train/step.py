@@ -3,7 +3,8 @@
 A mini-batch has a leading micro-batch axis: every array is [k, m, ...] with k micro-batches of m rows
 (whole prompt groups). Gradients are accumulated over micro-batches weighted by each one's share of
 the loss normaliser (responses for PACS, tokens or sequences for GRPO/PPO), so k micro-batches give
-exactly the unsplit mini-batch's gradient. Shapes: L = P + R tokens (prompt left-padded to P,
+exactly the unsplit mini-batch's gradient. A training step is several such updates; its last one
+(`ENDS_STEP`) also advances `state.step` and the RNG. Shapes: L = P + R tokens (prompt left-padded to P,
 response right-padded to R).
 """
 
