@@ -155,6 +155,12 @@ class Ppo(ClippedRatio):
                        clip_ratio_c=g.clip_ratio_c, loss_agg_mode=g.loss_agg_mode,
                        micro_batch_rows=cfg.train.verl_micro_batch_rows)
 
+  def make_critic(self, model_config, rngs):
+    return Critic(model_config, rngs=rngs)
+
+  def critic_lr(self, cfg):
+    return cfg.ppo.critic_lr
+
   def critic_mask(self, micro):
     return critic_mask(micro["attention_mask"], micro["response_mask"].shape[-1])
 

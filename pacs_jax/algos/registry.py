@@ -87,6 +87,14 @@ class Algorithm:
     """The value loss of one micro-batch from the critic's values [m, R] (`has_critic` only)."""
     raise NotImplementedError
 
+  def make_critic(self, model_config, rngs):
+    """A fresh critic module for a policy of `model_config` (`has_critic` only)."""
+    raise NotImplementedError
+
+  def critic_lr(self, cfg: ml_collections.ConfigDict) -> float:
+    """The critic optimizer's learning rate (`has_critic` only)."""
+    raise NotImplementedError
+
   def critic_mask(self, micro: Batch) -> jax.Array:
     """[m, R] positions the value loss averages over (its accumulation weight's mask)."""
     return micro["response_mask"]

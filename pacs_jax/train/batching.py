@@ -1,4 +1,4 @@
-"""A step's completions as training arrays: rows packed prompt-major, mini-/micro-batches of whole groups, rollout stats.
+"""A step's completions as training arrays (rows prompt-major, mini-/micro-batches of whole groups) and their stats.
 
 Rows of one prompt's group are contiguous (row = prompt * n + sample).
 """

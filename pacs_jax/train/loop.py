@@ -20,7 +20,7 @@ from flax import nnx
 from pacs_jax import config as config_lib
 from pacs_jax import paths
 from pacs_jax import sharding
-from pacs_jax.algos import ppo, registry
+from pacs_jax.algos import registry
 from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import sources, synthetic
 from pacs_jax.models import hf, qwen2
@@ -69,9 +69,11 @@ def build_policy(cfg: ml_collections.ConfigDict, mesh) -> qwen2.Qwen2ForCausalLM
   return sharding.create_sharded(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")
 
 
-def build_critic(cfg: ml_collections.ConfigDict, policy: qwen2.Qwen2ForCausalLM, mesh) -> ppo.Critic:
-  """PPO critic: the policy's backbone weights (as verl initialises it) plus a fresh value head."""
-  critic = sharding.create_sharded(lambda: ppo.Critic(policy.config, rngs=nnx.Rngs(cfg.seed + 1)), mesh, "train")
+def build_critic(cfg: ml_collections.ConfigDict, policy: qwen2.Qwen2ForCausalLM, mesh) -> nnx.Module:
+  """The algorithm's critic: its backbone (`.model`) starts from the policy's weights (as verl initialises
+  PPO's), its head fresh."""
+  make = lambda: registry.of(cfg).make_critic(policy.config, nnx.Rngs(cfg.seed + 1))
+  critic = sharding.create_sharded(make, mesh, "train")
   backbone = jax.tree.map(jnp.copy, nnx.state(policy.model, nnx.Param))
   nnx.update(critic.model, backbone)
   return critic

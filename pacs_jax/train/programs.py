@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import sharding
-from pacs_jax.algos import ppo, registry
+from pacs_jax.algos import registry
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.train import memory
@@ -46,9 +46,9 @@ def make_optimizers(cfg: ml_collections.ConfigDict):
   """(policy optimizer, critic optimizer or None)."""
   total_updates = cfg.steps * updates_per_step(cfg)
   optimizer = state_lib.make_optimizer(cfg.train, cfg.train.lr, total_updates)
-  critic = None
-  if registry.of(cfg).has_critic:
-    critic = state_lib.make_optimizer(cfg.train, cfg.ppo.critic_lr, total_updates)
+  algo, critic = registry.of(cfg), None
+  if algo.has_critic:
+    critic = state_lib.make_optimizer(cfg.train, algo.critic_lr(cfg), total_updates)
   return optimizer, critic
 
 
@@ -118,8 +118,9 @@ def abstract_train_state(cfg: ml_collections.ConfigDict, mesh):
   graphdef, params = nnx.split(policy, nnx.Param)
   optimizer, critic_optimizer = make_optimizers(cfg)
   critic_graphdef = critic_params = critic_opt_state = None
-  if registry.of(cfg).has_critic:
-    critic = nnx.eval_shape(lambda: ppo.Critic(policy.config, rngs=nnx.Rngs(1)))
+  algo = registry.of(cfg)
+  if algo.has_critic:
+    critic = nnx.eval_shape(lambda: algo.make_critic(policy.config, nnx.Rngs(1)))
     critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
     critic_opt_state = jax.eval_shape(critic_optimizer.init, critic_params)
   state = state_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
