@@ -12,6 +12,7 @@ import os
 import ml_collections
 
 from pacs_jax import paths
+from pacs_jax.algos import registry as algo_registry
 from pacs_jax.data import prompts
 
 ALGORITHMS = ("pacs", "grpo", "ppo")
@@ -188,11 +189,13 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   from pacs_jax.algos import grpo, pacs  # the enum lists of their options
   if devices is not None:
     num_devices = len(devices)
-  _check(c.algorithm in ALGORITHMS, "algorithm", f"must be one of {ALGORITHMS}, got {c.algorithm!r}")
+  _check(algo_registry.is_registered(c.algorithm), "algorithm",
+         f"must be one of {algo_registry.names()}, got {c.algorithm!r}")
+  algo = algo_registry.get(c.algorithm)
   _check(c.steps > 0, "steps", f"must be positive, got {c.steps}")
   _check(c.rollout.n >= 1, "rollout.n", f"must be >= 1, got {c.rollout.n}")
-  if c.algorithm in ("pacs", "grpo") and c.rollout.n < 2:
-    _check(False, "rollout.n", f"{c.algorithm} compares responses within a group and needs n >= 2")
+  if c.rollout.n < algo.min_group_size:
+    _check(False, "rollout.n", f"{c.algorithm} compares responses within a group and needs n >= {algo.min_group_size}")
   _check(c.rollout.temperature > 0, "rollout.temperature", "must be > 0 (greedy is used for validation only)")
   t = c.train
   _check(t.batch_prompts > 0, "train.batch_prompts", "must be positive")
@@ -211,11 +214,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check_enum(p.adv_estimator, pacs.ADV_ESTIMATORS, "pacs.adv_estimator")
   _check_enum(p.weight_mode, pacs.WEIGHT_MODES, "pacs.weight_mode")
   _check_enum(p.reference_policy, REFERENCE_POLICIES, "pacs.reference_policy")
-  if c.algorithm == "pacs" and p.exact_padding_replication:
-    local_rows = t.batch_prompts * c.rollout.n // max(num_processes, 1)
-    _check(local_rows % t.verl_micro_batch_rows == 0, "train.verl_micro_batch_rows",
-           f"pacs.exact_padding_replication packs each process's {local_rows} rows in groups of "
-           f"{t.verl_micro_batch_rows}, which must divide them")
+  algo.validate(c, _check, num_processes)
   _check(c.grpo.loss_agg_mode in grpo.LOSS_AGG_MODES, "grpo.loss_agg_mode", f"unknown mode {c.grpo.loss_agg_mode!r}")
   _check(c.model.hf_path or c.model.preset, "model.preset", "set model.preset or model.hf_path")
   _check_enum(c.model.param_dtype, DTYPE_NAMES, "model.param_dtype")

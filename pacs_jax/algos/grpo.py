@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pacs_jax.algos import groups as groups_lib, registry
 from pacs_jax.algos.logprobs import masked_mean, masked_sum
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -19,16 +20,8 @@ def group_advantages(rewards: jax.Array, *, group_size: int, norm_adv_by_std: bo
 
   A constant: rewards carry no gradient. (verl gives a single-response group mean 0, std 1; here n >= 2.)
   """
-  if rewards.shape[0] % group_size:
-    raise ValueError(f"{rewards.shape[0]} responses do not split into groups of {group_size}")
-  if group_size < 2:
-    raise ValueError("group advantages need at least 2 responses per prompt")
-  groups = jax.lax.stop_gradient(rewards.astype(jnp.float32)).reshape(-1, group_size)  # [G, n]
-  centred = groups - jnp.mean(groups, axis=-1, keepdims=True)
-  if norm_adv_by_std:
-    std = jnp.sqrt(jnp.sum(centred * centred, axis=-1, keepdims=True) / (group_size - 1))
-    centred = centred / (std + eps)
-  return centred.reshape(-1)
+  groups = groups_lib.split_groups(jax.lax.stop_gradient(rewards.astype(jnp.float32)), group_size)  # [G, n]
+  return groups_lib.mean_std_normalise(groups, norm_adv_by_std, eps).reshape(-1)
 
 
 def agg_loss(loss_mat: jax.Array, loss_mask: jax.Array, loss_agg_mode: str = "token-mean",
@@ -151,3 +144,40 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Ar
   metrics["actor/loss"] = jax.lax.stop_gradient(loss)
   metrics["actor/advantage_mean"] = jnp.mean(advantages)
   return loss, metrics
+
+
+class ClippedRatio(registry.Algorithm):
+  """verl's clipped-ratio actor on the shared loop: ratios against the step's sampling policy, losses
+  aggregated by `grpo.loss_agg_mode` (its accumulation weight: tokens for token-mean, rows otherwise)."""
+
+  def needs_old_logprobs(self, cfg):
+    return True
+
+  def entropy_has_grad(self, cfg):
+    return cfg.grpo.entropy_coeff != 0
+
+  def normaliser(self, cfg, micro, mask=None):
+    if cfg.grpo.loss_agg_mode == "token-mean":
+      return jnp.sum((micro["response_mask"] if mask is None else mask).astype(jnp.float32))
+    return super().normaliser(cfg, micro, mask)
+
+
+class Grpo(ClippedRatio):
+  """GRPO: group-normalised outcome advantages, optional KL loss against a frozen reference."""
+
+  min_group_size = 2
+
+  def needs_frozen_ref(self, cfg):
+    return bool(cfg.grpo.use_kl_loss)
+
+  def loss(self, cfg, logprobs, entropy, micro):
+    g = cfg.grpo
+    return grpo_loss(logprobs, micro["old_logprobs"], micro.get("ref_logprobs"), micro["response_mask"],
+                     micro["rewards"], group_size=cfg.rollout.n, norm_adv_by_std=g.norm_adv_by_std,
+                     clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
+                     clip_ratio_c=g.clip_ratio_c, loss_agg_mode=g.loss_agg_mode,
+                     kl_loss_coef=g.kl_coef if g.use_kl_loss else 0.0, entropy=entropy,
+                     entropy_coeff=g.entropy_coeff, micro_batch_rows=cfg.train.verl_micro_batch_rows)
+
+
+registry.register("grpo", Grpo())

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
+from pacs_jax.algos import groups as groups_lib, registry
 from pacs_jax.algos.logprobs import masked_sum
 
 REWARD_METHODS = ("1", "2")
 ADV_ESTIMATORS = ("rloo", "grpo", "naive")
 WEIGHT_MODES = ("question", "only_positive", "only_negative")
-GRPO_EPS = 1e-6
+GRPO_EPS = groups_lib.GRPO_EPS
 
 
 def reward_proxy(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: jax.Array, *, beta: float = 1.0,
@@ -38,39 +40,12 @@ def reward_proxy(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: ja
   raise ValueError(f"reward_method must be one of {REWARD_METHODS}, got {reward_method!r}")
 
 
-def _groups(values: jax.Array, group_size: int) -> jax.Array:
-  """[N] -> [G, n]; rows of one prompt are contiguous."""
-  if values.shape[0] % group_size:
-    raise ValueError(f"{values.shape[0]} responses do not split into groups of {group_size}")
-  return values.reshape(-1, group_size)
-
-
-def _unbiased_std(groups: jax.Array) -> jax.Array:
-  """std with ddof=1 along the last axis, [G, n] -> [G, 1]; zero spread gets zero gradient (as torch.std)
-  instead of NaN (d sqrt(v)/dv is infinite at v = 0, and all-equal r̂ happens: r̂ = 0 when π_θ = π_ref)."""
-  n = groups.shape[-1]
-  centred = groups - jnp.mean(groups, axis=-1, keepdims=True)
-  var = jnp.sum(centred * centred, axis=-1, keepdims=True) / (n - 1)
-  positive = var > 0
-  return jnp.where(positive, jnp.sqrt(jnp.where(positive, var, 1.0)), 0.0)
-
-
-def rloo_advantage(groups: jax.Array) -> jax.Array:
-  """ψ_i = r̂_i − mean_{j≠i} r̂_j = (n·r̂_i − Σ_j r̂_j) / (n − 1), along the last axis ([G, n] -> [G, n])."""
-  n = groups.shape[-1]
-  if n < 2:
-    raise ValueError("rloo needs at least 2 responses per prompt")
-  return (n * groups - jnp.sum(groups, axis=-1, keepdims=True)) / (n - 1)
+rloo_advantage = groups_lib.rloo  # ψ_i = r̂_i − mean_{j≠i} r̂_j, [G, n] -> [G, n]
 
 
 def grpo_advantage(groups: jax.Array, norm_adv_by_std: bool = True, eps: float = GRPO_EPS) -> jax.Array:
   """ψ_i = (r̂_i − mean r̂) / (std r̂ + eps) (std unbiased, ddof=1), or r̂_i − mean r̂ without std; [G, n]."""
-  if groups.shape[-1] < 2:
-    raise ValueError("grpo needs at least 2 responses per prompt")
-  centred = groups - jnp.mean(groups, axis=-1, keepdims=True)
-  if not norm_adv_by_std:
-    return centred
-  return centred / (_unbiased_std(groups) + eps)
+  return groups_lib.mean_std_normalise(groups, norm_adv_by_std, eps)
 
 
 def score(reward_proxy_values: jax.Array, *, group_size: int, adv_estimator: str = "rloo",
@@ -78,7 +53,7 @@ def score(reward_proxy_values: jax.Array, *, group_size: int, adv_estimator: str
   """ψ [N] from r̂ [N]: "rloo" | "grpo" (± std) | "naive" (ψ = r̂). Gradients flow through the baselines."""
   if adv_estimator == "naive":
     return reward_proxy_values
-  groups = _groups(reward_proxy_values, group_size)  # [G, n]
+  groups = groups_lib.split_groups(reward_proxy_values, group_size)  # [G, n]
   if adv_estimator == "rloo":
     return rloo_advantage(groups).reshape(-1)
   if adv_estimator == "grpo":
@@ -104,7 +79,7 @@ def class_weights(rewards: jax.Array, *, group_size: int, use_weight: bool = Tru
     return positive
   if weight_mode == "only_negative":
     return 1.0 - positive
-  groups = _groups(positive, group_size)  # [G, n]
+  groups = groups_lib.split_groups(positive, group_size)  # [G, n]
   n = group_size
   num_pos = jnp.sum(groups, axis=-1, keepdims=True)  # [G, 1]
   num_neg = n - num_pos
@@ -196,3 +171,46 @@ def padding_replication_inputs(input_ids: np.ndarray, attention_mask: np.ndarray
   targets[early, lengths[early]] = first[following[early]]
   sum_mask[early, lengths[early]] = 1.0
   return targets, sum_mask
+
+
+class Pacs(registry.Algorithm):
+  """PACS on the shared loop: the reference is a frozen copy of the initial policy or the step's sampling policy."""
+
+  min_group_size = 2
+
+  def validate(self, cfg, check, num_processes):
+    t = cfg.train
+    if cfg.pacs.exact_padding_replication:
+      local_rows = t.batch_prompts * cfg.rollout.n // max(num_processes, 1)
+      check(local_rows % t.verl_micro_batch_rows == 0, "train.verl_micro_batch_rows",
+            f"pacs.exact_padding_replication packs each process's {local_rows} rows in groups of "
+            f"{t.verl_micro_batch_rows}, which must divide them")
+
+  def needs_frozen_ref(self, cfg):
+    return cfg.pacs.reference_policy == "frozen"
+
+  def needs_old_logprobs(self, cfg):
+    return cfg.pacs.reference_policy == "rollout"
+
+  def ref_is_old(self, cfg):
+    return cfg.pacs.reference_policy == "rollout"
+
+  def extra_fields(self, cfg):
+    return {"logprob_targets": np.int32, "proxy_mask": np.float32} if cfg.pacs.exact_padding_replication else {}
+
+  def host_inputs(self, cfg: ml_collections.ConfigDict, input_ids, attention_mask, response_len):
+    if not cfg.pacs.exact_padding_replication:
+      return {}
+    targets, proxy_mask = padding_replication_inputs(input_ids, attention_mask, response_len,
+                                                     cfg.train.verl_micro_batch_rows)
+    return {"logprob_targets": targets, "proxy_mask": proxy_mask}
+
+  def loss(self, cfg, logprobs, entropy, micro):
+    p = cfg.pacs
+    return pacs_loss(logprobs, micro["ref_logprobs"], micro["response_mask"], micro["rewards"],
+                     group_size=cfg.rollout.n, beta=p.beta, reward_method=p.reward_method,
+                     adv_estimator=p.adv_estimator, norm_adv_by_std=p.norm_adv_by_std, use_weight=p.use_weight,
+                     weight_mode=p.weight_mode, sum_mask=micro.get("proxy_mask"))
+
+
+registry.register("pacs", Pacs())

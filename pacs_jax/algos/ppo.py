@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pacs_jax.algos.grpo import agg_loss, clipped_policy_loss
+from pacs_jax.algos import registry
+from pacs_jax.algos.grpo import ClippedRatio, agg_loss, clipped_policy_loss
 from pacs_jax.algos.logprobs import masked_mean
 from pacs_jax.models.qwen2 import Qwen2Config, Qwen2Model
 
@@ -117,3 +118,57 @@ def clipped_value_loss(values_pred: jax.Array, returns: jax.Array, old_values: j
       "critic/vpred_mean": jax.lax.stop_gradient(masked_mean(values_pred, mask)),
   }
   return loss, metrics
+
+
+def step_advantages(minibatches: list[dict], *, gamma: float, lam: float) -> list[dict[str, jax.Array]]:
+  """GAE advantages (whitened over the whole step's batch, as verl) and returns, per mini-batch [k, m, R]."""
+  mask = jnp.concatenate([mb["response_mask"].reshape(-1, mb["response_mask"].shape[-1]) for mb in minibatches])
+  rewards = jnp.concatenate([mb["rewards"].reshape(-1) for mb in minibatches])  # [rows]
+  values = jnp.concatenate([mb["old_values"].reshape(-1, mask.shape[-1]) for mb in minibatches])  # [rows, R]
+  advantages, returns = gae_advantages(outcome_token_rewards(rewards, mask), values, mask, gamma=gamma, lam=lam)
+  out, start = [], 0
+  for mb in minibatches:
+    shape = mb["response_mask"].shape
+    rows = shape[0] * shape[1]
+    out.append({"advantages": advantages[start:start + rows].reshape(shape),
+                "returns": returns[start:start + rows].reshape(shape)})
+    start += rows
+  return out
+
+
+class Ppo(ClippedRatio):
+  """PPO: a critic trained beside the policy, token-level GAE advantages for the clipped-ratio actor."""
+
+  has_critic = True
+  has_step_inputs = True
+
+  def extra_fields(self, cfg):
+    return {"advantages": jnp.float32, "returns": jnp.float32}
+
+  def step_inputs(self, cfg, minibatches):
+    return step_advantages(minibatches, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam)
+
+  def loss(self, cfg, logprobs, entropy, micro):
+    g = cfg.grpo
+    return policy_loss(micro["old_logprobs"], logprobs, micro["advantages"], micro["response_mask"],
+                       clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
+                       clip_ratio_c=g.clip_ratio_c, loss_agg_mode=g.loss_agg_mode,
+                       micro_batch_rows=cfg.train.verl_micro_batch_rows)
+
+  def make_critic(self, model_config, rngs):
+    return Critic(model_config, rngs=rngs)
+
+  def critic_lr(self, cfg):
+    return cfg.ppo.critic_lr
+
+  def critic_mask(self, micro):
+    return critic_mask(micro["attention_mask"], micro["response_mask"].shape[-1])
+
+  def critic_loss(self, cfg, values, micro):
+    # The released critic (dp_critic.py update_critic): mask attention_mask[:, -R-1:-1], the actor's agg mode.
+    return clipped_value_loss(values, micro["returns"], micro["old_values"], self.critic_mask(micro),
+                              cliprange_value=cfg.ppo.cliprange_value, loss_agg_mode=cfg.grpo.loss_agg_mode,
+                              micro_batch_rows=cfg.train.verl_micro_batch_rows)
+
+
+registry.register("ppo", Ppo())

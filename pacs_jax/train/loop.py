@@ -6,9 +6,7 @@ of the prompts; mini- and micro-batches take whole groups from every process's s
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import signal
 import time
 from typing import Any
 
@@ -22,21 +20,22 @@ from flax import nnx
 from pacs_jax import config as config_lib
 from pacs_jax import paths
 from pacs_jax import sharding
-from pacs_jax.algos import pacs as pacs_lib
-from pacs_jax.algos import ppo
+from pacs_jax.algos import registry
 from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import prompts as prompts_lib
 from pacs_jax.data import sources, synthetic
 from pacs_jax.models import hf, qwen2
 from pacs_jax.rewards import math as rewards_lib
 from pacs_jax.rollout import scheduler
-from pacs_jax.rollout import state as rollout_state
 from pacs_jax.rollout import sampling as sampling_lib
+from pacs_jax.train import batching
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import export as export_lib
 from pacs_jax.storage import lock as workdir_lock
 from pacs_jax.storage.workdir import CHECKPOINT_DIR
 from pacs_jax.train import metrics as metrics_lib
+from pacs_jax.train import multihost
+from pacs_jax.train import preemption as preemption_lib
 from pacs_jax.train import programs as programs_lib
 from pacs_jax.train import state as state_lib
 
@@ -62,9 +61,11 @@ def build_policy(cfg: ml_collections.ConfigDict, mesh) -> qwen2.Qwen2ForCausalLM
   return sharding.create_sharded(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")
 
 
-def build_critic(cfg: ml_collections.ConfigDict, policy: qwen2.Qwen2ForCausalLM, mesh) -> ppo.Critic:
-  """PPO critic: the policy's backbone weights (as verl initialises it) plus a fresh value head."""
-  critic = sharding.create_sharded(lambda: ppo.Critic(policy.config, rngs=nnx.Rngs(cfg.seed + 1)), mesh, "train")
+def build_critic(cfg: ml_collections.ConfigDict, policy: qwen2.Qwen2ForCausalLM, mesh) -> nnx.Module:
+  """The algorithm's critic: its backbone (`.model`) starts from the policy's weights (as verl initialises
+  PPO's), its head fresh."""
+  make = lambda: registry.of(cfg).make_critic(policy.config, nnx.Rngs(cfg.seed + 1))
+  critic = sharding.create_sharded(make, mesh, "train")
   backbone = jax.tree.map(jnp.copy, nnx.state(policy.model, nnx.Param))
   nnx.update(critic.model, backbone)
   return critic
@@ -80,95 +81,12 @@ def load_split(spec: str, cfg: ml_collections.ConfigDict, size: int, seed: int) 
   return records, skipped
 
 
-# ----------------------------------------------------------------------------------------------
-# Turning completions into training arrays
-
-
-@dataclasses.dataclass
-class RolloutBatch:
-  """Process-local rows of one step (numpy), ordered prompt-major: row = prompt * n + sample."""
-  input_ids: np.ndarray  # [rows, P + R] int32
-  attention_mask: np.ndarray  # [rows, P + R] int32
-  response_mask: np.ndarray  # [rows, R] float32
-  rewards: np.ndarray  # [rows] float32
-  data_sources: list[str]
-  finish_reasons: list[str]
-  # pacs.exact_padding_replication: the log-prob targets and the positions r̂ sums ([rows, R] each).
-  logprob_targets: np.ndarray | None = None
-  proxy_mask: np.ndarray | None = None
-
-
-def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
-  """[rows, R] -> 1 up to and including each row's first token in `eos_ids`, 0 after (float32).
-
-  verl's get_response_mask (verl/utils/torch_functional.py): (cumsum(is_eos) − is_eos) == 0.
-  """
-  is_eos = np.isin(responses, np.asarray(list(eos_ids))).astype(np.int64)
-  return ((np.cumsum(is_eos, axis=1) - is_eos) == 0).astype(np.float32)
-
-
-def pack_rows(prompts: list[list[int]], completions: list[rollout_state.Completion], P: int, R: int,
-              pad_id: int, mask_eos_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Prompt left-padded to P, response right-padded to R with `pad_id`: (input_ids, attention_mask, response_mask).
-
-  As verl's vLLM rollout: the response mask (and the response part of the attention mask) runs up to and
-  including the first of `mask_eos_ids` in the padded response, or to R without one.
-  """
-  rows = len(completions)
-  input_ids = np.full((rows, P + R), pad_id, np.int32)
-  attention_mask = np.zeros((rows, P + R), np.int32)
-  for row, comp in enumerate(completions):
-    prompt = prompts[comp.prompt_index]
-    input_ids[row, P - len(prompt):P] = prompt
-    attention_mask[row, P - len(prompt):P] = 1
-    toks = comp.tokens[:R]
-    input_ids[row, P:P + len(toks)] = toks
-  mask = response_mask(input_ids[:, P:], mask_eos_ids)  # [rows, R]
-  attention_mask[:, P:] = mask.astype(np.int32)
-  return input_ids, attention_mask, mask
-
-
-def to_minibatches(batch: RolloutBatch, mesh, num_minibatches: int, micro_per_minibatch: int) -> list[dict]:
-  """Splits local rows into mini-batches [k, m, ...] of whole groups, as global arrays over (data, fsdp)."""
-  arrays = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-            "response_mask": batch.response_mask, "rewards": batch.rewards}
-  if batch.logprob_targets is not None:
-    arrays.update(logprob_targets=batch.logprob_targets, proxy_mask=batch.proxy_mask)
-  rows = batch.rewards.shape[0]
-  per_mb = rows // num_minibatches
-  out = []
-  for j in range(num_minibatches):
-    mb = {}
-    for name, a in arrays.items():
-      local = a[j * per_mb:(j + 1) * per_mb].reshape((micro_per_minibatch, per_mb // micro_per_minibatch) + a.shape[1:])
-      global_shape = (local.shape[0], local.shape[1] * jax.process_count()) + local.shape[2:]
-      mb[name] = jax.make_array_from_process_local_data(programs_lib.minibatch_sharding(mesh, local.ndim), local,
-                                                        global_shape)
-    out.append(mb)
-  return out
-
-
-def check_groups(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, n: int) -> None:
-  """Raises unless each group of n consecutive rows holds one prompt (the group baselines compare its
-  responses); the released compute_pacs_loss asserts the same (pacs_core_algos.py)."""
-  prompts = np.where(attention_mask[:, :prompt_len] > 0, input_ids[:, :prompt_len], -1)  # [rows, P]
-  if prompts.shape[0] % n:
-    raise ValueError(f"{prompts.shape[0]} rows do not split into groups of n={n}")
-  groups = prompts.reshape(-1, n, prompt_len)
-  differs = np.any(groups != groups[:, :1], axis=(1, 2))
-  if differs.any():
-    g = int(np.argmax(differs))
-    raise ValueError(f"rows {g * n}..{g * n + n - 1} should be the n={n} responses of one prompt, but their prompts "
-                     "differ: the batch is not grouped prompt-major (row = prompt * n + sample)")
-
-
 def dump_generations(directory: str, step: int, inputs: list[str], outputs: list[str], scores, data_sources,
                      ground_truths, extra: dict[str, list] | None = None) -> str:
   """Writes `directory/<step>.jsonl`, one line per response, as the released RayPPOTrainer._dump_generations:
   {input, output, score, step} plus the reward function's extra fields (data_source, ground_truth)."""
   paths.makedirs(directory)
-  name = f"{step}.jsonl" if jax.process_count() == 1 else f"{step}.process{jax.process_index()}.jsonl"
-  path = paths.join(directory, name)
+  path = paths.join(directory, multihost.process_file_name(step, ".jsonl"))
   columns = {"input": inputs, "output": outputs, "score": [float(x) for x in scores], "step": [step] * len(inputs),
              "data_source": list(data_sources), "ground_truth": list(ground_truths), **(extra or {})}
   lines = (json.dumps({k: v[i] for k, v in columns.items()}, ensure_ascii=False) + "\n" for i in range(len(inputs)))
@@ -198,33 +116,6 @@ def changed_data_fields(saved: dict, cfg: ml_collections.ConfigDict) -> dict[str
   return changed
 
 
-class _Preemption:
-  """SIGTERM (TPU preemption) sets a flag; the loop finishes its step, saves, and exits cleanly."""
-
-  def __init__(self):
-    self.requested = False
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-  def _handle(self, signum, frame):
-    logging.warning("SIGTERM received: finishing this step, then saving a checkpoint and exiting")
-    self.requested = True
-
-  def agreed(self, lost_lock: bool = False) -> tuple[bool, bool]:
-    """(stop, lost_lock), each true if it is on any process. Every process calls this once per step, at
-    the same point: a signal that reaches the hosts in different steps must still stop them all after the
-    same step, or one would wait in a collective (checkpoint save, allgather) the others never enter.
-    `lost_lock`: process 0 found another trainer holding the workdir (all must stop, without saving)."""
-    if jax.process_count() == 1:
-      return self.requested, lost_lock
-    from jax.experimental import multihost_utils
-    flags = multihost_utils.process_allgather(np.array([self.requested, lost_lock], np.int32))
-    stop, lost = np.asarray(flags).reshape(-1, 2).any(axis=0)
-    return bool(stop), bool(lost)
-
-  def restore(self):
-    signal.signal(signal.SIGTERM, self._previous)
-
-
 class Trainer:
   def __init__(self, cfg: ml_collections.ConfigDict, workdir: str, devices=None):
     """`devices`: the mesh's devices (default: all of them)."""
@@ -233,7 +124,7 @@ class Trainer:
     self.cfg, self.workdir = cfg, paths.normalize(workdir)
     # Before anything is written to the workdir: a second trainer must not touch the first one's files
     # (Orbax deletes unfinished saves it finds, which may be the other trainer's save in flight).
-    self.lock = lock_workdir(self.workdir, cfg.checkpoint.lock_stale_after_s)
+    self.lock = multihost.lock_workdir(self.workdir, cfg.checkpoint.lock_stale_after_s)
     try:
       self._build(cfg, workdir, devices)
     except BaseException:
@@ -241,6 +132,7 @@ class Trainer:
       raise
 
   def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
+    self.algo = registry.of(cfg)
     self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     self.tokenizer = load_tokenizer(cfg)
     # Ids that stop a response, and those whose first occurrence ends its mask (config.rollout.stop_tokens).
@@ -276,7 +168,7 @@ class Trainer:
     self.graphdef, params = nnx.split(policy, nnx.Param)
     self.optimizer, self.critic_optimizer = programs_lib.make_optimizers(cfg)
     critic_graphdef = critic_params = critic_opt_state = None
-    if cfg.algorithm == "ppo":
+    if self.algo.has_critic:
       with jax.set_mesh(self.mesh):
         critic = build_critic(cfg, policy, self.mesh)
       critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
@@ -300,45 +192,24 @@ class Trainer:
                                                self.engine.param_shardings)
     self.train_step, self.logprob_fn, self.value_fn = (self.programs.train_step, self.programs.logprob_fn,
                                                        self.programs.value_fn)
-    self.ppo_advantages, self.to_sample_params = self.programs.ppo_advantages, self.programs.to_sample_params
+    self.step_inputs, self.to_sample_params = self.programs.ppo_advantages, self.programs.to_sample_params
     self.checkpointer = checkpoint_lib.Checkpointer(paths.join(workdir, CHECKPOINT_DIR), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
 
-  # -- setup helpers ---------------------------------------------------------------------------
-
   # -- one step --------------------------------------------------------------------------------
 
-  def _gather_prompts(self, local: list[list[int]]) -> list[list[int]]:
-    """Every process runs the same (global) rollout, so all need the global prompt list."""
-    if jax.process_count() == 1:
-      return local
-    from jax.experimental import multihost_utils
-    padded = np.full((len(local), self.P), -1, np.int32)
-    for i, p in enumerate(local):
-      padded[i, :len(p)] = p
-    everything = np.asarray(multihost_utils.process_allgather(padded, tiled=True))
-    return [[t for t in row if t >= 0] for row in everything]
-
   def rollout(self, params_sample, prompts_local: list[list[int]], seed: int, sampling, n: int, max_new_tokens: int):
-    prompts = self._gather_prompts(prompts_local)
-    completions = scheduler.generate(self.engine, params_sample, prompts, n=n, max_new_tokens=max_new_tokens,
-                                     sampling=sampling, seed=seed, eos_ids=self.eos_ids)
-    start = jax.process_index() * len(prompts_local)
-    local = [c for c in completions if start <= c.prompt_index < start + len(prompts_local)]
-    for c in local:
-      c.prompt_index -= start
-    return local
-
-  def _step_seed(self) -> int:
-    rng, sub = jax.random.split(jax.random.wrap_key_data(self.state.rng))
-    self.state = self.state.replace(rng=jax.random.key_data(rng))
-    return int(jax.random.randint(sub, (), 0, 2**31 - 1))
+    """This process's completions of a rollout over every process's prompts (all run the same global one)."""
+    completions = scheduler.generate(self.engine, params_sample, multihost.gather_prompts(prompts_local, self.P),
+                                     n=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                                     eos_ids=self.eos_ids)
+    return multihost.local_share(completions, len(prompts_local))
 
   def train_one_step(self, batch: dict[str, Any], scorer) -> dict[str, Any]:
     """One step on this process's share of a batch of prompts (a pipeline batch: lists per field)."""
     n = self.cfg.rollout.n
     t0 = time.perf_counter()
-    seed = self._step_seed()
+    seed = state_lib.rollout_seed(self.state.rng)  # the train step's last update moves the RNG on
     prompts = [ids.tolist() for ids in batch["prompt_ids"]]
     with jax.set_mesh(self.mesh):
       params_sample = self.to_sample_params(self.state.params)
@@ -352,14 +223,12 @@ class Trainer:
     scores, reward_stats = scorer.score_batch(texts, answers, data_sources)
     t_reward = time.perf_counter()
 
-    input_ids, attention_mask, resp_mask = pack_rows(prompts, completions, self.P, self.R, self.pad_id,
-                                                     self.mask_eos_ids)
-    check_groups(input_ids, attention_mask, self.P, n)
-    rb = RolloutBatch(input_ids, attention_mask, resp_mask, np.asarray(scores, np.float32), data_sources,
-                      [c.finish_reason for c in completions])
-    if self.cfg.algorithm == "pacs" and self.cfg.pacs.exact_padding_replication:
-      rb.logprob_targets, rb.proxy_mask = pacs_lib.padding_replication_inputs(
-          input_ids, attention_mask, self.R, self.cfg.train.verl_micro_batch_rows)
+    input_ids, attention_mask, resp_mask = batching.pack_rows(prompts, completions, self.P, self.R, self.pad_id,
+                                                              self.mask_eos_ids)
+    batching.check_groups(input_ids, attention_mask, self.P, n)
+    rb = batching.RolloutBatch(input_ids, attention_mask, resp_mask, np.asarray(scores, np.float32), data_sources,
+                               [c.finish_reason for c in completions],
+                               extra=self.algo.host_inputs(self.cfg, input_ids, attention_mask, self.R))
     metrics = self.update(rb)
     t_update = time.perf_counter()
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
@@ -367,7 +236,7 @@ class Trainer:
                        self._decode(prompts, [c.prompt_index for c in completions]), texts, scores, data_sources,
                        answers)
 
-    metrics.update(rollout_metrics(rb, reward_stats, self.source_names))
+    metrics.update(batching.rollout_metrics(rb, reward_stats, self.source_names))
     tokens = float(np.sum(attention_mask)) * jax.process_count()
     step_s = t_update - t0
     metrics.update({"timing/rollout_s": t_rollout - t0, "timing/reward_s": t_reward - t_rollout,
@@ -375,29 +244,28 @@ class Trainer:
                     "throughput/tokens_per_s": tokens / max(step_s, 1e-9)})
     return metrics
 
-  def update(self, rb: RolloutBatch) -> dict[str, Any]:
+  def update(self, rb: batching.RolloutBatch) -> dict[str, Any]:
     """Reference / old log-probs for the whole step first, then one optimizer update per mini-batch."""
     cfg = self.cfg
     num_mb, k = programs_lib.updates_per_step(cfg), programs_lib.micro_batches(cfg)
     with jax.set_mesh(self.mesh):
-      minibatches = to_minibatches(rb, self.mesh, num_mb, k)
+      minibatches = batching.to_minibatches(rb, self.mesh, num_mb, k)
       for mb in minibatches:
-        if programs_lib.needs_old_logprobs(cfg):
+        if self.algo.needs_old_logprobs(cfg):
           mb["old_logprobs"] = self.logprob_fn(self.state.params, mb)
         if self.ref_params is not None:
           mb["ref_logprobs"] = self.logprob_fn(self.ref_params, mb)
-        elif cfg.algorithm == "pacs":
-          mb["ref_logprobs"] = mb["old_logprobs"]  # "rollout": the policy that sampled this step
-        if cfg.algorithm == "ppo":
+        elif self.algo.ref_is_old(cfg):
+          mb["ref_logprobs"] = mb["old_logprobs"]  # e.g. PACS "rollout": the policy that sampled this step
+        if self.algo.has_critic:
           mb["old_values"] = self.value_fn(self.state.critic_params, mb)
-      if cfg.algorithm == "ppo":
-        for mb, (adv, ret) in zip(minibatches, self.ppo_advantages(minibatches)):
-          mb["advantages"], mb["returns"] = adv, ret
+      if self.step_inputs is not None:
+        for mb, inputs in zip(minibatches, self.step_inputs(minibatches)):
+          mb.update(inputs)
       all_metrics = []
-      for mb in minibatches:
+      for mb in minibatches:  # the last one's update moves the step counter and the RNG on
         self.state, m = self.train_step(self.state, mb)
         all_metrics.append(m)
-    self.state = self.state.replace(step=self.state.step + 1)
     # Each mini-batch's own metrics, for inspection (e.g. r̂ = 0 on the first one with the rollout reference).
     self.minibatch_metrics = [{k: float(np.asarray(v)) for k, v in m.items()} for m in all_metrics]
     return {k: float(np.mean([np.asarray(m[k]) for m in all_metrics])) if k != "skipped_updates"
@@ -422,7 +290,7 @@ class Trainer:
       inputs = self._decode(self.val_prompts, [c.prompt_index for c in completions])
       dump_generations(cfg.validation_data_dir, int(self.state.step), inputs, texts, scores, data_sources, answers,
                        extra={"reward": [float(x) for x in scores]})
-    return per_source_mean(scores, data_sources, "val/accuracy")
+    return batching.per_source_mean(scores, data_sources, "val/accuracy")
 
   def _decode(self, prompts: list[list[int]], indices: list[int]) -> list[str]:
     """Prompt texts as the released dumps show them (special tokens dropped), one per row."""
@@ -470,7 +338,7 @@ class Trainer:
       self.lock.release()
       raise
     start = restored or 0
-    preemption = _Preemption()
+    preemption = preemption_lib.Preemption()
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
     updates_per_step = cfg.train.batch_prompts // cfg.train.mini_batch_prompts
     last = {}
@@ -515,57 +383,6 @@ def warn_skipped_updates(step: int, skipped_total: float, skipped_before: int, u
     logging.warning("step %d: %d of %d updates skipped (non-finite gradient)%s", step, skipped, updates,
                     ": the parameters did not change" if skipped >= updates else "")
   return int(skipped_total)
-
-
-def lock_workdir(workdir: str, stale_after_s: float) -> workdir_lock.WorkdirLock:
-  """Process 0 takes the workdir lock; every process learns whether it could (and all stop if not)."""
-  lock = workdir_lock.WorkdirLock(workdir, stale_after_s)
-  error = None
-  if jax.process_index() == 0:
-    try:
-      lock.acquire()
-    except workdir_lock.WorkdirLocked as e:
-      error = e
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    refused = bool(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
-    if refused and error is None:
-      raise workdir_lock.WorkdirLocked(f"process 0 could not lock {workdir}: another trainer uses it")
-  if error is not None:
-    raise error
-  return lock
-
-
-def rollout_metrics(rb: RolloutBatch, reward_stats: dict, source_names: list[str]) -> dict[str, float]:
-  """Reward, accuracy per data source, response lengths: over every process's rows (the global batch)."""
-  source_ids = np.asarray([source_names.index(s) for s in rb.data_sources], np.float32)
-  finished_by_length = np.asarray([r == "length" for r in rb.finish_reasons], np.float32)
-  counts = np.asarray([reward_stats.get("errors", 0), reward_stats.get("timeouts", 0)], np.float32)
-  rows = np.stack([rb.rewards, rb.response_mask.sum(-1), finished_by_length, source_ids], axis=1)  # [rows, 4]
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    rows = np.asarray(multihost_utils.process_allgather(rows, tiled=True))
-    counts = np.asarray(multihost_utils.process_allgather(counts)).sum(0)
-  rewards, lengths, clipped, ids = rows.T
-  m = {"reward/mean": float(np.mean(rewards)),
-       "response_length/mean": float(np.mean(lengths)),
-       "response_length/max": float(np.max(lengths)),
-       "response_length/clip_ratio": float(np.mean(clipped)),
-       "reward/errors": float(counts[0]),
-       "reward/timeouts": float(counts[1])}
-  m.update(per_source_mean(rewards, [source_names[int(i)] for i in ids], "accuracy"))
-  return m
-
-
-def per_source_mean(scores, data_sources: list[str], prefix: str) -> dict[str, float]:
-  scores = np.asarray(scores, np.float64)
-  out = {}
-  for src in sorted(set(data_sources)):
-    sel = np.asarray([d == src for d in data_sources])
-    out[f"{prefix}/{src}"] = float(scores[sel].mean())
-  if data_sources:
-    out[f"{prefix}/all"] = float(scores.mean())
-  return out
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, devices=None) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
+from pacs_jax.algos import registry
 from pacs_jax.models import qwen2
 from pacs_jax.train import state as state_lib
 
@@ -68,10 +69,9 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, floa
                                                   transform_non_params=lambda _: P(),
                                                   is_leaf=lambda x: isinstance(x, P))
   out["optimizer"] = tree_bytes_per_device(opt_state, opt_specs, mesh_shape)
-  frozen_ref = (cfg.algorithm == "pacs" and cfg.pacs.reference_policy == "frozen") or (
-      cfg.algorithm == "grpo" and cfg.grpo.use_kl_loss)
-  out["reference"] = out["params"] if frozen_ref else 0.0
-  if cfg.algorithm == "ppo":  # a critic of the same size, with its own Adam state
+  algo = registry.of(cfg)
+  out["reference"] = out["params"] if algo.needs_frozen_ref(cfg) else 0.0
+  if algo.has_critic:  # a critic of the same size, with its own Adam state
     out["critic"] = out["params"] + out["optimizer"]
   # Rollout weights: a sample-mode copy in the compute dtype while sampling.
   compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), values)

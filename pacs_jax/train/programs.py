@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.algos import ppo
+from pacs_jax.algos import registry
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.train import state as state_lib
@@ -25,13 +25,12 @@ from pacs_jax.train import step as step_lib
 
 def needs_frozen_ref(cfg: ml_collections.ConfigDict) -> bool:
   """A frozen copy of the initial policy is kept (PACS "frozen" reference, GRPO's KL loss)."""
-  return (cfg.algorithm == "pacs" and cfg.pacs.reference_policy == "frozen") or (
-      cfg.algorithm == "grpo" and cfg.grpo.use_kl_loss)
+  return registry.of(cfg).needs_frozen_ref(cfg)
 
 
 def needs_old_logprobs(cfg: ml_collections.ConfigDict) -> bool:
   """The sampling policy's log-probs are computed before the step's updates (ratios; PACS "rollout" reference)."""
-  return cfg.algorithm in ("grpo", "ppo") or cfg.pacs.reference_policy == "rollout"
+  return registry.of(cfg).needs_old_logprobs(cfg)
 
 
 def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
@@ -47,7 +46,9 @@ def make_optimizers(cfg: ml_collections.ConfigDict):
   """(policy optimizer, critic optimizer or None)."""
   total_updates = cfg.steps * updates_per_step(cfg)
   optimizer = state_lib.make_optimizer(cfg.train, cfg.train.lr, total_updates)
-  critic = state_lib.make_optimizer(cfg.train, cfg.ppo.critic_lr, total_updates) if cfg.algorithm == "ppo" else None
+  algo, critic = registry.of(cfg), None
+  if algo.has_critic:
+    critic = state_lib.make_optimizer(cfg.train, algo.critic_lr(cfg), total_updates)
   return optimizer, critic
 
 
@@ -77,7 +78,9 @@ def train_state_shardings(state: state_lib.TrainState, mesh, optimizer, critic_o
 
 
 def minibatch_sharding(mesh, ndim: int) -> NamedSharding:
-  """A mini-batch array [k micro-batches, m rows, ...]: rows over (data, fsdp)."""
+  """A mini-batch array [k micro-batches, m rows, ...]: rows over (data, fsdp); a scalar (`ENDS_STEP`) replicated."""
+  if ndim == 0:
+    return sharding.replicated(mesh)
   return NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (ndim - 2))))
 
 
@@ -89,13 +92,16 @@ def minibatch_shapes(cfg: ml_collections.ConfigDict, mesh) -> dict[str, jax.Shap
   P_, R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
   fields = {"input_ids": ((k, m, P_ + R), jnp.int32), "attention_mask": ((k, m, P_ + R), jnp.int32),
             "response_mask": ((k, m, R), jnp.float32), "rewards": ((k, m), jnp.float32)}
-  if needs_old_logprobs(cfg):
+  algo = registry.of(cfg)
+  if algo.needs_old_logprobs(cfg):
     fields["old_logprobs"] = ((k, m, R), jnp.float32)
-  if needs_frozen_ref(cfg) or cfg.algorithm == "pacs":
+  if algo.needs_ref_logprobs(cfg):
     fields["ref_logprobs"] = ((k, m, R), jnp.float32)
-  if cfg.algorithm == "ppo":
-    for name in ("old_values", "advantages", "returns"):
-      fields[name] = ((k, m, R), jnp.float32)
+  if algo.has_critic:
+    fields["old_values"] = ((k, m, R), jnp.float32)
+  for name, dtype in algo.extra_fields(cfg).items():
+    fields[name] = ((k, m, R), dtype)
+  fields[step_lib.ENDS_STEP] = ((), jnp.bool_)
   return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=minibatch_sharding(mesh, len(shape)))
           for name, (shape, dtype) in fields.items()}
 
@@ -112,8 +118,9 @@ def abstract_train_state(cfg: ml_collections.ConfigDict, mesh):
   graphdef, params = nnx.split(policy, nnx.Param)
   optimizer, critic_optimizer = make_optimizers(cfg)
   critic_graphdef = critic_params = critic_opt_state = None
-  if cfg.algorithm == "ppo":
-    critic = nnx.eval_shape(lambda: ppo.Critic(policy.config, rngs=nnx.Rngs(1)))
+  algo = registry.of(cfg)
+  if algo.has_critic:
+    critic = nnx.eval_shape(lambda: algo.make_critic(policy.config, nnx.Rngs(1)))
     critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
     critic_opt_state = jax.eval_shape(critic_optimizer.init, critic_params)
   state = state_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
@@ -138,20 +145,24 @@ class Programs:
   train_step: Callable  # (state, minibatch) -> (state, metrics); the state is donated
   logprob_fn: Callable  # (params, minibatch) -> log-probs [k, m, R]: reference and old log-probs
   value_fn: Callable | None  # (critic params, minibatch) -> values [k, m, R] (PPO)
-  ppo_advantages: Callable  # (minibatches) -> [(advantages, returns)] (PPO)
+  # (minibatches) -> [{field: [k, m, R]}]: the algorithm's step inputs (PPO's GAE), or None without any
+  ppo_advantages: Callable | None
   to_sample_params: Callable  # train-mode params -> rollout weights (compute dtype, sample layout)
 
 
 def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, optimizer, critic_optimizer,
                   state_shardings: Any, sample_shardings: Any) -> Programs:
   step_fn = step_lib.make_train_step(cfg, graphdef, optimizer, critic_graphdef, critic_optimizer)
+  mesh = jax.tree.leaves(state_shardings)[0].mesh
+  batch_shardings = {name: s.sharding for name, s in minibatch_shapes(cfg, mesh).items()}
+  algo = registry.of(cfg)
   # Rollout weights: sample-mode layout in the compute dtype. The model casts every weight to that
   # dtype before use, so sampling numerics are unchanged while memory and bandwidth drop.
   compute = config_lib.dtype(cfg.model.dtype)
   return Programs(
-      train_step=jax.jit(step_fn, in_shardings=(state_shardings, None), out_shardings=(state_shardings, None),
-                         donate_argnums=(0,)),
+      train_step=jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
+                         out_shardings=(state_shardings, None), donate_argnums=(0,)),
       logprob_fn=jax.jit(step_lib.make_logprob_fn(graphdef, cfg.rollout.temperature)),
       value_fn=jax.jit(step_lib.make_value_fn(critic_graphdef)) if critic_graphdef is not None else None,
-      ppo_advantages=jax.jit(lambda mbs: step_lib.ppo_advantages(cfg, mbs)),
+      ppo_advantages=jax.jit(lambda mbs: algo.step_inputs(cfg, mbs)) if algo.has_step_inputs else None,
       to_sample_params=jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute), p), out_shardings=sample_shardings))

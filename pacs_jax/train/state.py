@@ -21,7 +21,7 @@ _NEVER = 2**31 - 1
 @flax.struct.dataclass
 class TrainState:
   """Everything a training step transforms. Graph definitions are static and live outside."""
-  step: jax.Array  # [] int32: training steps done (one rollout batch each)
+  step: jax.Array  # [] int32: training steps done (one rollout batch, several mini-batch updates each)
   params: nnx.State  # policy parameters
   opt_state: Any
   rng: jax.Array  # [2] uint32 key data
@@ -72,8 +72,9 @@ def last_lr(opt_state) -> jax.Array:
   return opt_state.inner_state[1].hyperparams["learning_rate"]
 
 
-def param_state(model: nnx.Module) -> nnx.State:
-  return nnx.state(model, nnx.Param)
+def optimizer_metrics(opt_state) -> dict[str, jax.Array]:
+  """The train step's metrics read from `make_optimizer`'s state."""
+  return {"skipped_updates": skipped_updates(opt_state).astype(jnp.float32), "lr": last_lr(opt_state)}
 
 
 def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State, mesh) -> Any:
@@ -96,5 +97,20 @@ def initial_rng(seed: int) -> jax.Array:
   return jax.random.key_data(jax.random.key(seed))
 
 
-def scalar(x) -> jax.Array:
-  return jnp.asarray(x, jnp.int32)
+def _split(rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Key data [2] -> (the next step's key data, this step's sampling key)."""
+  carry, sub = jax.random.split(jax.random.wrap_key_data(rng))
+  return jax.random.key_data(carry), sub
+
+
+def rollout_seed(rng: jax.Array) -> int:
+  """The sampling seed of the training step that starts from `rng` (the key `advance` does not carry on)."""
+  return int(jax.random.randint(_split(rng)[1], (), 0, 2**31 - 1))
+
+
+def advance(state: TrainState, ends_step: jax.Array | bool = True) -> TrainState:
+  """After a training step's last update (`ends_step`, a [] bool): step + 1 and the next RNG key. Runs inside
+  the jitted step, so neither is ever changed on the host."""
+  ends_step = jnp.asarray(ends_step, jnp.bool_)
+  return state.replace(step=state.step + ends_step.astype(state.step.dtype),
+                       rng=jnp.where(ends_step, _split(state.rng)[0], state.rng))

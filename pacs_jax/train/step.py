@@ -3,13 +3,14 @@
 A mini-batch has a leading micro-batch axis: every array is [k, m, ...] with k micro-batches of m rows
 (whole prompt groups). Gradients are accumulated over micro-batches weighted by each one's share of
 the loss normaliser (responses for PACS, tokens or sequences for GRPO/PPO), so k micro-batches give
-exactly the unsplit mini-batch's gradient. Shapes: L = P + R tokens (prompt left-padded to P,
+exactly the unsplit mini-batch's gradient. A training step is several such updates; its last one
+(`ENDS_STEP`) also advances `state.step` and the RNG. Shapes: L = P + R tokens (prompt left-padded to P,
 response right-padded to R).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,9 @@ import ml_collections
 import optax
 from flax import nnx
 
-from pacs_jax.algos import grpo, logprobs as logprobs_lib, pacs, ppo
-from pacs_jax.train.state import TrainState, skipped_updates, last_lr
+from pacs_jax.algos import logprobs as logprobs_lib, ppo, registry
+from pacs_jax.train import state as state_lib
+from pacs_jax.train.state import TrainState
 
 Batch = dict[str, jax.Array]
 
@@ -46,45 +48,21 @@ def response_values(critic, input_ids, attention_mask, response_len: int):
   return values[:, L - response_len - 1:L - 1]
 
 
-def loss_normaliser(cfg: ml_collections.ConfigDict, micro: Batch, mask: jax.Array | None = None) -> jax.Array:
-  """What a loss over `mask` (default: the response mask) is a mean over, for this micro-batch: its
-  accumulation weight."""
-  rows = jnp.asarray(micro["rewards"].shape[0], jnp.float32)
-  if cfg.algorithm == "pacs":
-    return rows
-  if cfg.grpo.loss_agg_mode == "token-mean":
-    return jnp.sum((micro["response_mask"] if mask is None else mask).astype(jnp.float32))
-  return rows
-
-
-def policy_loss(cfg: ml_collections.ConfigDict, logp, entropy, micro: Batch):
-  """The configured objective on one micro-batch -> (loss, metrics)."""
-  mask = micro["response_mask"]
-  if cfg.algorithm == "pacs":
-    p = cfg.pacs
-    return pacs.pacs_loss(logp, micro["ref_logprobs"], mask, micro["rewards"], group_size=cfg.rollout.n,
-                          beta=p.beta, reward_method=p.reward_method, adv_estimator=p.adv_estimator,
-                          norm_adv_by_std=p.norm_adv_by_std, use_weight=p.use_weight, weight_mode=p.weight_mode,
-                          sum_mask=micro.get("proxy_mask"))
-  g = cfg.grpo
-  if cfg.algorithm == "grpo":
-    return grpo.grpo_loss(logp, micro["old_logprobs"], micro.get("ref_logprobs"), mask, micro["rewards"],
-                          group_size=cfg.rollout.n, norm_adv_by_std=g.norm_adv_by_std,
-                          clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
-                          clip_ratio_c=g.clip_ratio_c, loss_agg_mode=g.loss_agg_mode,
-                          kl_loss_coef=g.kl_coef if g.use_kl_loss else 0.0, entropy=entropy,
-                          entropy_coeff=g.entropy_coeff, micro_batch_rows=cfg.train.verl_micro_batch_rows)
-  loss, metrics = ppo.policy_loss(micro["old_logprobs"], logp, micro["advantages"], mask,
-                                  clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
-                                  clip_ratio_c=g.clip_ratio_c, loss_agg_mode=g.loss_agg_mode,
-                                  micro_batch_rows=cfg.train.verl_micro_batch_rows)
-  return loss, metrics
+# A mini-batch's [] bool field: its update is the training step's last, so the step counter and the RNG advance
+# with it. A mini-batch without it is a whole training step.
+ENDS_STEP = "ends_step"
 
 
 def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.GradientTransformation,
-                    critic_graphdef=None, critic_optimizer: optax.GradientTransformation | None = None
+                    critic_graphdef=None, critic_optimizer: optax.GradientTransformation | None = None,
+                    optimizer_metrics: Callable[[Any], dict[str, jax.Array]] = state_lib.optimizer_metrics,
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-  """Builds the pure step: accumulate gradients over micro-batches, then one (possibly skipped) update."""
+  """Builds the pure step: accumulate gradients over micro-batches, then one (possibly skipped) update; on the
+  training step's last mini-batch, `state.step` + 1 and the next RNG key.
+
+  `optimizer_metrics(opt_state)`: the metrics read from the optimizer state (skipped updates, learning rate).
+  """
+  algo = registry.of(cfg)
   temperature = cfg.rollout.temperature
 
   def micro_loss(params, micro):
@@ -93,8 +71,8 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     logp, entropy = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
                                       with_entropy=True, targets=micro.get("logprob_targets"))
     # The entropy only carries gradient when it is part of the objective (GRPO's entropy bonus).
-    bonus = cfg.algorithm != "pacs" and cfg.grpo.entropy_coeff != 0
-    loss, metrics = policy_loss(cfg, logp, entropy if bonus else jax.lax.stop_gradient(entropy), micro)
+    loss, metrics = algo.loss(cfg, logp, entropy if algo.entropy_has_grad(cfg) else jax.lax.stop_gradient(entropy),
+                              micro)
     metrics = dict(metrics)
     metrics["entropy"] = logprobs_lib.masked_mean(jax.lax.stop_gradient(entropy), micro["response_mask"])
     return loss, metrics
@@ -102,15 +80,11 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
   def critic_loss(critic_params, micro):
     critic = nnx.merge(critic_graphdef, critic_params)
     R = micro["response_mask"].shape[-1]
-    values = response_values(critic, micro["input_ids"], micro["attention_mask"], R)
-    # The released critic (dp_critic.py update_critic): mask attention_mask[:, -R-1:-1], the actor's agg mode.
-    return ppo.clipped_value_loss(values, micro["returns"], micro["old_values"],
-                                  ppo.critic_mask(micro["attention_mask"], R),
-                                  cliprange_value=cfg.ppo.cliprange_value, loss_agg_mode=cfg.grpo.loss_agg_mode,
-                                  micro_batch_rows=cfg.train.verl_micro_batch_rows)
+    return algo.critic_loss(cfg, response_values(critic, micro["input_ids"], micro["attention_mask"], R), micro)
 
   def accumulate(loss_fn, params, minibatch, weight_fn):
-    """Σ_j c_j ∇L_j / Σ_j c_j over micro-batches j (c_j = the loss normaliser of micro-batch j)."""
+    """Σ_j c_j ∇L_j / Σ_j c_j over micro-batches j (c_j = the loss normaliser of micro-batch j); the metrics
+    averaged with the same weights."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def body(carry, micro):
@@ -137,21 +111,22 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     return optax.apply_updates(params, updates), opt_state
 
   def train_step(state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
-    grads, metrics = accumulate(micro_loss, state.params, minibatch, lambda m: loss_normaliser(cfg, m))
+    ends_step = minibatch.get(ENDS_STEP, True)
+    minibatch = {k: v for k, v in minibatch.items() if k != ENDS_STEP}  # [k, m, ...] each
+    grads, metrics = accumulate(micro_loss, state.params, minibatch, lambda m: algo.normaliser(cfg, m))
     metrics["grad_norm"] = optax.tree.norm(grads)
     params, opt_state = apply(optimizer, state.params, state.opt_state, grads)
-    metrics["skipped_updates"] = skipped_updates(opt_state).astype(jnp.float32)
-    metrics["lr"] = last_lr(opt_state)
+    metrics.update(optimizer_metrics(opt_state))
     critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
     if critic_graphdef is not None:
-      value_weight = lambda m: loss_normaliser(cfg, m, ppo.critic_mask(m["attention_mask"], m["response_mask"].shape[-1]))
+      value_weight = lambda m: algo.normaliser(cfg, m, algo.critic_mask(m))
       critic_grads, critic_metrics = accumulate(critic_loss, critic_params, minibatch, value_weight)
       metrics.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in critic_metrics.items()})
       metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
       critic_params, critic_opt_state = apply(critic_optimizer, critic_params, critic_opt_state, critic_grads)
     state = state.replace(params=params, opt_state=opt_state, critic_params=critic_params,
                           critic_opt_state=critic_opt_state)
-    return state, metrics
+    return state_lib.advance(state, ends_step), metrics
 
   return train_step
 
@@ -189,19 +164,3 @@ def make_value_fn(critic_graphdef) -> Callable[[nnx.State, Batch], jax.Array]:
     return jax.lax.map(one, {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")})
 
   return fn
-
-
-def ppo_advantages(cfg: ml_collections.ConfigDict, minibatches: list[Batch]) -> list[tuple[jax.Array, jax.Array]]:
-  """GAE advantages (whitened over the whole step's batch, as verl) and returns, per mini-batch [k, m, R]."""
-  mask = jnp.concatenate([mb["response_mask"].reshape(-1, mb["response_mask"].shape[-1]) for mb in minibatches])
-  rewards = jnp.concatenate([mb["rewards"].reshape(-1) for mb in minibatches])
-  values = jnp.concatenate([mb["old_values"].reshape(-1, mask.shape[-1]) for mb in minibatches])
-  token_rewards = ppo.outcome_token_rewards(rewards, mask)
-  advantages, returns = ppo.gae_advantages(token_rewards, values, mask, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam)
-  out, start = [], 0
-  for mb in minibatches:
-    shape = mb["response_mask"].shape
-    rows = shape[0] * shape[1]
-    out.append((advantages[start:start + rows].reshape(shape), returns[start:start + rows].reshape(shape)))
-    start += rows
-  return out

@@ -18,7 +18,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from pacs_jax.models import hf
 from pacs_jax.rollout.state import Completion
-from pacs_jax.train import loop
+from pacs_jax.train import batching
 
 ENDOFTEXT, IM_END = 151643, 151645
 
@@ -126,7 +126,7 @@ def test_response_mask_equals_verl(tmp_path, case):
   responses = [r for r in responses if not set(r[:-1]) & set(stop) and (r[-1] in stop or len(r) == R)]
   completions = [Completion(0, i, r, np.zeros(len(r), np.float32), "eos" if r[-1] in stop else "length")
                  for i, r in enumerate(responses)]
-  input_ids, attention_mask, response_mask = loop.pack_rows([prompt], completions, P, R, pad, mask_ids)
+  input_ids, attention_mask, response_mask = batching.pack_rows([prompt], completions, P, R, pad, mask_ids)
 
   padded = verl_pad_2d_list_to_length(responses, tokenizer.pad_token_id, max_length=R)
   expected = verl_get_response_mask(padded, eos_token=verl_get_generation_config(path).eos_token_id)

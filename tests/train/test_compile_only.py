@@ -13,7 +13,7 @@ import pytest
 
 from pacs_jax import config as config_lib
 from pacs_jax.train import aot
-from pacs_jax.train import loop
+from pacs_jax.train import batching, loop
 from pacs_jax.train import programs as programs_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -124,7 +124,7 @@ def test_compile_only_builds_the_programs_the_trainer_runs(report, tmp_path):
   trainer.train_step = record
   rows = cfg.train.batch_prompts * cfg.rollout.n
   P, R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
-  rb = loop.RolloutBatch(np.ones((rows, P + R), np.int32), np.ones((rows, P + R), np.int32),
+  rb = batching.RolloutBatch(np.ones((rows, P + R), np.int32), np.ones((rows, P + R), np.int32),
                          np.ones((rows, R), np.float32), np.zeros((rows,), np.float32), ["s"] * rows, ["eos"] * rows)
   trainer.update(rb)
   expected = programs_lib.minibatch_shapes(cfg, trainer.mesh)

@@ -13,7 +13,7 @@ import pytest
 
 from pacs_jax import config as config_lib
 from pacs_jax.models import hf
-from pacs_jax.train import loop
+from pacs_jax.train import batching, loop
 from pacs_jax.train import state as state_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,10 +70,10 @@ def test_group_check_names_the_rows():
   ids = np.array([[0, 1, 2, 9], [5, 1, 2, 8], [3, 4, 4, 7], [3, 4, 4, 6]], np.int32)  # [prompt of 3 | response]
   mask = np.ones_like(ids)
   mask[:2, 0] = 0  # left padding: the pad token's id does not matter
-  loop.check_groups(ids, mask, prompt_len=3, n=2)
+  batching.check_groups(ids, mask, prompt_len=3, n=2)
   ids[3, 1] = 5
   with pytest.raises(ValueError, match=r"rows 2\.\.3 .*one prompt"):
-    loop.check_groups(ids, mask, prompt_len=3, n=2)
+    batching.check_groups(ids, mask, prompt_len=3, n=2)
 
 
 def test_rollout_reference_run_with_exact_padding_dumps_and_every_checkpoint(tmp_path):

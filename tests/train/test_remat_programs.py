@@ -77,7 +77,7 @@ def test_value_pass_is_the_same_with_remat():
 
 
 @pytest.mark.parametrize("algorithm", ["pacs", "ppo"])
-def test_first_train_step_is_the_same_with_remat(algorithm, monkeypatch):
+def test_first_train_step_is_the_same_with_remat(algorithm):
   cfg = config_lib.default_config()
   cfg.algorithm, cfg.rollout.n = algorithm, N
   graphdef, remat_graphdef, params = models()
@@ -85,8 +85,7 @@ def test_first_train_step_is_the_same_with_remat(algorithm, monkeypatch):
   # Plain SGD with step 1: the update is the gradient itself (AdamW's first step, g / (|g| + eps), would
   # turn float rounding in near-zero gradients into large differences). SGD has no skip counter or lr.
   optimizer = optax.sgd(1.0)
-  monkeypatch.setattr(step_lib, "skipped_updates", lambda s: jnp.zeros((), jnp.int32))
-  monkeypatch.setattr(step_lib, "last_lr", lambda s: jnp.ones(()))
+  sgd_metrics = lambda s: {"skipped_updates": jnp.zeros((), jnp.float32), "lr": jnp.ones(())}
   mb = minibatch()
   results = []
   for policy_graphdef, critic_graphdef in ((graphdef, critic[0]), (remat_graphdef, critic[1])):
@@ -94,7 +93,7 @@ def test_first_train_step_is_the_same_with_remat(algorithm, monkeypatch):
                                  rng=state_lib.initial_rng(0), critic_params=critic[2],
                                  critic_opt_state=None if critic[2] is None else optimizer.init(critic[2]))
     step = step_lib.make_train_step(cfg, policy_graphdef, optimizer, critic_graphdef,
-                                    optimizer if critic_graphdef is not None else None)
+                                    optimizer if critic_graphdef is not None else None, optimizer_metrics=sgd_metrics)
     results.append(jax.jit(step)(state, mb))
   (plain_state, plain_metrics), (remat_state, remat_metrics) = results
   assert plain_metrics.keys() == remat_metrics.keys() and "loss" in plain_metrics

@@ -1,4 +1,8 @@
-"""The pure train step: micro-batch accumulation equals the unsplit gradient; non-finite updates are skipped."""
+"""The pure train step: micro-batch accumulation equals the unsplit gradient; non-finite updates are skipped; the
+step counter and the RNG advance inside the jitted step, never on the host."""
+
+import ast
+import os
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +19,10 @@ from pacs_jax.train import step as step_lib
 N_GROUPS, N, P, R = 4, 4, 5, 6
 MODEL = qwen2.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def SGD_METRICS(opt_state):  # plain SGD keeps neither a skip counter nor a learning rate
+  return {"skipped_updates": jnp.zeros((), jnp.float32), "lr": jnp.ones(())}
 
 
 def make_cfg(algorithm="pacs", **grpo):
@@ -65,15 +73,10 @@ def grads_of(cfg, batch, k):
                                rng=state_lib.initial_rng(0), critic_params=critic_params,
                                critic_opt_state=sgd.init(critic_params) if critic_params is not None else None)
 
-  # sgd has no skip counter / lr hyperparams: patch the metrics those read.
-  orig_skipped, orig_lr = step_lib.skipped_updates, step_lib.last_lr
-  step_lib.skipped_updates = lambda s: jnp.zeros((), jnp.int32)
-  step_lib.last_lr = lambda s: jnp.ones(())
-  try:
-    fn = step_lib.make_train_step(cfg, graphdef, sgd, critic_graphdef, sgd if critic_graphdef else None)
-    new_state, metrics = jax.jit(fn)(state, split(batch, k))
-  finally:
-    step_lib.skipped_updates, step_lib.last_lr = orig_skipped, orig_lr
+  # sgd has no skip counter / lr hyperparams: constant optimizer metrics instead.
+  fn = step_lib.make_train_step(cfg, graphdef, sgd, critic_graphdef, sgd if critic_graphdef else None,
+                                optimizer_metrics=SGD_METRICS)
+  new_state, metrics = jax.jit(fn)(state, split(batch, k))
   grads = jax.tree.map(lambda a, b: a - b, params, new_state.params)
   critic_grads = None
   if critic_params is not None:
@@ -127,3 +130,50 @@ def test_non_finite_gradient_is_skipped_and_counted_then_training_continues():
   changed = [not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params))]
   assert all(changed)
   assert float(metrics["lr"]) == pytest.approx(cfg.train.lr)
+
+
+def test_jitted_step_advances_the_step_counter_and_the_rng():
+  """The training step's last update returns step + 1 and the next RNG key (the split whose other half seeded
+  this step's rollout); an earlier mini-batch of the same training step changes neither."""
+  cfg = make_cfg("pacs")
+  graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(MODEL, rngs=nnx.Rngs(0)), nnx.Param)
+  opt = state_lib.make_optimizer(cfg.train, cfg.train.lr, 10)
+  state = state_lib.TrainState(step=jnp.asarray(7, jnp.int32), params=params, opt_state=opt.init(params),
+                               rng=state_lib.initial_rng(3))
+  rng_before = np.asarray(state.rng)
+  carry, sub = jax.random.split(jax.random.wrap_key_data(state.rng))
+  assert state_lib.rollout_seed(state.rng) == int(jax.random.randint(sub, (), 0, 2**31 - 1))
+  step = jax.jit(step_lib.make_train_step(cfg, graphdef, opt))
+  batch = split(make_batch(), 2)
+
+  mid, _ = step(state, dict(batch, **{step_lib.ENDS_STEP: jnp.asarray(False)}))
+  assert int(mid.step) == 7 and np.array_equal(np.asarray(mid.rng), rng_before)
+  assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(mid.params)))
+
+  last, _ = step(mid, dict(batch, **{step_lib.ENDS_STEP: jnp.asarray(True)}))
+  assert last.step.dtype == jnp.int32 and int(last.step) == 8
+  assert not np.array_equal(np.asarray(last.rng), rng_before)
+  np.testing.assert_array_equal(np.asarray(last.rng), np.asarray(jax.random.key_data(carry)))
+
+
+TRAIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "pacs_jax",
+                         "train")
+
+
+def test_no_host_code_changes_the_step_counter_or_the_rng():
+  """Outside the jitted step's own `state.advance`, no train module replaces or assigns a state's step / rng."""
+  offenders = []
+  for name in sorted(os.listdir(TRAIN_DIR)):
+    if not name.endswith(".py") or name == "state.py":
+      continue
+    tree = ast.parse(open(os.path.join(TRAIN_DIR, name)).read())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "replace":
+        offenders += [f"{name}:{node.lineno}" for k in node.keywords if k.arg in ("step", "rng")]
+      if isinstance(node, (ast.Assign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        offenders += [f"{name}:{node.lineno}" for t in targets
+                      if isinstance(t, ast.Attribute) and t.attr in ("step", "rng")]
+  assert offenders == []
+  loop_source = open(os.path.join(TRAIN_DIR, "loop.py")).read()
+  assert "jax.random.split" not in loop_source and "rollout_seed(self.state.rng)" in loop_source

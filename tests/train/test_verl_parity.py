@@ -164,13 +164,10 @@ def run_step(cfg, policy, critic, minibatch):
   state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=read_back.init(params),
                                rng=state_lib.initial_rng(0), critic_params=critic_params,
                                critic_opt_state=read_back.init(critic_params) if critic is not None else None)
-  orig = step_lib.skipped_updates, step_lib.last_lr  # SGD keeps neither counter nor lr
-  step_lib.skipped_updates, step_lib.last_lr = (lambda s: jnp.zeros((), jnp.int32)), (lambda s: jnp.ones(()))
-  try:
-    fn = step_lib.make_train_step(cfg, graphdef, read_back, critic_graphdef, read_back if critic else None)
-    new_state, metrics = jax.jit(fn)(state, minibatch)
-  finally:
-    step_lib.skipped_updates, step_lib.last_lr = orig
+  sgd_metrics = lambda s: {"skipped_updates": jnp.zeros((), jnp.float32), "lr": jnp.ones(())}  # SGD keeps neither
+  fn = step_lib.make_train_step(cfg, graphdef, read_back, critic_graphdef, read_back if critic else None,
+                                optimizer_metrics=sgd_metrics)
+  new_state, metrics = jax.jit(fn)(state, minibatch)
   grads = jax.tree.map(lambda a, b: a - b, params, new_state.params)
   critic_grads = None
   if critic is not None:
@@ -227,7 +224,8 @@ def test_update_equals_verl_micro_batch_accumulation(tmp_path, algorithm):
     token_rewards = torch.zeros(len(ids), R, dtype=torch.float64)
     token_rewards[torch.arange(len(ids)), response_mask.sum(-1).long() - 1] = torch.tensor(rewards).double()
     adv, ret = compute_gae_advantage_return(token_rewards, tb["values"], response_mask.double(), 1.0, 1.0)
-    (our_adv, our_ret), = step_lib.ppo_advantages(cfg, [mb])
+    (ours,) = ppo.step_advantages([mb], gamma=cfg.ppo.gamma, lam=cfg.ppo.lam)
+    our_adv, our_ret = ours["advantages"], ours["returns"]
     np.testing.assert_allclose(np.asarray(our_ret).reshape(-1, R), ret.numpy(), atol=1e-5)
     np.testing.assert_allclose(np.asarray(our_adv).reshape(-1, R) * attn[:, P:], (adv * response_mask).numpy(),
                                atol=1e-5)

@@ -1,0 +1,133 @@
+"""Training objectives as objects registered by name: what each needs, its loss and its accumulation weight.
+
+The trainer, the memory estimate and config validation ask `get(cfg.algorithm)`; adding an objective is one
+module that subclasses `Algorithm` and calls `register` (as tunix's algo_core registry).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+Batch = dict[str, jax.Array]
+# check(condition, field, message): config validation's error reporter (raises naming the field).
+Check = Callable[[bool, str, str], None]
+
+# The built-in objectives register themselves when their module is imported; `get` imports it on first use.
+_BUILTIN_MODULES = {"pacs": "pacs_jax.algos.pacs", "grpo": "pacs_jax.algos.grpo", "ppo": "pacs_jax.algos.ppo"}
+_REGISTRY: dict[str, "Algorithm"] = {}
+
+
+class Algorithm:
+  """An objective on the shared loop. Subclasses override what differs; the defaults are a critic-free,
+  reference-free policy loss averaged over rows.
+
+  Every micro-batch field is [m, ...] (m rows = whole prompt groups): input_ids / attention_mask [m, P + R],
+  response_mask [m, R], rewards [m], plus what the algorithm asks for (old_logprobs, ref_logprobs, ...).
+  """
+
+  name: str = ""
+  min_group_size: int = 1  # responses per prompt the objective needs (group baselines need 2)
+  has_critic: bool = False  # a value model trained beside the policy (old_values come with each mini-batch)
+  has_step_inputs: bool = False  # `step_inputs` adds fields computed over the whole step's batch
+
+  def validate(self, cfg: ml_collections.ConfigDict, check: Check, num_processes: int) -> None:
+    """Algorithm-specific config checks (the shared ones are config.validate's)."""
+
+  def needs_frozen_ref(self, cfg: ml_collections.ConfigDict) -> bool:
+    """A frozen copy of the initial policy is kept, and `ref_logprobs` computed under it."""
+    return False
+
+  def needs_old_logprobs(self, cfg: ml_collections.ConfigDict) -> bool:
+    """`old_logprobs`: the sampling policy's log-probs, computed before the step's first update."""
+    return False
+
+  def ref_is_old(self, cfg: ml_collections.ConfigDict) -> bool:
+    """`ref_logprobs` are the old log-probs (the policy that sampled this step is the reference)."""
+    return False
+
+  def needs_ref_logprobs(self, cfg: ml_collections.ConfigDict) -> bool:
+    return self.needs_frozen_ref(cfg) or self.ref_is_old(cfg)
+
+  def extra_fields(self, cfg: ml_collections.ConfigDict) -> dict[str, np.dtype]:
+    """Further [m, R] fields of a micro-batch: host inputs (`host_inputs`) and step inputs (`step_inputs`)."""
+    return {}
+
+  def host_inputs(self, cfg: ml_collections.ConfigDict, input_ids: np.ndarray, attention_mask: np.ndarray,
+                  response_len: int) -> dict[str, np.ndarray]:
+    """Per-row [rows, R] numpy inputs built on the host from a process's rows (before batching)."""
+    return {}
+
+  def step_inputs(self, cfg: ml_collections.ConfigDict, minibatches: list[Batch]) -> list[Batch]:
+    """Fields computed over the whole step's batch (jitted), one dict per mini-batch [k, m, R]; after the
+    log-prob and value passes."""
+    return [{} for _ in minibatches]
+
+  def entropy_has_grad(self, cfg: ml_collections.ConfigDict) -> bool:
+    """The entropy is part of the objective (otherwise it is only a metric and carries no gradient)."""
+    return False
+
+  def loss(self, cfg: ml_collections.ConfigDict, logprobs: jax.Array, entropy: jax.Array,
+           micro: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The policy loss of one micro-batch from the current log-probs / entropies [m, R] -> (loss, metrics)."""
+    raise NotImplementedError
+
+  def normaliser(self, cfg: ml_collections.ConfigDict, micro: Batch, mask: jax.Array | None = None) -> jax.Array:
+    """What the loss over `mask` (default: the response mask) is a mean over: the micro-batch's accumulation
+    weight, so that k micro-batches give the unsplit mini-batch's gradient. Default: rows."""
+    return jnp.asarray(micro["rewards"].shape[0], jnp.float32)
+
+  def critic_loss(self, cfg: ml_collections.ConfigDict, values: jax.Array,
+                  micro: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The value loss of one micro-batch from the critic's values [m, R] (`has_critic` only)."""
+    raise NotImplementedError
+
+  def make_critic(self, model_config, rngs):
+    """A fresh critic module for a policy of `model_config` (`has_critic` only)."""
+    raise NotImplementedError
+
+  def critic_lr(self, cfg: ml_collections.ConfigDict) -> float:
+    """The critic optimizer's learning rate (`has_critic` only)."""
+    raise NotImplementedError
+
+  def critic_mask(self, micro: Batch) -> jax.Array:
+    """[m, R] positions the value loss averages over (its accumulation weight's mask)."""
+    return micro["response_mask"]
+
+
+def register(name: str, algorithm: Algorithm) -> Algorithm:
+  """Makes `algorithm` the objective of `config.algorithm = name`; returns it."""
+  if not isinstance(algorithm, Algorithm):
+    raise TypeError(f"{name}: an algorithm must be an Algorithm instance, got {type(algorithm).__name__}")
+  algorithm.name = name
+  _REGISTRY[name] = algorithm
+  return algorithm
+
+
+def names() -> tuple[str, ...]:
+  """Every registered name, the built-in ones included."""
+  return tuple(sorted(set(_REGISTRY) | set(_BUILTIN_MODULES)))
+
+
+def is_registered(name: str) -> bool:
+  return name in _REGISTRY or name in _BUILTIN_MODULES
+
+
+def get(name: str) -> Algorithm:
+  """The algorithm registered as `name` (a built-in one is imported on first use)."""
+  if name not in _REGISTRY and name in _BUILTIN_MODULES:
+    importlib.import_module(_BUILTIN_MODULES[name])
+  try:
+    return _REGISTRY[name]
+  except KeyError:
+    raise KeyError(f"unknown algorithm {name!r}; registered: {', '.join(names())}") from None
+
+
+def of(cfg: ml_collections.ConfigDict) -> Algorithm:
+  """The configured algorithm."""
+  return get(cfg.algorithm)

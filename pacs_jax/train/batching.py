@@ -1,0 +1,130 @@
+"""A step's completions as training arrays (rows prompt-major, mini-/micro-batches of whole groups) and their stats.
+
+Rows of one prompt's group are contiguous (row = prompt * n + sample).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from pacs_jax.rollout import state as rollout_state
+from pacs_jax.train import multihost
+from pacs_jax.train import programs as programs_lib
+from pacs_jax.train import step as step_lib
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+  """Process-local rows of one step (numpy), ordered prompt-major: row = prompt * n + sample."""
+  input_ids: np.ndarray  # [rows, P + R] int32
+  attention_mask: np.ndarray  # [rows, P + R] int32
+  response_mask: np.ndarray  # [rows, R] float32
+  rewards: np.ndarray  # [rows] float32
+  data_sources: list[str]
+  finish_reasons: list[str]
+  # The algorithm's host inputs ([rows, R] each; `Algorithm.host_inputs`), e.g. PACS's padding replication.
+  extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+  def __getattr__(self, name: str) -> np.ndarray:
+    """An `extra` field by name (e.g. PACS's `proxy_mask`), like the fixed fields."""
+    extra = self.__dict__.get("extra", {})
+    if name in extra:
+      return extra[name]
+    raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+
+
+def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
+  """[rows, R] -> 1 up to and including each row's first token in `eos_ids`, 0 after (float32).
+
+  verl's get_response_mask (verl/utils/torch_functional.py): (cumsum(is_eos) − is_eos) == 0.
+  """
+  is_eos = np.isin(responses, np.asarray(list(eos_ids))).astype(np.int64)
+  return ((np.cumsum(is_eos, axis=1) - is_eos) == 0).astype(np.float32)
+
+
+def pack_rows(prompts: list[list[int]], completions: list[rollout_state.Completion], P: int, R: int,
+              pad_id: int, mask_eos_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Prompt left-padded to P, response right-padded to R with `pad_id`: (input_ids, attention_mask, response_mask).
+
+  As verl's vLLM rollout: the response mask (and the response part of the attention mask) runs up to and
+  including the first of `mask_eos_ids` in the padded response, or to R without one.
+  """
+  rows = len(completions)
+  input_ids = np.full((rows, P + R), pad_id, np.int32)
+  attention_mask = np.zeros((rows, P + R), np.int32)
+  for row, comp in enumerate(completions):
+    prompt = prompts[comp.prompt_index]
+    input_ids[row, P - len(prompt):P] = prompt
+    attention_mask[row, P - len(prompt):P] = 1
+    toks = comp.tokens[:R]
+    input_ids[row, P:P + len(toks)] = toks
+  mask = response_mask(input_ids[:, P:], mask_eos_ids)  # [rows, R]
+  attention_mask[:, P:] = mask.astype(np.int32)
+  return input_ids, attention_mask, mask
+
+
+def to_minibatches(batch: RolloutBatch, mesh, num_minibatches: int, micro_per_minibatch: int) -> list[dict]:
+  """Splits local rows into mini-batches [k, m, ...] of whole groups, as global arrays over (data, fsdp); the
+  last one's `ENDS_STEP` flag is set (its update ends the training step)."""
+  arrays = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+            "response_mask": batch.response_mask, "rewards": batch.rewards, **batch.extra}
+  rows = batch.rewards.shape[0]
+  per_mb = rows // num_minibatches
+  out = []
+  for j in range(num_minibatches):
+    mb = {}
+    for name, a in arrays.items():
+      local = a[j * per_mb:(j + 1) * per_mb].reshape((micro_per_minibatch, per_mb // micro_per_minibatch) + a.shape[1:])
+      global_shape = (local.shape[0], local.shape[1] * jax.process_count()) + local.shape[2:]
+      mb[name] = jax.make_array_from_process_local_data(programs_lib.minibatch_sharding(mesh, local.ndim), local,
+                                                        global_shape)
+    mb[step_lib.ENDS_STEP] = jax.make_array_from_process_local_data(
+        programs_lib.minibatch_sharding(mesh, 0), np.asarray(j == num_minibatches - 1), ())
+    out.append(mb)
+  return out
+
+
+def check_groups(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, n: int) -> None:
+  """Raises unless each group of n consecutive rows holds one prompt (the group baselines compare its
+  responses); the released compute_pacs_loss asserts the same (pacs_core_algos.py)."""
+  prompts = np.where(attention_mask[:, :prompt_len] > 0, input_ids[:, :prompt_len], -1)  # [rows, P]
+  if prompts.shape[0] % n:
+    raise ValueError(f"{prompts.shape[0]} rows do not split into groups of n={n}")
+  groups = prompts.reshape(-1, n, prompt_len)
+  differs = np.any(groups != groups[:, :1], axis=(1, 2))
+  if differs.any():
+    g = int(np.argmax(differs))
+    raise ValueError(f"rows {g * n}..{g * n + n - 1} should be the n={n} responses of one prompt, but their prompts "
+                     "differ: the batch is not grouped prompt-major (row = prompt * n + sample)")
+
+
+def rollout_metrics(rb: RolloutBatch, reward_stats: dict, source_names: list[str]) -> dict[str, float]:
+  """Reward, accuracy per data source, response lengths: over every process's rows (the global batch)."""
+  source_ids = np.asarray([source_names.index(s) for s in rb.data_sources], np.float32)
+  finished_by_length = np.asarray([r == "length" for r in rb.finish_reasons], np.float32)
+  counts = np.asarray([reward_stats.get("errors", 0), reward_stats.get("timeouts", 0)], np.float32)
+  rows = np.stack([rb.rewards, rb.response_mask.sum(-1), finished_by_length, source_ids], axis=1)  # [rows, 4]
+  rows, counts = multihost.gather_rows(rows), multihost.sum_over_processes(counts)
+  rewards, lengths, clipped, ids = rows.T
+  m = {"reward/mean": float(np.mean(rewards)),
+       "response_length/mean": float(np.mean(lengths)),
+       "response_length/max": float(np.max(lengths)),
+       "response_length/clip_ratio": float(np.mean(clipped)),
+       "reward/errors": float(counts[0]),
+       "reward/timeouts": float(counts[1])}
+  m.update(per_source_mean(rewards, [source_names[int(i)] for i in ids], "accuracy"))
+  return m
+
+
+def per_source_mean(scores, data_sources: list[str], prefix: str) -> dict[str, float]:
+  scores = np.asarray(scores, np.float64)
+  out = {}
+  for src in sorted(set(data_sources)):
+    sel = np.asarray([d == src for d in data_sources])
+    out[f"{prefix}/{src}"] = float(scores[sel].mean())
+  if data_sources:
+    out[f"{prefix}/all"] = float(scores.mean())
+  return out
