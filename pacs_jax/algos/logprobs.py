@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pacs_jax.models.token_logprobs import token_stats
+
 # 128 positions per chunk: one fp32 chunk is 256/T of the bf16 logits (1/16 at T = 4096, 1/2 at T = 512).
 DEFAULT_CHUNK_SIZE = 128
 
@@ -27,24 +29,8 @@ def masked_mean(values: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
 
 
 def _chunk_stats(logits_chunk: jax.Array, tokens_chunk: jax.Array, temperature: float, with_entropy: bool):
-  """logits_chunk [B, C, V] (any float dtype), tokens_chunk [B, C] -> (logp [B, C],) or (logp, entropy).
-
-    x = logits / temperature (fp32),  lse = log Σ_v exp x_v,
-    log p(token) = x_token − lse,      H = Σ_v p_v · (lse − x_v),  p = softmax(x)
-  """
-  # At least fp32 (bf16 logits are upcast); fp64 stays fp64 under jax_enable_x64 (exactness tests).
-  x = logits_chunk.astype(jnp.promote_types(logits_chunk.dtype, jnp.float32)) / temperature  # [B, C, V]
-  lse = jax.nn.logsumexp(x, axis=-1)  # [B, C]
-  # A select + sum instead of take_along_axis: with the vocab sharded over devices a gather along it makes
-  # XLA all-gather the chunk, while the select + sum stays sharded (one all-reduce of [B, C]).
-  vocab_ids = lax.broadcasted_iota(jnp.int32, x.shape, 2)
-  picked = jnp.sum(jnp.where(vocab_ids == tokens_chunk[..., None].astype(jnp.int32), x, 0.0), axis=-1)
-  logp = picked - lse
-  if not with_entropy:
-    return (logp,)
-  neg_logp_all = lse[..., None] - x  # [B, C, V], >= 0
-  # Σ p·(lse − x) rather than lse − Σ p·x: no cancellation between two large numbers.
-  return logp, jnp.sum(jnp.exp(-neg_logp_all) * neg_logp_all, axis=-1)
+  """logits_chunk [B, C, V], tokens_chunk [B, C] -> (logp [B, C],) or (logp, entropy): the sampler's own maths."""
+  return token_stats(logits_chunk, tokens_chunk, temperature, with_entropy)
 
 
 def _scan_chunks(chunk_fn: Callable, batch: int, length: int, chunk_size: int, n_out: int, carried=None,
