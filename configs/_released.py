@@ -36,7 +36,7 @@ def released_recipe(preset: str, hf_path: str, algorithm: str = "pacs"):
   c.train.schedule = "constant"
   c.train.weight_decay = 0.01
   # The released PACS actor never clips (pacs_actor.py _optimizer_step); verl's GRPO/PPO actor and critic clip at 1.
-  c.train.grad_clip = 0.0 if c.algorithm == "pacs" else 1.0
+  c.train.grad_clip = {"pacs": 0.0}.get(c.algorithm, 1.0)
   c.train.verl_micro_batch_rows = 8  # ppo_micro_batch_size_per_gpu (actor and critic)
   c.rollout.stop_tokens = "released"  # tokenizer EOS + generation_config EOS; mask to the first EOS
   c.pacs.beta = 1.0
@@ -53,7 +53,7 @@ def released_recipe(preset: str, hf_path: str, algorithm: str = "pacs"):
   c.ppo.critic_lr = 1e-5
   c.ppo.cliprange_value = 0.5
   c.ppo.gamma, c.ppo.lam = 1.0, 1.0
-  c.eval_every = 0 if c.algorithm == "ppo" else 5  # ppo.sh sets trainer.test_freq=-1
+  c.eval_every = {"ppo": 0}.get(c.algorithm, 5)  # ppo.sh sets trainer.test_freq=-1
   c.checkpoint.every = 20
   c.checkpoint.keep = 0  # trainer.max_actor_ckpt_to_keep: null keeps every checkpoint
   c.reward_workers = 8

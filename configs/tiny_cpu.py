@@ -7,6 +7,12 @@ the baselines on the same task with learning rates that suit them.
 from pacs_jax.config import default_config
 
 
+BASELINE_SETTINGS = {
+    "grpo": {"steps": 300, "train.lr": 1e-3},
+    "ppo": {"steps": 300, "train.lr": 1e-3, "ppo.critic_lr": 3e-3},
+}
+
+
 def get_config(algorithm: str = "pacs"):
   c = default_config()
   c.algorithm = algorithm or "pacs"
@@ -28,11 +34,6 @@ def get_config(algorithm: str = "pacs"):
   c.eval_every = 10
   c.checkpoint.every = 50
   c.mesh.fsdp = 1
-  if c.algorithm == "grpo":
-    c.steps = 300
-    c.train.lr = 1e-3  # at 3e-3 GRPO collapses its entropy and forgets the task
-  elif c.algorithm == "ppo":
-    c.steps = 300
-    c.train.lr = 1e-3
-    c.ppo.critic_lr = 3e-3
+  # The baselines' own settings (at lr 3e-3 GRPO collapses its entropy and forgets the task).
+  c.update_from_flattened_dict(BASELINE_SETTINGS.get(c.algorithm, {}))
   return c
