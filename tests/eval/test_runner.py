@@ -3,6 +3,7 @@ the released inference.py does), pass@k consistent with the lines, every k <= n 
 other writers' lines left alone, refusals, and the CLI on a training workdir."""
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import json
@@ -160,6 +161,20 @@ def released_metrics(model_path):
   return json.loads(json.dumps(metrics))
 
 
+@contextlib.contextmanager
+def weights_moved_away(model_dir):
+  """The model's safetensors renamed for the block: loading the model inside it fails."""
+  weights = [os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")]
+  assert weights
+  for w in weights:
+    os.rename(w, w + ".away")
+  try:
+    yield
+  finally:
+    for w in weights:
+      os.rename(w + ".away", w)
+
+
 def test_writes_the_released_layouts_with_every_k_per_source(first_run):
   out, summary = first_run
   assert read_summary(out) == json.loads(json.dumps(summary))
@@ -207,7 +222,7 @@ def test_pass_at_k_matches_the_lines(first_run):
     assert summary["sources"][source]["mean_accuracy"] == pytest.approx(np.mean(scores))
 
 
-def test_resume_redraws_only_missing_problems_identically(first_run, model_dir, data_dir, tmp_path, monkeypatch):
+def test_resume_redraws_only_missing_problems_identically(first_run, model_dir, data_dir, tmp_path):
   out, summary = first_run
   resumed = str(tmp_path / "resumed")
   shutil.copytree(out, resumed)
@@ -224,13 +239,13 @@ def test_resume_redraws_only_missing_problems_identically(first_run, model_dir, 
   assert sorted(map(key, after)) == sorted(map(key, lines))
   assert sorted(after, key=key) == sorted(lines, key=key)  # same responses, scores, lengths
   assert again["sources"] == summary["sources"] and again["complete"]
-  # A complete evaluation is not redone: no model is even loaded.
-  monkeypatch.setattr(hf, "load_pretrained", lambda *a, **k: pytest.fail("reloaded a complete evaluation"))
-  assert runner.evaluate(model_dir, ",".join(NAMES), SETTINGS, out_dir=resumed, data_dir=data_dir,
-                         scorer=ParityScorer(), progress=False)["sources"] == summary["sources"]
+  # A complete evaluation is not redone: no model is even loaded (its weights are moved out of reach).
+  with weights_moved_away(model_dir):
+    assert runner.evaluate(model_dir, ",".join(NAMES), SETTINGS, out_dir=resumed, data_dir=data_dir,
+                           scorer=ParityScorer(), progress=False)["sources"] == summary["sources"]
 
 
-def test_never_rewrites_released_results_beside_it(first_run, model_dir, data_dir, tmp_path, monkeypatch):
+def test_never_rewrites_released_results_beside_it(first_run, model_dir, data_dir, tmp_path):
   """Pointed at a directory holding the released inference.py's files: its lines survive byte for byte (even a
   last line without a newline), its eval_metrics.json is kept aside, ours are appended, and a rerun resumes."""
   out, summary = first_run
@@ -254,9 +269,9 @@ def test_never_rewrites_released_results_beside_it(first_run, model_dir, data_di
   ours = [json.loads(line) for line in text[len(foreign_bytes):].splitlines() if line]
   assert sorted(ours, key=lambda x: (x["data_source"], x["extra_info"]["index"])) == sorted(
       read_lines(out), key=lambda x: (x["data_source"], x["extra_info"]["index"]))
-  monkeypatch.setattr(hf, "load_pretrained", lambda *a, **k: pytest.fail("reloaded a complete evaluation"))
-  again = runner.evaluate(model_dir, ",".join(NAMES), SETTINGS, out_dir=str(released_dir), data_dir=data_dir,
-                          scorer=ParityScorer(), progress=False)
+  with weights_moved_away(model_dir):  # a complete evaluation loads no model
+    again = runner.evaluate(model_dir, ",".join(NAMES), SETTINGS, out_dir=str(released_dir), data_dir=data_dir,
+                            scorer=ParityScorer(), progress=False)
   assert again["sources"] == summary["sources"]
   assert (released_dir / results.ROLLOUT_FILE).read_text() == text
 
