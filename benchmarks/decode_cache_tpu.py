@@ -10,10 +10,8 @@ temporaries stay far below the cache.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
-import jax
 from flax import nnx
 
 from pacs_jax import config as config_lib
@@ -21,19 +19,9 @@ from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
+from pacs_jax.train import aot_measure
 
 GB = 1e9
-
-
-def topology_devices(name: str):
-  """Abstract devices of a TPU topology such as "v5p:2x4x4" (32 chips: a v5p-64)."""
-  from jax.experimental import topologies
-  return topologies.get_topology_desc(platform="tpu", topology_name=name, chip_config_name="default",
-                                      chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
-
-
-def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
-  return math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
 
 
 def decode_figures(engine: engine_lib.Engine, params, window: int | None, sampling) -> dict[str, float]:
@@ -60,7 +48,7 @@ def main():
 
   cfg = config_lib.load_config_file(args.config)
   mc = config_lib.preset_model_config(cfg)
-  devices = topology_devices(args.topology)
+  devices = sharding.tpu_topology_devices(args.topology)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
   model = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(0)))
   slots = cfg.rollout.slots or cfg.train.batch_prompts * cfg.rollout.n
@@ -77,7 +65,7 @@ def main():
     params = engine.abstract_params(mc.dtype)  # the rollout weights: compute dtype, sample layout
     if steps == int(args.steps.split(",")[0]):
       cache = engine.abstract_decode_state().cache
-      per_chip = sum(_shard_bytes(x) for x in (cache.k, cache.v))
+      per_chip = aot_measure.per_chip_bytes((cache.k, cache.v))
       print(f"KV cache per chip: {per_chip / GB:.2f} GB")
     for w in args.windows.split(","):
       window = None if w == "full" else int(w)

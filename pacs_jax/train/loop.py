@@ -85,7 +85,6 @@ def dump_generations(directory: str, step: int, inputs: list[str], outputs: list
                      ground_truths, extra: dict[str, list] | None = None) -> str:
   """Writes `directory/<step>.jsonl`, one line per response, as the released RayPPOTrainer._dump_generations:
   {input, output, score, step} plus the reward function's extra fields (data_source, ground_truth)."""
-  paths.makedirs(directory)
   path = paths.join(directory, multihost.process_file_name(step, ".jsonl"))
   columns = {"input": inputs, "output": outputs, "score": [float(x) for x in scores], "step": [step] * len(inputs),
              "data_source": list(data_sources), "ground_truth": list(ground_truths), **(extra or {})}

@@ -1,18 +1,16 @@
 """The decode call compiled ahead of time for a small TPU slice (libtpu compiles for a topology on a CPU host):
 it reads and writes the KV cache in place, never re-lays it out or copies it whole."""
 
-import math
 
-import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.experimental import topologies
 
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling
+from pacs_jax.train import aot_measure
 
 # The tiny model with Qwen2.5's head_dim of 128 (the TPU lane width) and one kv head per chip (K = 2 over
 # tensor = 2), as the 3B model on its v5p slice: the case where a cache laid out [slots, rows, kv_heads,
@@ -24,12 +22,8 @@ SLOTS, PREFILL, DECODE = 64, 64, 448
 @pytest.fixture(scope="module")
 def tpu_mesh():
   # Programs compiled for a topology without a TPU client cannot be read back from the persistent cache.
-  enabled = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1", chip_config_name="default",
-                                         chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
-  yield sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=devices)
-  jax.config.update("jax_enable_compilation_cache", enabled)
+  with aot_measure.persistent_cache_off():
+    yield sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=sharding.tpu_topology_devices("v5p:2x2x1"))
 
 
 def compile_decode(mesh, steps: int, window: int | None):
@@ -37,7 +31,7 @@ def compile_decode(mesh, steps: int, window: int | None):
   engine = engine_lib.Engine(model, max_concurrent_decodes=SLOTS, max_prefill_length=PREFILL,
                              max_decode_length=DECODE, mesh=mesh, steps_per_call=steps)
   state = engine.abstract_decode_state()
-  cache_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in (state.cache.k, state.cache.v))
+  cache_bytes = aot_measure.per_chip_bytes((state.cache.k, state.cache.v))
   compiled = engine.lower_decode(engine.abstract_params(), state, window, sampling.Temperature(1.0)).compile()
   cost = compiled.cost_analysis()
   return compiled.memory_analysis(), (cost[0] if isinstance(cost, list) else cost), cache_bytes
