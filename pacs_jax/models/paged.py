@@ -1,0 +1,116 @@
+"""Paged KV cache for decode: pages [layers, P, page_size, 2K, H] (k head i at 2i, v head i at 2i + 1, the
+layout of jax's Pallas TPU ragged paged attention), per-slot page tables, and the XLA write / ragged attention.
+
+Shapes: S slots, P pages, ps page size, M pages per slot (table width), N query heads, K kv heads, G = N // K,
+H head dim. Page indices in a page table are local to the slot's batch shard; page 0 of each shard is a null
+page that is never handed out (idle slots point at it and their ignored writes land there).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from pacs_jax.models.attention import _MASK_VALUE
+
+# Logical axes (see `pacs_jax.sharding`): pages and page tables over the batch axes, kv heads over tensor.
+PAGES_AXES = ("layers", "batch", None, "kv_heads", None)
+
+
+@flax.struct.dataclass
+class PagedStep:
+  """What one decode step's attention needs from the paged cache (the model's `cache` argument)."""
+  pages: jax.Array  # [layers, P, ps, 2K, H]
+  page_table: jax.Array  # [S, M] int32, shard-local page indices; rows of slots that do not step are 0
+  positions: jax.Array  # [S] int32: cache row each slot's new key/value is written to
+  kv_lens: jax.Array  # [S] int32 >= 1: rows each slot attends to, the new one included
+  live_pages: int = flax.struct.field(pytree_node=False)  # static budget of (slot, page) pairs per shard
+  shards: int = flax.struct.field(pytree_node=False)  # D batch shards: slot s uses shard s // (S / D)'s pool
+
+
+def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:
+  """k, v [..., K, H] -> [..., 2K, H] with k head i at 2i and v head i at 2i + 1."""
+  return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
+
+
+def global_table(page_table: jax.Array, num_pages: int, shards: int) -> jax.Array:
+  """Shard-local page indices [S, M] -> indices into all P pages (shard d owns pages [d P/D, (d+1) P/D))."""
+  S = page_table.shape[0]
+  shard = jnp.arange(S, dtype=jnp.int32) // (S // shards)  # [S]
+  return page_table + (shard * (num_pages // shards))[:, None]
+
+
+def write_pages(pages: jax.Array, k_new: jax.Array, v_new: jax.Array, page_table: jax.Array,
+                positions: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+  """Writes each slot's new key and value k_new, v_new [S, K, H] to cache row positions[s] of its pages.
+
+  pages [P, ps, 2K, H] (or every layer's, [layers, P, ps, 2K, H], written at `layer`). One scatter over
+  slots, no per-slot loop: the donated, loop-carried pages are updated in place.
+  """
+  S = k_new.shape[0]
+  ps = pages.shape[-3]
+  page = page_table[jnp.arange(S), positions // ps]  # [S]
+  row = positions % ps  # [S]
+  kv = interleave_kv(k_new, v_new).astype(pages.dtype)  # [S, 2K, H]
+  if layer is None:
+    return pages.at[page, row].set(kv)
+  return pages.at[layer, page, row].set(kv)
+
+
+def live_pairs(kv_lens: jax.Array, page_size: int, budget: int):
+  """The (slot, page) pairs a step reads, padded to `budget`: slot [J], page number within the slot [J],
+  valid [J] (J = budget). Slot s has ceil(kv_lens[s] / ps) live pages."""
+  S = kv_lens.shape[0]
+  count = -(-kv_lens // page_size)  # [S]
+  end = jnp.cumsum(count)  # [S]
+  j = jnp.arange(budget, dtype=jnp.int32)
+  slot = jnp.minimum(jnp.searchsorted(end, j, side="right"), S - 1).astype(jnp.int32)  # [J]
+  page = j - (end[slot] - count[slot])
+  return slot, page, j < end[-1]
+
+
+def ragged_decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Array, kv_lens: jax.Array,
+                            live_pages: int, layer: jax.Array | None = None) -> jax.Array:
+  """Decode attention over each slot's own live pages: q [S, N, H] -> [S, N, H].
+
+  pages [P, ps, 2K, H] (or [layers, P, ps, 2K, H] read at `layer`); slot s attends to its first kv_lens[s]
+  rows (>= 1). Only the live (slot, page) pairs are gathered, padded to the static `live_pages`; scores are
+  taken per page and the softmax spans each slot's pages (segment max and sum), so a step reads the live
+  rows rounded up to pages and to the budget, not S x the longest row. Query head n uses kv head n // G.
+  """
+  S, N, H = q.shape
+  ps, K2 = pages.shape[-3], pages.shape[-2]
+  K, M = K2 // 2, page_table.shape[1]
+  slot, page, valid = live_pairs(kv_lens, ps, live_pages)  # [J]
+  page_id = jnp.where(valid, page_table[slot, jnp.minimum(page, M - 1)], 0)  # [J]
+  kv = pages[page_id] if layer is None else pages[layer, page_id]  # [J, ps, 2K, H]
+  k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [J, ps, K, H]
+  qj = q[slot].reshape(live_pages, K, N // K, H)  # [J, K, G, H]
+  scores = jnp.einsum("JKGH,JRKH->JKGR", qj, k.astype(q.dtype), preferred_element_type=jnp.float32)
+  scores = scores / jnp.sqrt(H).astype(jnp.float32)
+  row = page[:, None] * ps + jnp.arange(ps)[None, :]  # [J, ps]
+  live = valid[:, None] & (row < kv_lens[slot][:, None])  # [J, ps]
+  scores = jnp.where(live[:, None, None, :], scores, _MASK_VALUE)
+  segment = jnp.where(valid, slot, S)  # padding pairs go to a dropped segment S
+  peak = jax.ops.segment_max(jnp.max(scores, axis=-1), segment, num_segments=S + 1)  # [S + 1, K, G]
+  probs = jnp.where(live[:, None, None, :], jnp.exp(scores - peak[segment][..., None]), 0.0)  # [J, K, G, ps]
+  total = jax.ops.segment_sum(jnp.sum(probs, axis=-1), segment, num_segments=S + 1)[:S]  # [S, K, G]
+  out = jnp.einsum("JKGR,JRKH->JKGH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  out = jax.ops.segment_sum(out, segment, num_segments=S + 1)[:S] / total[..., None]  # [S, K, G, H]
+  return out.reshape(S, N, H).astype(q.dtype)
+
+
+def paged_layer(step: PagedStep, layer: jax.Array, q: jax.Array, k: jax.Array,
+                v: jax.Array) -> tuple[jax.Array, PagedStep]:
+  """One layer of a decode step on the paged cache: writes k, v [S, K, H] at `positions`, then attends
+  q [S, N, H] over the live pages -> (out [S, N, H], step with the new pages).
+
+  The single place decode touches pages: a shard_map / Pallas TPU dispatch (same per-shard functions,
+  shard-local tables) replaces this XLA path over the global pages.
+  """
+  P = step.pages.shape[1]
+  table = global_table(step.page_table, P, step.shards)
+  pages = write_pages(step.pages, k, v, table, step.positions, layer)
+  out = ragged_decode_attention(q, pages, table, step.kv_lens, step.live_pages * step.shards, layer)
+  return out, step.replace(pages=pages)
