@@ -19,7 +19,7 @@ from flax import nnx
 from jax import lax
 
 from pacs_jax import sharding
-from pacs_jax.models import attention
+from pacs_jax.models import attention, paged
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
@@ -208,10 +208,15 @@ class Attention(nnx.Module):
 
     Without a cache, S = T and keys are this call's tokens. With a cache (every layer's), this call's
     keys/values are written to layer `layer` (see `attention.write_kv`), and attention reads that layer's first S
-    cache rows (S = the decode window).
+    cache rows (S = the decode window). With a `paged.PagedStep` (T = 1, no mask) the step writes and reads
+    the layer's pages (`paged.paged_layer`).
     """
     c = self.config
     q, k, v = self.project(x, cos, sin)
+    if isinstance(cache, paged.PagedStep):  # one decode step (T = 1) on the paged cache
+      out, cache = paged.paged_layer(cache, layer, q[:, 0], k[:, 0], v[:, 0])  # [B, N, H]
+      out = sharding.constrain(out[:, None], ("batch", None, "heads", None))
+      return jnp.einsum("BTNH,NHD->BTD", out, self.o_kernel[...].astype(c.dtype)), cache
     if cache is None:
       k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H]
     else:
@@ -339,8 +344,11 @@ class Qwen2Model(nnx.Module):
     Sequence b's new keys go to cache rows write_index[b] + [0, T) (None: rows [0, T)); each query
     attends to every cache row whose index is <= its position (rows are filled contiguously from 0,
     without padding). Attention reads only the first `window` rows (default: all); every position must
-    be below it. Returns (hidden [B, T, D], new cache).
+    be below it. A `paged.PagedStep` cache (one decode step, T = 1) carries its own positions and lengths.
+    Returns (hidden [B, T, D], new cache).
     """
+    if isinstance(cache, paged.PagedStep):
+      return self._layers(input_ids, positions, None, cache, None)
     W = cache.rows if window is None else window
     mask = jnp.arange(W)[None, None, :] <= positions[:, :, None]  # [B, T, W]
     return self._layers(input_ids, positions, mask, cache, write_index)

@@ -1,6 +1,6 @@
 """The KV-cache rollout `Engine`: the decode maths jitted with weights as an argument, the decode state's
-layout on a mesh, and lowering hooks for ahead-of-time compiles. KV caches are `qwen2.KVCache`s laid out
-as decode reads them, [layers, S, K, L, H] (S slots, K kv heads, L cache rows, H head dim)."""
+layout on a mesh, and lowering hooks for ahead-of-time compiles. The decode KV cache is paged (`state.PagedCache`,
+the default) or dense (`qwen2.KVCache` [layers, S, K, L, H]: S slots, K kv heads, L cache rows, H head dim)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import decode as decode_lib
+from pacs_jax.rollout import pages as pages_lib
 from pacs_jax.rollout import state as state_lib
-from pacs_jax.rollout.state import ChunkOutput, DecodeState, FirstTokens, Prefix, SlotTokens
+from pacs_jax.rollout.state import ChunkOutput, DecodeState, FirstTokens, PagedCache, Prefix, SlotTokens
 
 _INT32_MAX = np.iinfo(np.int32).max
+KV_CACHES = ("paged", "dense")
 
 
 def next_pow2(n: int) -> int:
@@ -50,12 +52,17 @@ class Engine:
                max_decode_length: int, mesh: jax.sharding.Mesh | None = None,
                sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), eos_ids: Sequence[int] = (),
                steps_per_call: int = 16, min_prefill_bucket: int = 16, min_decode_window: int = 512,
-               seed: int = 0):
+               seed: int = 0, kv_cache: str = "paged", page_size: int = 64, kv_pages: int = 0):
     """`model` may be abstract (`nnx.eval_shape`): only its structure and shapes are kept.
 
-    Decode reads a window of the first W cache rows, W the smallest of `decode_windows` (powers of
-    two from `min_decode_window`, and the whole cache) that holds every busy slot for the next
-    `steps_per_call` steps: a decode program is compiled per window used.
+    `kv_cache="paged"`: slots hold pages of `page_size` rows taken as they grow and returned when they
+    finish, from a pool per batch shard (slots and pages are split over the mesh's batch axes alike);
+    `kv_pages` pages in all (0: enough for every slot at full length, so none waits). Decode reads each
+    slot's live pages, padded to a budget per shard from `live_page_buckets` (powers of two) that holds
+    every slot for the next `steps_per_call` steps. `kv_cache="dense"`: each slot owns L rows and decode
+    reads a window of the first W, W the smallest of `decode_windows` (powers of two from
+    `min_decode_window`, and the whole cache) that holds every busy slot for the next `steps_per_call`
+    steps. A decode program is compiled per budget / window used.
     """
     self.config: qwen2.Qwen2Config = model.config
     self.graphdef, abstract = nnx.split(model)
@@ -71,6 +78,30 @@ class Engine:
     self.seed = seed
     self.prefill_buckets = _pow2_ladder(min_prefill_bucket, max_prefill_length)
     self.decode_windows = _pow2_ladder(min_decode_window, self.cache_length)
+    if kv_cache not in KV_CACHES:
+      raise ValueError(f"rollout.kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+    self.kv_cache = kv_cache
+    self.paged = kv_cache == "paged"
+    self.page_size = page_size
+    self.kv_pages = kv_pages
+    batch_shards = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES if a in mesh.shape]))
+    # Slot s and its pages live on batch shard s // (S / D); slots the mesh does not divide are one pool.
+    self.page_shards = batch_shards if max_concurrent_decodes % batch_shards == 0 else 1
+    self.pages_per_slot = -(-self.cache_length // page_size)
+    slots_per_shard = max_concurrent_decodes // self.page_shards
+    if self.paged:
+      if page_size < 1:
+        raise ValueError(f"rollout.page_size must be >= 1, got {page_size}")
+      if kv_pages == 0:  # every slot at full length, plus the null page
+        self.pages_per_shard = slots_per_shard * self.pages_per_slot + 1
+      else:
+        self.pages_per_shard = kv_pages // self.page_shards
+        if kv_pages % self.page_shards or self.pages_per_shard < self.pages_per_slot + 1:
+          raise ValueError(
+              f"rollout.kv_pages={kv_pages} must be a multiple of the {self.page_shards} batch shards with at least "
+              f"{self.pages_per_slot + 1} pages each (one slot of {self.cache_length} rows in pages of "
+              f"rollout.page_size={page_size}, and a null page), or 0 (enough for every slot)")
+    self.live_page_buckets = _pow2_ladder(slots_per_shard, slots_per_shard * self.pages_per_slot)
     self.param_shardings = sharding.state_shardings(abstract, mesh, "sample") if mesh is not None else None
 
     # Model-sized programs (prefill per bucket shape, decode) are kept apart from the cheap ones that
@@ -117,17 +148,23 @@ class Engine:
   def _model(self, params) -> qwen2.Qwen2ForCausalLM:
     return nnx.merge(self.graphdef, params)
 
-  def _init_impl(self) -> DecodeState:
+  def _init_cache(self) -> qwen2.KVCache | PagedCache:
     S, L = self.max_concurrent_decodes, self.cache_length
+    if self.paged:
+      return pages_lib.init(self.config, S, L, self.page_size, self.page_shards, self.pages_per_shard)
+    return qwen2.init_cache(self.config, S, L)
+
+  def _init_impl(self) -> DecodeState:
+    S = self.max_concurrent_decodes
     key_shape = jax.random.key_data(jax.random.key(0)).shape
-    state = DecodeState(cache=qwen2.init_cache(self.config, S, L), lengths=jnp.zeros((S,), jnp.int32),
+    state = DecodeState(cache=self._init_cache(), lengths=jnp.zeros((S,), jnp.int32),
                         tokens=jnp.zeros((S,), jnp.int32), keys=jnp.zeros((S,) + key_shape, jnp.uint32),
                         steps=jnp.zeros((S,), jnp.int32), budgets=jnp.zeros((S,), jnp.int32),
                         active=jnp.zeros((S,), bool))
     return self._constrain(state)
 
   def init_decode_state(self) -> DecodeState:
-    """All slots empty: a zero cache [layers, S, K, L, H], each field in its declared layout."""
+    """All slots empty: a zero cache (every page free), each field in its declared layout."""
     with self._mesh_context():
       return self._init_jit()
 
@@ -150,10 +187,10 @@ class Engine:
                         state_lib.field_shardings(shapes, self.mesh))
 
   def lower_decode(self, params, state, window: int | None = None, sampling=None):
-    """The decode chunk program (`steps_per_call` steps over the first `window` cache rows) lowered for
-    `params` and `state`, which may be abstract (`abstract_params`, `abstract_decode_state`): call
-    `.compile()` for its memory and cost analyses."""
-    window = self.cache_length if window is None else min(int(window), self.cache_length)
+    """The decode chunk program (`steps_per_call` steps over the first `window` cache rows; paged: a
+    budget of `window` live pages per shard) lowered for `params` and `state`, which may be abstract
+    (`abstract_params`, `abstract_decode_state`): call `.compile()` for its memory and cost analyses."""
+    window = self._read_budget(window)
     with self._mesh_context():
       return self._decode_chunk_jit.lower(params, state, np.int32(0), decode_lib.eos_array(self.eos_ids),
                                           num_steps=self.steps_per_call, sampling=sampling or self.sampling,
@@ -169,6 +206,36 @@ class Engine:
   def decode_window(self, rows: int) -> int:
     """The decode window (cache rows read per step) for slots that need `rows` rows."""
     return next((w for w in self.decode_windows if w >= rows), self.cache_length)
+
+  @property
+  def read_budgets(self) -> list[int]:
+    """The budgets decode programs are compiled for: live pages per shard (paged) or windows (dense)."""
+    return self.live_page_buckets if self.paged else self.decode_windows
+
+  def _read_budget(self, budget: int | None) -> int:
+    top = self.read_budgets[-1]
+    return top if budget is None else min(int(budget), top)
+
+  def read_budget(self, rows: np.ndarray, busy: np.ndarray) -> int:
+    """What a decode call reads per step for the next `steps_per_call` steps of slots with `rows` [S] filled
+    rows (busy [S] bool): the live-page bucket per shard (paged; an idle slot reads one null row), or the
+    dense window."""
+    ahead = np.minimum(np.asarray(rows) + self.steps_per_call, self.cache_length)
+    if not self.paged:
+      return self.decode_window(int(max(ahead[busy], default=0)))
+    pages = np.where(busy, -(-ahead // self.page_size), 1).reshape(self.page_shards, -1).sum(axis=1)
+    need = int(pages.max())
+    return next((b for b in self.live_page_buckets if b >= need), self.live_page_buckets[-1])
+
+  def rows_read(self, budget: int) -> int:
+    """KV rows one decode step reads, all slots together, at a budget (`read_budget`)."""
+    if self.paged:
+      return budget * self.page_shards * self.page_size
+    return budget * self.max_concurrent_decodes
+
+  def prompt_pages(self, length: int) -> int:
+    """Pages a request with a prompt of `length` tokens takes when it is inserted (0 on a dense cache)."""
+    return -(-length // self.page_size) if self.paged else 0
 
   def bucket_length(self, length: int) -> int:
     """The prefill bucket (padded length) for a prompt of `length` tokens."""
@@ -263,9 +330,10 @@ class Engine:
   def decode(self, params, decode_state: DecodeState, stop_after_finished: int,
              sampling: sampling_lib.SamplingMethod, eos_ids: Sequence[int],
              window: int | None = None) -> tuple[DecodeState, ChunkOutput]:
-    """Up to `steps_per_call` decode steps in one call over the first `window` cache rows (default:
-    all; see `decode.decode_chunk` and `decode_window`). The output is replicated for the host."""
-    window = self.cache_length if window is None else min(int(window), self.cache_length)
+    """Up to `steps_per_call` decode steps in one call over the first `window` cache rows, or on a paged
+    cache a budget of `window` live pages per shard (default: all; see `decode.decode_chunk` and
+    `read_budget`). The output is replicated for the host."""
+    window = self._read_budget(window)
     with self._mesh_context():
       return self._decode_chunk_jit(params, decode_state, np.int32(stop_after_finished), decode_lib.eos_array(eos_ids),
                                     num_steps=self.steps_per_call, sampling=sampling, window=window)

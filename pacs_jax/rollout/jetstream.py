@@ -119,6 +119,9 @@ class JetStreamEngine(engine_api.Engine):
     if engine.max_prefill_length not in JETSTREAM_BUCKETS:
       raise ValueError(f"max_prefill_length {engine.max_prefill_length} must be one of JetStream's prefill "
                        f"buckets {JETSTREAM_BUCKETS}")
+    if engine.paged and engine.kv_pages:
+      raise ValueError(f"JetStream inserts without checking free KV pages: rollout.kv_pages must be 0 (enough "
+                       f"pages for every slot), got {engine.kv_pages}")
     _fix_orchestrator()
     self.engine = engine
     self._params = params

@@ -66,6 +66,11 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   log-prob, as transformers / verl do) or after `max_new_tokens` (default: the engine's
   `max_decode_length`). A decode call returns to the host early once `refill_fraction` of the slots
   have finished while requests wait.
+
+  On a paged cache a request enters a slot only when the slot's batch shard has free pages for its
+  prompt (the free counts come back with each decode call); a slot that finds no page for its next
+  token waits for others to return theirs. RuntimeError if every busy slot waits (the pool is too small
+  for the tokens in flight).
   """
   max_new_tokens = engine.max_decode_length if max_new_tokens is None else max_new_tokens
   if not 0 < max_new_tokens <= engine.max_decode_length:
@@ -90,6 +95,24 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   logprobs: dict[tuple[int, int], list[float]] = {}
   done: dict[tuple[int, int], Completion] = {}
   state = engine.init_decode_state()
+  slots_per_shard = S // engine.page_shards
+  free_pages = np.full(engine.page_shards, engine.pages_per_shard - 1 if engine.paged else 0, np.int64)
+
+  def admit() -> tuple[list[tuple[int, int]], list[int]]:
+    """Queued requests for free slots, in order, each into a slot whose shard has pages for its prompt."""
+    take, slots = [], []
+    free = [i for i, r in enumerate(slot_request) if r is None]
+    while queue and free:
+      need = engine.prompt_pages(len(prompts[queue[0][0]]))
+      # The free slot on the shard with the most free pages (dense: the first free slot).
+      slot = max(free, key=lambda i: (free_pages[i // slots_per_shard], -i))
+      if free_pages[slot // slots_per_shard] < need:
+        break
+      free_pages[slot // slots_per_shard] -= need
+      free.remove(slot)
+      take.append(queue.popleft())
+      slots.append(slot)
+    return take, slots
 
   def finish(slot: int):
     req = slot_request[slot]
@@ -100,23 +123,22 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
     slot_request[slot] = None
 
   while queue or any(r is not None for r in slot_request):
-    firsts, take = [], []
-    free = [i for i, r in enumerate(slot_request) if r is None]
-    if queue and free:
-      take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+    firsts = []
+    take, taken_slots = admit()
+    if take:
       distinct = sorted({p for p, _ in take})
       row_of = {p: i for i, p in enumerate(distinct)}
       state, firsts = prefill_insert(
-          engine, params, state, [prompts[p] for p in distinct], [row_of[p] for p, _ in take], free[:len(take)],
+          engine, params, state, [prompts[p] for p in distinct], [row_of[p] for p, _ in take], taken_slots,
           [prompt_ids[p] for p, _ in take], [s for _, s in take], [max_new_tokens] * len(take), seed, sampling, eos)
-      for slot, req in zip(free, take):
+      for slot, req in zip(taken_slots, take):
         slot_request[slot] = req
         slot_rows[slot] = len(prompts[req[0]])
         tokens[req], logprobs[req] = [], []
     stop_after = min(refill_at, len(queue)) if queue else S + 1
-    busy = [slot_rows[i] for i, r in enumerate(slot_request) if r is not None]
-    window = engine.decode_window(max(busy, default=0) + engine.steps_per_call)
-    state, out = engine.decode(params, state, stop_after, sampling, eos, window)
+    busy = np.array([r is not None for r in slot_request])
+    budget = engine.read_budget(slot_rows, busy)
+    state, out = engine.decode(params, state, stop_after, sampling, eos, budget)
     # Host reads after the decode call is queued, so device work and transfers overlap.
     for first in firsts:
       for r, t, l in zip(first.requests, np.asarray(first.tokens).tolist(), np.asarray(first.logprobs).tolist()):
@@ -124,6 +146,15 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
         logprobs[take[r]].append(l)
     out = jax.device_get(out)
     slot_rows = np.array(out.lengths, np.int64)
+    if engine.paged:
+      free_pages = np.array(out.free_pages, np.int64)
+      if out.active.any() and not out.emitted.any():
+        in_flight = int(slot_rows[out.active].sum())
+        raise RuntimeError(
+            f"every busy decode slot is waiting for a KV page: {int(out.active.sum())} slots hold {in_flight} "
+            f"tokens in flight, more than rollout.kv_pages={engine.kv_pages} pages of rollout.page_size="
+            f"{engine.page_size} rows ({engine.page_shards} batch shards of {engine.pages_per_shard} pages, one "
+            f"null each) can grow; raise rollout.kv_pages (0 = enough for every slot) or lower rollout.slots")
     for slot, req in enumerate(slot_request):
       if req is None:
         continue

@@ -1,5 +1,6 @@
-"""The rollout engine's data: prefixes, the decode state, step / chunk results, completions, and the
-sharding each state field is declared with (logical axes, resolved on a mesh by `field_shardings`)."""
+"""The rollout engine's data: prefixes, the decode state (with a dense or a paged KV cache), step / chunk
+results, completions, and the sharding each state field is declared with (logical axes, resolved on a mesh by
+`field_shardings`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from pacs_jax import sharding
-from pacs_jax.models import qwen2
+from pacs_jax.models import paged, qwen2
 from pacs_jax.models.qwen2 import KVCache
 
 # Logical axes of each field (sharding.ACTIVATION_RULES maps them to mesh axes): rows (prompts, slots)
@@ -37,9 +38,31 @@ class Prefix:
 
 
 @flax.struct.dataclass
+class PagedCache:
+  """The decode slots' KV cache in pages (see `models.paged`), with each batch shard's free-page stack.
+
+  Slot s of S belongs to batch shard d = s // (S / D) and holds the pages its table row lists (shard-local
+  indices; 0 = none: page 0 of a shard is its null page, never handed out). Shard d's free pages are
+  free_pages[d, :free_count[d]], taken from the top.
+  """
+  pages: jax.Array = _axes(paged.PAGES_AXES)  # [layers, P, ps, 2K, H]
+  page_table: jax.Array = _axes(("batch", None))  # [S, M] int32
+  free_pages: jax.Array = _axes(("batch", None))  # [D, P / D] int32 stack of free shard-local pages
+  free_count: jax.Array = _axes(_PER_ROW)  # [D] int32
+
+  @property
+  def page_size(self) -> int:
+    return self.pages.shape[2]
+
+  @property
+  def shards(self) -> int:
+    return self.free_count.shape[0]
+
+
+@flax.struct.dataclass
 class DecodeState:
   """Everything a decode step transforms, one row per slot."""
-  cache: KVCache = _axes(qwen2.CACHE_AXES)  # [layers, S, K, L, H]
+  cache: KVCache | PagedCache = _axes(qwen2.CACHE_AXES)  # dense [layers, S, K, L, H] or paged
   lengths: jax.Array = _axes(_PER_ROW)  # [S] int32: filled cache rows = position of the pending token
   tokens: jax.Array = _axes(_PER_ROW)  # [S] int32: pending token (last sampled), fed at the next step
   keys: jax.Array = _axes(_KEY)  # [S, *key] uint32: request keys; token t of a request uses fold_in(key, t)
@@ -73,6 +96,7 @@ class ChunkOutput:
   emitted: jax.Array  # [S, N] bool: column n holds a response token of the slot
   active: jax.Array  # [S] bool: still generating after the call
   lengths: jax.Array  # [S] int32: filled cache rows after the call
+  free_pages: jax.Array  # [D] int32: free pages of each batch shard's pool after the call ([0] if dense)
 
 
 @flax.struct.dataclass
@@ -103,9 +127,11 @@ def cache_shardings(cache: KVCache, mesh: jax.sharding.Mesh) -> KVCache:
   return jax.tree.map(lambda x: _named(mesh, qwen2.CACHE_AXES, x.shape), cache)
 
 
-def field_shardings(tree: Prefix | DecodeState, mesh: jax.sharding.Mesh) -> Prefix | DecodeState:
+def field_shardings(tree: Prefix | DecodeState | PagedCache, mesh: jax.sharding.Mesh):
   """The same dataclass with a NamedSharding per array, from each field's declared logical axes."""
   def of(field: dataclasses.Field):
+    if isinstance(getattr(tree, field.name), PagedCache):  # its own fields declare their axes
+      return field_shardings(getattr(tree, field.name), mesh)
     axes = field.metadata["axes"]
     return jax.tree.map(lambda x: _named(mesh, axes, x.shape), getattr(tree, field.name))
 

@@ -49,9 +49,17 @@ def model(hf_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model):
-  # Decode windows of 8, 16, 32 and all 56 cache rows: every test below runs through windowed decode.
+  # The paged cache (the default) in pages of 8 rows: 7 per slot, every test below reads live pages only.
   return engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
-                           max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, min_decode_window=8)
+                           max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, page_size=8)
+
+
+@pytest.fixture(scope="module")
+def dense_engine(model):
+  # The dense cache with decode windows of 8, 16, 32 and all 56 cache rows.
+  return engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
+                           max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, min_decode_window=8,
+                           kv_cache="dense")
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +135,11 @@ def test_greedy_matches_transformers(greedy_32, torch_model, prompts):
   assert [(c.prompt_index, c.sample_index) for c in greedy_32] == [(i, 0) for i in range(len(prompts))]
 
 
+def test_dense_cache_greedy_matches_transformers(dense_engine, params, torch_model, prompts):
+  out = scheduler.generate(dense_engine, params, prompts, max_new_tokens=32)
+  assert [c.tokens for c in out] == hf_greedy(torch_model, prompts, 32)
+
+
 def test_greedy_stops_at_eos_like_transformers(engine, params, greedy_32, torch_model, prompts):
   # An EOS id greedy really emits: prompt 1's token at the first step >= 10 not seen earlier in its row.
   row = greedy_32[1].tokens
@@ -163,7 +176,9 @@ def test_rejects_lengths_beyond_the_cache(engine, params, prompts):
 # 2. Cached logits equal the uncached forward at every step
 
 
-def test_cached_logits_equal_uncached_forward(engine, params, prompts, uncached_logits):
+@pytest.mark.parametrize("cache", ["paged", "dense"])
+def test_cached_logits_equal_uncached_forward(cache, request, params, prompts, uncached_logits):
+  engine = request.getfixturevalue("engine" if cache == "paged" else "dense_engine")
   steps = 24
   batch = prompts[:4]
   state = engine.init_decode_state()
@@ -262,11 +277,12 @@ def test_more_requests_than_slots_independent_of_order(engine, params, prompts):
 # Decode windows: reading only the cache rows in use changes no token and no log-prob
 
 
-def test_decode_windows_equal_reading_the_whole_cache(engine, model, params, prompts, monkeypatch):
+def test_decode_windows_equal_reading_the_whole_cache(dense_engine, model, params, prompts, monkeypatch):
+  engine = dense_engine
   assert engine.decode_windows == [8, 16, 32, MAX_PREFILL + MAX_DECODE]
   whole = engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
                             max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8,
-                            min_decode_window=MAX_PREFILL + MAX_DECODE)
+                            min_decode_window=MAX_PREFILL + MAX_DECODE, kv_cache="dense")
   assert whole.decode_windows == [MAX_PREFILL + MAX_DECODE]
   windows = []
   decode = engine.decode
@@ -280,7 +296,29 @@ def test_decode_windows_equal_reading_the_whole_cache(engine, model, params, pro
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
-def test_a_window_too_small_returns_early_and_loses_nothing(engine, params, prompts, greedy_32):
+def test_live_page_budgets_equal_reading_every_page_and_the_dense_cache(engine, dense_engine, params, prompts,
+                                                                        monkeypatch):
+  """The paged cache with the scheduler's live-page budgets gives the tokens and log-probs of a budget of
+  every page and of the dense cache."""
+  assert engine.live_page_buckets == [4, 8, 16, 28]  # 4 slots x 7 pages of 8 rows
+  kw = dict(n=3, max_new_tokens=MAX_DECODE, sampling=sampling.Temperature(1.0), seed=5, eos_ids=[1, 2, 3])
+  budgets = []
+  decode = engine.decode
+  monkeypatch.setattr(engine, "decode", lambda *a: budgets.append(a[-1]) or decode(*a))
+  live = scheduler.generate(engine, params, prompts, **kw)
+  assert {8, 16} <= set(budgets), budgets  # short rows read fewer pages
+  monkeypatch.setattr(engine, "decode", lambda *a: decode(*a[:-1], engine.live_page_buckets[-1]))
+  every = scheduler.generate(engine, params, prompts, **kw)
+  dense = scheduler.generate(dense_engine, params, prompts, **kw)
+  assert len({len(c.tokens) for c in live}) > 2
+  for a, b, c in zip(live, every, dense):
+    assert a.tokens == b.tokens == c.tokens and a.finish_reason == b.finish_reason == c.finish_reason
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    np.testing.assert_allclose(a.logprobs, c.logprobs, atol=1e-5)
+
+
+def test_a_window_too_small_returns_early_and_loses_nothing(dense_engine, params, prompts, greedy_32):
+  engine = dense_engine
   state = engine.init_decode_state()
   state, firsts = scheduler.prefill_insert(engine, params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0],
                                            [20, 20], 0, sampling.Greedy(), ())
@@ -323,18 +361,28 @@ def test_new_params_reuse_compiled_programs(engine, params, prompts, greedy_32, 
 # 8. Sharded over 8 simulated devices (fsdp=4, tensor=2)
 
 
-def test_sharded_engine_matches_single_device(model, prompts, greedy_32):
+@pytest.mark.parametrize("cache", ["paged", "dense"])
+def test_sharded_engine_matches_single_device(cache, model, prompts, greedy_32):
   assert jax.device_count() == 8
   mesh = sharding.make_mesh(data=1, fsdp=4, tensor=2)
   eng = engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
-                          max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, mesh=mesh)
+                          max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, mesh=mesh,
+                          kv_cache=cache, page_size=8)
   params = eng.load_params(model)
   def laid_out(x, *spec):
     return x.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec)), x.ndim)
 
+  def cache_laid_out(state):
+    if cache == "dense":  # [layers, S, K, L, H]
+      return laid_out(state.cache.k, None, ("data", "fsdp"), "tensor", None, None)
+    # pages [layers, P, ps, 2K, H] and page tables [S, M]: a pool of pages per batch shard, beside its slots
+    return (eng.page_shards == 4 and laid_out(state.cache.pages, None, ("data", "fsdp"), None, "tensor", None)
+            and laid_out(state.cache.page_table, ("data", "fsdp"), None)
+            and laid_out(state.cache.free_count, ("data", "fsdp")))
+
   assert laid_out(params["model"]["layers"]["self_attn"]["q_kernel"].get_value(), None, None, "tensor", None)
   state = eng.init_decode_state()
-  assert laid_out(state.cache.k, None, ("data", "fsdp"), "tensor", None, None)  # [layers, S, K, L, H]
+  assert cache_laid_out(state)
   assert laid_out(state.tokens, ("data", "fsdp"))
   out = scheduler.generate(eng, params, prompts, max_new_tokens=32)
   assert [c.tokens for c in out] == [c.tokens for c in greedy_32]
@@ -342,6 +390,6 @@ def test_sharded_engine_matches_single_device(model, prompts, greedy_32):
   state, _ = scheduler.prefill_insert(eng, params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0], [8, 8], 0,
                                       sampling.Greedy(), ())
   state, *_ = eng.decode(params, state, 5, sampling.Greedy(), ())
-  assert laid_out(state.cache.v, None, ("data", "fsdp"), "tensor", None, None)
+  assert cache_laid_out(state)
   for a, b in zip(out, greedy_32):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

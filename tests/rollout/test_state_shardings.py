@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -13,30 +14,39 @@ from pacs_jax.rollout import jetstream, sampling, scheduler
 from pacs_jax.rollout.state import DecodeState, field_shardings
 
 BATCH = ("data", "fsdp")
-# [layers, slots, kv_heads, rows, head_dim]: slots over the batch axes, kv heads over tensor.
-DECLARED = {"cache": P(None, BATCH, "tensor", None, None), "tokens": P(BATCH), "keys": P(BATCH, None),
-            "lengths": P(BATCH), "steps": P(BATCH), "budgets": P(BATCH), "active": P(BATCH)}
+DECLARED = {"tokens": P(BATCH), "keys": P(BATCH, None), "lengths": P(BATCH), "steps": P(BATCH), "budgets": P(BATCH),
+            "active": P(BATCH)}
+CACHE = {
+    # [layers, slots, kv_heads, rows, head_dim]: slots over the batch axes, kv heads over tensor.
+    "dense": {"k": P(None, BATCH, "tensor", None, None), "v": P(None, BATCH, "tensor", None, None)},
+    # pages [layers, P, page_size, 2 kv_heads, head_dim] and each shard's tables and free pages beside its slots.
+    "paged": {"pages": P(None, BATCH, None, "tensor", None), "page_table": P(BATCH, None),
+              "free_pages": P(BATCH, None), "free_count": P(BATCH)},
+}
 
 
-def _check(state: DecodeState, mesh) -> None:
+def _check(state: DecodeState, mesh, cache: str) -> None:
   declared = field_shardings(state, mesh)
-  for name, spec in DECLARED.items():
-    for x, want in zip(jax.tree.leaves(getattr(state, name)), jax.tree.leaves(getattr(declared, name))):
-      assert want.spec == spec, (name, want.spec)
-      assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (name, x.sharding)
-      assert not x.sharding.is_fully_replicated, name
+  fields = [(name, getattr(state, name), getattr(declared, name), spec) for name, spec in DECLARED.items()]
+  fields += [(name, getattr(state.cache, name), getattr(declared.cache, name), spec)
+             for name, spec in CACHE[cache].items()]
+  for name, x, want, spec in fields:
+    assert want.spec == spec, (name, want.spec)
+    assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim), (name, x.sharding)
+    assert not x.sharding.is_fully_replicated, name
 
 
-def test_decode_state_carries_its_declared_shardings():
+@pytest.mark.parametrize("cache", ["paged", "dense"])
+def test_decode_state_carries_its_declared_shardings(cache):
   assert jax.device_count() == 8
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   config = qwen2.get_preset("tiny")  # 2 kv heads: one per tensor shard
   model = qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0))
   engine = engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=16, max_decode_length=8,
-                             steps_per_call=4, mesh=mesh, eos_ids=[1])
+                             steps_per_call=4, mesh=mesh, eos_ids=[1], kv_cache=cache, page_size=4)
   params = engine.load_params(model)
   state = engine.init_decode_state()
-  _check(state, mesh)
+  _check(state, mesh, cache)
   abstract = engine.abstract_decode_state()
   for x, y in zip(jax.tree.leaves(abstract), jax.tree.leaves(state)):
     assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
@@ -46,9 +56,9 @@ def test_decode_state_carries_its_declared_shardings():
                                       sampling.Greedy(), ())
   state, out = engine.decode(params, state, 5, sampling.Greedy(), ())
   assert np.asarray(out.emitted)[[0, 2]].all()  # the call decoded
-  _check(state, mesh)
+  _check(state, mesh, cache)
   state, _ = engine.step(params, state)
-  _check(state, mesh)
+  _check(state, mesh, cache)
   # JetStream's prefix destination: the same declarations for one prompt (a batch of 1 is not split).
   prefix = jetstream.JetStreamEngine(engine).get_prefix_destination_sharding()
   assert prefix.cache.k.spec == P(None, None, "tensor", None, None) and prefix.keys.spec == P(None, None)

@@ -1,0 +1,95 @@
+"""Page allocation for the paged KV cache, on device and vectorised (no per-slot loops): take pages for slots
+that start a new page, return a finished slot's pages, place inserted prompts' rows in fresh pages, and the
+live-page count a decode step reads. Shapes: S slots, D batch shards (S / D slots each), M pages per slot,
+R requests, T prompt bucket length, ps page size."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pacs_jax.models import paged
+from pacs_jax.models.qwen2 import KVCache
+from pacs_jax.rollout.state import PagedCache
+
+
+def init(config, slots: int, cache_length: int, page_size: int, shards: int, pages_per_shard: int,
+         dtype=None) -> PagedCache:
+  """Empty pages and tables; each shard's stack holds pages 1..P/D - 1 (page 0 is the null page), taken
+  lowest first."""
+  c = config
+  M = -(-cache_length // page_size)
+  pages = jnp.zeros((c.num_hidden_layers, shards * pages_per_shard, page_size, 2 * c.num_key_value_heads,
+                     c.head_size), dtype or c.dtype)
+  stack = jnp.broadcast_to(jnp.arange(pages_per_shard - 1, -1, -1, dtype=jnp.int32), (shards, pages_per_shard))
+  return PagedCache(pages=pages, page_table=jnp.zeros((slots, M), jnp.int32), free_pages=stack,
+                    free_count=jnp.full((shards,), pages_per_shard - 1, jnp.int32))
+
+
+def take(cache: PagedCache, needs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One page for each slot with needs [S] True, from its shard's stack while pages last (lower slots
+  first): (page [S] shard-local, granted [S] bool, free_count [D] afterwards)."""
+  D, Pd = cache.free_pages.shape
+  n = needs.reshape(D, -1)  # [D, S/D]
+  rank = jnp.cumsum(n, axis=1) - 1
+  granted = n & (rank < cache.free_count[:, None])
+  top = jnp.clip(cache.free_count[:, None] - 1 - rank, 0, Pd - 1)
+  page = jnp.take_along_axis(cache.free_pages, top, axis=1)
+  return page.reshape(-1), granted.reshape(-1), cache.free_count - jnp.sum(granted, axis=1, dtype=jnp.int32)
+
+
+def release(cache: PagedCache, slots: jax.Array) -> PagedCache:
+  """Pushes every page held by the slots marked in slots [S] bool back on their shards' stacks and clears
+  their table rows (one scatter)."""
+  D, Pd = cache.free_pages.shape
+  held = cache.page_table.reshape(D, -1)  # [D, S/D * M]
+  give = (held > 0) & jnp.repeat(slots.reshape(D, -1), cache.page_table.shape[1], axis=1)
+  at = cache.free_count[:, None] + jnp.cumsum(give, axis=1) - 1
+  free_pages = cache.free_pages.at[jnp.arange(D)[:, None], jnp.where(give, at, Pd)].set(held, mode="drop")
+  return cache.replace(page_table=jnp.where(slots[:, None], 0, cache.page_table), free_pages=free_pages,
+                       free_count=cache.free_count + jnp.sum(give, axis=1, dtype=jnp.int32))
+
+
+def insert(cache: PagedCache, prefix: KVCache, lengths: jax.Array, slots: jax.Array) -> tuple[PagedCache, jax.Array]:
+  """Gives request r (prefix rows [layers, R, K, T, H], lengths [R]) ceil(lengths[r] / ps) fresh pages of
+  slot slots[r]'s shard and copies its first rows there (slots >= S: padding, dropped); the slots' old
+  pages are returned first. A request its shard has no pages for is dropped too (the scheduler checks
+  free counts first). Returns (cache, slots [R] with dropped requests set to S)."""
+  D, Pd = cache.free_pages.shape
+  S, M = cache.page_table.shape
+  ps = cache.page_size
+  layers, R, K, T, H = prefix.k.shape
+  n_t = -(-T // ps)
+  cache = release(cache, jnp.zeros((S,), bool).at[slots].set(True, mode="drop"))
+  shard = slots // (S // D)  # [R]; D for padding requests
+  count = jnp.where(slots < S, -(-lengths // ps), 0)  # [R]
+  onehot = jax.nn.one_hot(shard, D, dtype=jnp.int32) * count[:, None]  # [R, D]
+  before = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * jax.nn.one_hot(shard, D, dtype=jnp.int32), axis=1)
+  free = cache.free_count[jnp.minimum(shard, D - 1)]
+  ok = (slots < S) & (before + count <= free)  # [R]; per shard, the granted requests are a prefix
+  j = jnp.arange(n_t)[None, :]  # [1, n_t]
+  top = jnp.clip(free[:, None] - 1 - before[:, None] - j, 0, Pd - 1)
+  page = jnp.take_along_axis(cache.free_pages[jnp.minimum(shard, D - 1)], top, axis=1)  # [R, n_t]
+  has = ok[:, None] & (j < count[:, None])
+  page = jnp.where(has, page, 0)
+  slots = jnp.where(ok, slots, S)
+  rows = jnp.zeros((R, M), jnp.int32).at[:, :n_t].set(page[:, :M])
+  table = cache.page_table.at[slots].set(rows, mode="drop")
+  taken = jnp.zeros((D,), jnp.int32).at[shard].add(jnp.where(ok, count, 0), mode="drop")
+
+  def blocks(x):  # [layers, R, K, T, H] -> [layers, R, n_t, ps, K, H]
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, n_t * ps - T), (0, 0)))
+    return jnp.moveaxis(x.reshape(layers, R, K, n_t, ps, H), 2, 4)
+
+  P = cache.pages.shape[1]
+  target = jnp.where(has, page + (jnp.minimum(shard, D - 1) * Pd)[:, None], P)  # global page ids; P = none
+  kv = paged.interleave_kv(blocks(prefix.k), blocks(prefix.v)).astype(cache.pages.dtype)
+  pages = cache.pages.at[:, target].set(kv, mode="drop")  # [layers, R, n_t, ps, 2K, H] into its pages
+  return cache.replace(pages=pages, page_table=table, free_count=cache.free_count - taken), slots
+
+
+def live_pages_needed(lengths: jax.Array, active: jax.Array, page_size: int, shards: int) -> jax.Array:
+  """Live (slot, page) pairs per shard [D] of the next step: an active slot reads its rows up to and with
+  its pending token, any other slot one null row."""
+  pairs = jnp.where(active, -(-(lengths + 1) // page_size), 1)
+  return jnp.sum(pairs.reshape(shards, -1), axis=1)
