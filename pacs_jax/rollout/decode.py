@@ -184,7 +184,7 @@ def decode_chunk(model: qwen2.Qwen2ForCausalLM, state: DecodeState, num_steps: i
          jnp.zeros((S, num_steps), bool))  # tokens, logprobs, emitted [S, num_steps]
 
   def cond(carry):
-    i, state, _, finished, moved = carry
+    i, state, _, finished, moved, _ = carry
     if is_paged:
       fits = jnp.all(pages_lib.live_pages_needed(state.lengths, state.active, state.cache.page_size, D) <= W) & moved
     else:
@@ -192,15 +192,18 @@ def decode_chunk(model: qwen2.Qwen2ForCausalLM, state: DecodeState, num_steps: i
     return (i < num_steps) & jnp.any(state.active) & (finished < stop_after_finished) & fits
 
   def body(carry):
-    i, state, (out_tokens, out_logprobs, out_emitted), finished, _ = carry
+    i, state, (out_tokens, out_logprobs, out_emitted), finished, _, fewest = carry
     new_state, step = decode_step(model, state, sampling, eos_ids, window=W)
+    if is_paged:
+      fewest = jnp.minimum(fewest, new_state.cache.free_count)
     column = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], i, axis=1)
     out = (column(out_tokens, step.tokens), column(out_logprobs, step.logprobs), column(out_emitted, step.emitted))
     finished = finished + jnp.sum(state.active & ~new_state.active)
-    return i + 1, new_state, out, finished, jnp.any(step.emitted)
+    return i + 1, new_state, out, finished, jnp.any(step.emitted), fewest
 
-  init = (jnp.int32(0), state, out, jnp.int32(0), jnp.bool_(True))
-  _, state, (tokens, logprobs, emitted), _, _ = jax.lax.while_loop(cond, body, init)
   free = state.cache.free_count if is_paged else jnp.zeros((0,), jnp.int32)
+  init = (jnp.int32(0), state, out, jnp.int32(0), jnp.bool_(True), free)
+  _, state, (tokens, logprobs, emitted), _, _, fewest = jax.lax.while_loop(cond, body, init)
+  free = state.cache.free_count if is_paged else free
   return state, ChunkOutput(tokens=tokens, logprobs=logprobs, emitted=emitted, active=state.active,
-                            lengths=state.lengths, free_pages=free)
+                            lengths=state.lengths, free_pages=free, fewest_free_pages=fewest)

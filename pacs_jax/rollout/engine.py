@@ -29,9 +29,13 @@ def next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
-def _pow2_ladder(start: int, cap: int) -> list[int]:
-  """Powers of two from `start` (rounded up), capped by and ending at `cap`."""
-  return sorted({min(next_pow2(start) << i, cap) for i in range(max(1, cap).bit_length() + 1)})
+def _pow2_ladder(start: int, cap: int, half_steps: bool = False) -> list[int]:
+  """Powers of two from `start` (rounded up), capped by and ending at `cap`; with `half_steps` also 1.5x
+  each power of two (a budget is then at most 1.5x, not 2x, what it must hold)."""
+  steps = [next_pow2(start) << i for i in range(max(1, cap).bit_length() + 1)]
+  if half_steps:
+    steps += [3 * b // 2 for b in steps if b > 1]
+  return sorted({min(b, cap) for b in steps if b >= start or b >= cap})
 
 
 class Engine:
@@ -58,7 +62,7 @@ class Engine:
     `kv_cache="paged"`: slots hold pages of `page_size` rows taken as they grow and returned when they
     finish, from a pool per batch shard (slots and pages are split over the mesh's batch axes alike);
     `kv_pages` pages in all (0: enough for every slot at full length, so none waits). Decode reads each
-    slot's live pages, padded to a budget per shard from `live_page_buckets` (powers of two) that holds
+    slot's live pages, padded to a budget per shard from `live_page_buckets` (powers of two and 1.5x them) that holds
     every slot for the next `steps_per_call` steps. `kv_cache="dense"`: each slot owns L rows and decode
     reads a window of the first W, W the smallest of `decode_windows` (powers of two from
     `min_decode_window`, and the whole cache) that holds every busy slot for the next `steps_per_call`
@@ -101,7 +105,8 @@ class Engine:
               f"rollout.kv_pages={kv_pages} must be a multiple of the {self.page_shards} batch shards with at least "
               f"{self.pages_per_slot + 1} pages each (one slot of {self.cache_length} rows in pages of "
               f"rollout.page_size={page_size}, and a null page), or 0 (enough for every slot)")
-    self.live_page_buckets = _pow2_ladder(slots_per_shard, slots_per_shard * self.pages_per_slot)
+    # Live pages track the tokens in flight closely (not the longest row), so their budgets step finer.
+    self.live_page_buckets = _pow2_ladder(slots_per_shard, slots_per_shard * self.pages_per_slot, half_steps=True)
     self.param_shardings = sharding.state_shardings(abstract, mesh, "sample") if mesh is not None else None
 
     # Model-sized programs (prefill per bucket shape, decode) are kept apart from the cheap ones that

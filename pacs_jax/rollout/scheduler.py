@@ -11,7 +11,7 @@ import numpy as np
 
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout.engine import Engine, next_pow2
-from pacs_jax.rollout.state import Completion, DecodeState, FirstTokens
+from pacs_jax.rollout.state import Completion, DecodeState, DecodeStats, FirstTokens
 
 
 def prefill_insert(engine: Engine, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],
@@ -52,10 +52,11 @@ def prefill_insert(engine: Engine, params, decode_state: DecodeState, prompts: S
   return decode_state, firsts
 
 
-def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 1, max_new_tokens: int | None = None,
+def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 1,
+             max_new_tokens: int | Sequence[int] | None = None,
              sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), seed: int = 0,
              eos_ids: Sequence[int] = (), prompt_ids: Sequence[int] | None = None,
-             refill_fraction: float = 0.125) -> list[Completion]:
+             refill_fraction: float = 0.125, stats: DecodeStats | None = None) -> list[Completion]:
   """Samples `n` responses for every prompt; returns completions ordered by (prompt, sample).
 
   Requests beyond the slot count wait in a queue and take slots as others finish; samples of one
@@ -63,18 +64,22 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   id, sample index, token step) alone, so results do not depend on the slot count or on which
   requests share a batch; `prompt_ids` (default: the prompts' indices; e.g. dataset row ids) make
   them independent of the prompts' order too. A response stops at any of `eos_ids` (kept, with its
-  log-prob, as transformers / verl do) or after `max_new_tokens` (default: the engine's
-  `max_decode_length`). A decode call returns to the host early once `refill_fraction` of the slots
+  log-prob, as transformers / verl do) or after `max_new_tokens` (one for all or one per prompt; default:
+  the engine's `max_decode_length`). A decode call returns to the host early once `refill_fraction` of the slots
   have finished while requests wait.
 
   On a paged cache a request enters a slot only when the slot's batch shard has free pages for its
   prompt (the free counts come back with each decode call); a slot that finds no page for its next
   token waits for others to return theirs. RuntimeError if every busy slot waits (the pool is too small
-  for the tokens in flight).
+  for the tokens in flight). `stats`, if given, accumulates the KV rows decode read and held.
   """
   max_new_tokens = engine.max_decode_length if max_new_tokens is None else max_new_tokens
-  if not 0 < max_new_tokens <= engine.max_decode_length:
-    raise ValueError(f"max_new_tokens {max_new_tokens} is not in [1, max_decode_length={engine.max_decode_length}]")
+  budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+  if len(budgets) != len(prompts):
+    raise ValueError(f"{len(budgets)} max_new_tokens for {len(prompts)} prompts")
+  for b in budgets:
+    if not 0 < b <= engine.max_decode_length:
+      raise ValueError(f"max_new_tokens {b} is not in [1, max_decode_length={engine.max_decode_length}]")
   prompts = [list(map(int, p)) for p in prompts]
   for p in prompts:
     engine.bucket_length(len(p))  # validates the length
@@ -130,7 +135,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
       row_of = {p: i for i, p in enumerate(distinct)}
       state, firsts = prefill_insert(
           engine, params, state, [prompts[p] for p in distinct], [row_of[p] for p, _ in take], taken_slots,
-          [prompt_ids[p] for p, _ in take], [s for _, s in take], [max_new_tokens] * len(take), seed, sampling, eos)
+          [prompt_ids[p] for p, _ in take], [s for _, s in take], [budgets[p] for p, _ in take], seed, sampling, eos)
       for slot, req in zip(taken_slots, take):
         slot_request[slot] = req
         slot_rows[slot] = len(prompts[req[0]])
@@ -146,6 +151,15 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
         logprobs[take[r]].append(l)
     out = jax.device_get(out)
     slot_rows = np.array(out.lengths, np.int64)
+    if stats is not None:
+      steps = int(out.emitted.any(axis=0).sum())
+      stats.steps += steps
+      stats.rows_read += steps * engine.rows_read(budget)
+      if engine.paged:  # the fewest free pages after any step of the call
+        held = (engine.page_shards * (engine.pages_per_shard - 1) - int(np.sum(out.fewest_free_pages))) * engine.page_size
+      else:
+        held = S * engine.cache_length
+      stats.peak_rows_held = max(stats.peak_rows_held, held)
     if engine.paged:
       free_pages = np.array(out.free_pages, np.int64)
       if out.active.any() and not out.emitted.any():

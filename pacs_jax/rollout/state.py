@@ -97,6 +97,7 @@ class ChunkOutput:
   active: jax.Array  # [S] bool: still generating after the call
   lengths: jax.Array  # [S] int32: filled cache rows after the call
   free_pages: jax.Array  # [D] int32: free pages of each batch shard's pool after the call ([0] if dense)
+  fewest_free_pages: jax.Array  # [D] int32: the fewest after any step of the call ([0] if dense)
 
 
 @flax.struct.dataclass
@@ -105,6 +106,18 @@ class FirstTokens:
   requests: tuple[int, ...] = flax.struct.field(pytree_node=False)  # the caller's request ids, one per token
   tokens: jax.Array  # [R] int32
   logprobs: jax.Array  # [R] fp32
+
+
+@dataclasses.dataclass
+class DecodeStats:
+  """What a rollout's decode calls read and held (`scheduler.generate(stats=...)` adds to it)."""
+  steps: int = 0  # decode steps (device loop iterations that emitted a token)
+  rows_read: int = 0  # KV rows read, summed over steps and slots (per layer; the budget each call ran at)
+  peak_rows_held: int = 0  # most KV rows held at once (paged: pages in use x page size; dense: every slot's)
+
+  @property
+  def rows_per_step(self) -> float:
+    return self.rows_read / max(self.steps, 1)
 
 
 @dataclasses.dataclass

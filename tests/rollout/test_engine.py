@@ -300,7 +300,7 @@ def test_live_page_budgets_equal_reading_every_page_and_the_dense_cache(engine, 
                                                                         monkeypatch):
   """The paged cache with the scheduler's live-page budgets gives the tokens and log-probs of a budget of
   every page and of the dense cache."""
-  assert engine.live_page_buckets == [4, 8, 16, 28]  # 4 slots x 7 pages of 8 rows
+  assert engine.live_page_buckets == [4, 6, 8, 12, 16, 24, 28]  # 4 slots x 7 pages of 8 rows
   kw = dict(n=3, max_new_tokens=MAX_DECODE, sampling=sampling.Temperature(1.0), seed=5, eos_ids=[1, 2, 3])
   budgets = []
   decode = engine.decode
