@@ -69,7 +69,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   have finished while requests wait.
 
   On a paged cache a request enters a slot only when the slot's batch shard has free pages for its
-  prompt (the free counts come back with each decode call); a slot that finds no page for its next
+  prompt and a page of headroom per busy slot (the free counts come back with each decode call); a slot that finds no page for its next
   token waits for others to return theirs. RuntimeError if every busy slot waits (the pool is too small
   for the tokens in flight). `stats`, if given, accumulates the KV rows decode read and held.
   """
@@ -104,16 +104,21 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   free_pages = np.full(engine.page_shards, engine.pages_per_shard - 1 if engine.paged else 0, np.int64)
 
   def admit() -> tuple[list[tuple[int, int]], list[int]]:
-    """Queued requests for free slots, in order, each into a slot whose shard has pages for its prompt."""
+    """Queued requests for free slots, in order, each into a slot whose shard has pages for its prompt and
+    still one more for each of its busy slots (headroom, so rows that grow rarely all wait at once)."""
     take, slots = [], []
     free = [i for i, r in enumerate(slot_request) if r is None]
+    busy = np.bincount([i // slots_per_shard for i, r in enumerate(slot_request) if r is not None],
+                       minlength=engine.page_shards)
     while queue and free:
       need = engine.prompt_pages(len(prompts[queue[0][0]]))
       # The free slot on the shard with the most free pages (dense: the first free slot).
       slot = max(free, key=lambda i: (free_pages[i // slots_per_shard], -i))
-      if free_pages[slot // slots_per_shard] < need:
+      d = slot // slots_per_shard
+      if engine.paged and free_pages[d] - need < busy[d] + 1:
         break
-      free_pages[slot // slots_per_shard] -= need
+      free_pages[d] -= need
+      busy[d] += 1
       free.remove(slot)
       take.append(queue.popleft())
       slots.append(slot)
