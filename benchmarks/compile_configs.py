@@ -52,7 +52,7 @@ def summary(report, cfg) -> dict[str, str]:
   out[f"log-prob passes: optimal time x {logprobs.calls:.0f}"] = (
       f"{logprobs.optimal_s:.2f} s x {logprobs.calls:.0f} = {logprobs.optimal_s * logprobs.calls:.1f} s")
   decode = [p for p in report.programs if p.name.startswith("decode[")]
-  full = max(decode, key=lambda p: int(re.search(r"W=(\d+)", p.name).group(1)))
+  full = max(decode, key=lambda p: int(re.search(r"(?:W|pages)=(\d+)", p.name).group(1)))
   one = progs.get("decode_1_step[W=full]")
   out["decode call at the full window: temporaries"] = gb(full.temp)
   if one is not None:

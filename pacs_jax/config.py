@@ -64,6 +64,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.rollout.max_new_tokens = 4096
   c.rollout.slots = 0  # concurrent decode slots; 0 = the whole rollout batch
   c.rollout.val_max_new_tokens = 0  # 0 = max_new_tokens
+  # Decode KV cache: "paged" (pages of page_size rows taken as rows grow, returned when they finish; decode
+  # reads each slot's live pages) or "dense" (slots x max length rows, read up to the longest busy row).
+  c.rollout.kv_cache = "paged"
+  c.rollout.page_size = 64
+  c.rollout.kv_pages = 0  # KV memory in pages, all batch shards together; 0 = enough for every slot at full length
   # Which tokens end a response, and how far the response mask runs (PACS.md "Padding and stopping"):
   #   "released": the tokenizer's EOS plus generation_config.json's eos_token_id (config.json's when there is
   #     none), as verl's vLLM rollout; the mask runs up to and including the first generation-config EOS
@@ -228,6 +233,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(c.rollout.slots >= 0, "rollout.slots", f"must be >= 0 (0 = the whole rollout batch), got {c.rollout.slots}")
   _check(c.rollout.val_max_new_tokens >= 0, "rollout.val_max_new_tokens",
          f"must be >= 0 (0 = max_new_tokens), got {c.rollout.val_max_new_tokens}")
+  _check_enum(c.rollout.kv_cache, ("paged", "dense"), "rollout.kv_cache")
+  _check(c.rollout.page_size >= 1, "rollout.page_size", f"must be >= 1, got {c.rollout.page_size}")
+  _check(c.rollout.kv_pages >= 0, "rollout.kv_pages", f"must be >= 0 (0 = enough for every slot), got {c.rollout.kv_pages}")
   _check(c.data.val_max_examples >= 0, "data.val_max_examples", f"must be >= 0 (0 = all), got {c.data.val_max_examples}")
   _check(c.data.synthetic_train_size > 0, "data.synthetic_train_size", "must be positive")
   _check(c.data.synthetic_val_size > 0, "data.synthetic_val_size", "must be positive")

@@ -19,7 +19,7 @@ KEEP = (
     "seed", "algorithm", "model.param_dtype", "model.dtype", "model.remat",
     "data.skip_bad_rows", "data.val_max_examples",
     "rollout.n", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.val_max_new_tokens",
-    "rollout.stop_tokens", "rollout_data_dir", "validation_data_dir",
+    "rollout.stop_tokens", "rollout.kv_cache", "rollout_data_dir", "validation_data_dir",
     "train.lr", "train.schedule", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.b1",
     "train.b2", "train.eps", "train.grad_clip", "train.verl_micro_batch_rows",
     "pacs.*", "grpo.*", "ppo.*",
@@ -77,6 +77,8 @@ def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
       "data.synthetic_train_size": max(64, 2 * batch), "data.synthetic_val_size": 8,
       "data.max_prompt_length": PROMPT_LENGTH, "data.instruction": "",
       "rollout.max_new_tokens": NEW_TOKENS, "rollout.slots": slots,
+      # Pages of 8 rows (3 a slot at these lengths); a pool sized for the full model's lengths means nothing here.
+      "rollout.page_size": 8, "rollout.kv_pages": 0,
       "train.batch_prompts": batch, "train.mini_batch_prompts": mini, "train.micro_batch_prompts": micro,
       "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
       "reward_workers": min(c.reward_workers, 2),

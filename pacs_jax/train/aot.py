@@ -18,6 +18,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from pacs_jax import config as config_lib
@@ -92,15 +93,22 @@ def prefill_rows(requests_at_once: int, n: int, prompts: int) -> int:
 
 
 def decode_calls(engine: engine_lib.Engine, prompt_length: int, new_tokens: int) -> dict[int, int]:
-  """Decode calls per window for one wave of slots that start at `prompt_length` rows and all run to
-  `new_tokens` (the trainer's window choice: the busy rows plus a call's steps)."""
+  """Decode calls per read budget (dense: window; paged: live pages per shard) for one wave of slots that
+  start at `prompt_length` rows and all run to `new_tokens` (the trainer's choice: the busy rows plus a
+  call's steps)."""
   calls: dict[int, int] = {}
   rows, steps = prompt_length, engine.steps_per_call
+  S = engine.max_concurrent_decodes
   for _ in range(-(-new_tokens // steps)):
-    window = engine.decode_window(rows + steps)
-    calls[window] = calls.get(window, 0) + 1
+    budget = engine.read_budget(np.full(S, rows), np.ones(S, bool))
+    calls[budget] = calls.get(budget, 0) + 1
     rows += steps
   return calls
+
+
+def decode_name(engine: engine_lib.Engine, budget: int) -> str:
+  """A decode program's name: its window (dense) or live-page budget per shard (paged)."""
+  return f"decode[pages={budget}]" if engine.paged else f"decode[W={budget}]"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,9 +241,9 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
                         calls_scale * -(-prompts // rows), 0.0),
           lambda: engine._insert_requests_jit.lower(*args, sampling=sampling), lambda c: state_bytes)
     calls_at = decode_calls(engine, P, R)  # the bound's calls: slots starting at P rows (shorter prompts: fewer rows)
-    windows = [(w, calls_at.get(w, 0)) for w in engine.decode_windows]
+    windows = [(w, calls_at.get(w, 0)) for w in engine.read_budgets]
     for window, calls in windows[-1:] if largest_only else windows:
-      run(ProgramReport(f"{tag}decode[W={window}]", "rollout", calls_scale * calls,
+      run(ProgramReport(f"{tag}{decode_name(engine, window)}", "rollout", calls_scale * calls,
                         2.0 * N * S * engine.steps_per_call),
           lambda window=window: engine.lower_decode(sample_params, decode_state, window, sampling),
           lambda c: rollout_weights + state_bytes)
@@ -247,7 +255,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   if one_step_decode:  # for comparison: a call of one step at the full window (no program of the run)
     run(ProgramReport("decode_1_step[W=full]", "rollout", 0, 2.0 * N * S),
         lambda: engine._decode_chunk_jit.lower(sample_params, decode_state, jax.ShapeDtypeStruct((), jnp.int32), eos,
-                                               num_steps=1, sampling=train_sampling, window=engine.cache_length),
+                                               num_steps=1, sampling=train_sampling, window=engine.read_budgets[-1]),
         lambda c: rollout_weights + state_bytes)
   if validation and cfg.data.val and cfg.eval_every:
     val_prompts = cfg.data.val_max_examples or S

@@ -83,7 +83,11 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, floa
   T = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
   slots = cfg.rollout.slots or cfg.train.batch_prompts * cfg.rollout.n
   kv_tensor = tensor if K % tensor == 0 else 1
-  out["kv_cache"] = (slots / batch_shards) * T * L * 2 * (K / kv_tensor) * H * jnp.dtype(mc.dtype).itemsize
+  rows = (slots / batch_shards) * T  # dense: every slot's rows
+  if cfg.rollout.kv_cache == "paged":  # the pool of a batch shard (kv_pages = 0: every slot's pages and a null page)
+    ps, pages = cfg.rollout.page_size, cfg.rollout.kv_pages
+    rows = ps * (pages / batch_shards if pages else (slots / batch_shards) * -(-T // ps) + 1)
+  out["kv_cache"] = rows * L * 2 * (K / kv_tensor) * H * jnp.dtype(mc.dtype).itemsize
   out["activations"] = activation_bytes(cfg, mc, batch_shards, tensor, T)
   return out
 

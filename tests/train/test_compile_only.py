@@ -62,7 +62,7 @@ def test_every_program_compiles_with_positive_consistent_figures(report):
   assert not report.failed, [(p.name, p.error) for p in report.failed]
   names = [p.name for p in report.programs]
   for prefix in ("to_sample_params", "init_decode_state", "prefill[B=8,T=16]", "prefill[B=8,T=32]", "insert[",
-                 "decode[W=96]", "logprobs", "train_step"):
+                 "decode[pages=", "logprobs", "train_step"):
     by_name(report, prefix)
   assert names[-1] == "train_step"
   for p in report.programs:
