@@ -12,6 +12,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from pacs_jax.models import paged_kernel
 from pacs_jax.models.attention import _MASK_VALUE
 
 # Logical axes (see `pacs_jax.sharding`): pages and page tables over the batch axes, kv heads over tensor.
@@ -101,16 +102,33 @@ def ragged_decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Arra
   return out.reshape(S, N, H).astype(q.dtype)
 
 
-def paged_layer(step: PagedStep, layer: jax.Array, q: jax.Array, k: jax.Array,
-                v: jax.Array) -> tuple[jax.Array, PagedStep]:
+def paged_layer(step: PagedStep, layer: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                kernel: bool = False) -> tuple[jax.Array, PagedStep]:
   """One layer of a decode step on the paged cache: writes k, v [S, K, H] at `positions`, then attends
   q [S, N, H] over the live pages -> (out [S, N, H], step with the new pages).
 
-  The single place decode touches pages: a shard_map / Pallas TPU dispatch (same per-shard functions,
-  shard-local tables) replaces this XLA path over the global pages.
+  The single place decode touches pages. Under a mesh it runs per shard (`paged_kernel.on_shards`): each
+  batch shard's slots, page pool and pool-local page tables, its kv heads; nothing crosses shards. The
+  attention is the TPU Pallas kernel with `kernel`, else the XLA gather over live pages.
   """
-  P = step.pages.shape[1]
-  table = global_table(step.page_table, P, step.shards)
-  pages = write_pages(step.pages, k, v, table, step.positions, layer)
-  out = ragged_decode_attention(q, pages, table, step.kv_lens, step.live_pages * step.shards, layer)
+  S, K = k.shape[:2]
+  budget, table = step.live_pages, step.page_table
+  if step.shards > 1 and not paged_kernel.sharded():  # no mesh to split over: the D pools side by side
+    budget, table = budget * step.shards, global_table(table, step.pages.shape[1], step.shards)
+
+  def per_shard(pages, table, positions, kv_lens, layer, q, k, v):
+    pages = write_pages(pages, k, v, table, positions, layer)
+    if kernel:  # every layer's pages as one pool [layers * P, ps, 2K, H] (a free reshape), layer l's at l * P
+      L, P = pages.shape[:2]
+      out = paged_kernel.pallas_decode_attention(q, pages.reshape(L * P, *pages.shape[2:]), table + layer * P,
+                                                 kv_lens)
+    else:
+      out = ragged_decode_attention(q, pages, table, kv_lens, budget, layer)
+    return out, pages
+
+  slot, new_kv = paged_kernel.SLOT_AXES, paged_kernel.NEW_KV_AXES
+  axes = (PAGES_AXES, slot + (None,), slot, slot, (), paged_kernel.QUERY_AXES, new_kv, new_kv)
+  args = (step.pages, table, step.positions, step.kv_lens, layer, q, k, v)
+  out, pages = paged_kernel.on_shards(per_shard, args, axes, (paged_kernel.QUERY_AXES, PAGES_AXES), slots=S,
+                                      kv_heads=K)
   return out, step.replace(pages=pages)

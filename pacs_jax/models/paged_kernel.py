@@ -74,8 +74,14 @@ def shard_specs(mesh_shape: dict[str, int], *, slots: int, kv_heads: int,
   batch = batch if batch_shards(mesh_shape, slots) > 1 else ()
   tensor = "tensor" if mesh_shape.get("tensor", 1) > 1 and kv_heads % mesh_shape["tensor"] == 0 else None
   rule = {"batch": (batch[0] if len(batch) == 1 else batch) if batch else None, "heads": tensor,
-          "kv_heads": tensor, None: None}
+          "kv_heads": tensor, "layers": None, None: None}
   return tuple(PartitionSpec(*(rule[a] for a in spec)) for spec in axes)
+
+
+def sharded() -> bool:
+  """Whether the current mesh (`jax.set_mesh`) has more than one device: `on_shards` then splits."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and math.prod(mesh.shape.values()) > 1
 
 
 def on_shards(fn: Callable, args: Sequence[jax.Array], axes: Sequence[tuple[str | None, ...]],
@@ -86,11 +92,12 @@ def on_shards(fn: Callable, args: Sequence[jax.Array], axes: Sequence[tuple[str 
   and its kv heads: what a kernel (`pallas_call` does not partition itself) and a gather over local pages
   need, with no cross-shard traffic. `out_axes`: the logical axes of fn's output (a pytree of tuples).
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or math.prod(mesh.shape.values()) == 1:
+  if not sharded():
     return fn(*args)
+  mesh = jax.sharding.get_abstract_mesh()
   shape = dict(mesh.shape)
   spec = lambda a: shard_specs(shape, slots=slots, kv_heads=kv_heads, axes=[a])[0]
   in_specs = tuple(spec(a) for a in axes)
-  out_specs = jax.tree.map(spec, out_axes, is_leaf=lambda x: isinstance(x, tuple))
+  is_axes = lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+  out_specs = jax.tree.map(spec, out_axes, is_leaf=is_axes)
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
