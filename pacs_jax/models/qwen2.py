@@ -20,6 +20,7 @@ from jax import lax
 
 from pacs_jax import sharding
 from pacs_jax.models import attention
+from pacs_jax.models import flash
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
@@ -41,6 +42,12 @@ class Qwen2Config:
   # >0: attend `attention_chunk` queries at a time, each block rematerialised in the backward pass, so the
   # fp32 scores peak at [B, K, G, chunk, S] instead of [B, K, G, T, S] (long responses). 0 = all at once.
   attention_chunk: int = 0
+  # Uncached (training / log-prob) attention: "xla" (`attention.attend`, the reference), "splash" (TPU Pallas
+  # kernels), "cudnn" (GPU flash attention) or "auto" (by the platform the program is traced for).
+  attention_impl: str = "auto"
+  # What a rematerialised layer saves for the backward pass (`remat=True`): "nothing" (its input only) or
+  # "matmuls" (projection and MLP matmul outputs and the splash kernel's residuals: no matmul re-run).
+  remat_policy: str = "nothing"
 
   def __post_init__(self):
     if self.head_dim is None:  # transformers' default; stored so configs compare equal after a round trip
@@ -223,7 +230,10 @@ class Attention(nnx.Module):
     B, T, N, H = q.shape
     K = k.shape[1]
     q = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
-    if c.attention_chunk and T > c.attention_chunk:
+    impl = flash.resolve(c.attention_impl) if cache is None else "xla"
+    if impl != "xla":
+      out = flash.attend(impl, q, k, v, mask)
+    elif c.attention_chunk and T > c.attention_chunk:
       out = attention.attend_in_chunks(q, k, v, mask, c.attention_chunk)
     else:
       out = attention.attend(q, k, v, mask)
@@ -283,14 +293,32 @@ def stacked_layers(config: Qwen2Config, rngs: nnx.Rngs) -> DecoderLayer:
   return make(rngs)
 
 
+REMAT_POLICIES = ("nothing", "matmuls")
+
+
+def remat_policy(name: str):
+  """The `jax.checkpoint` policy of a rematerialised layer: "nothing" saves nothing (the scan keeps the
+  layer's input); "matmuls" saves the outputs of the weight matmuls (q/k/v/o projections, MLP gate/up/down)
+  and the splash kernel's residuals, so the backward pass recomputes only elementwise work (norms, RoPE,
+  SiLU) and the XLA path's attention."""
+  if name in ("nothing", True):
+    return jax.checkpoint_policies.nothing_saveable
+  if name == "matmuls":
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(flash.SPLASH_RESIDUALS))
+  raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {name!r}")
+
+
 def scan_layers(layers: DecoderLayer, x, cos, sin, mask, cache: KVCache | None = None, write_index=None,
-                remat: bool = False):
+                remat: bool | str = False):
   """Runs stacked `layers` over x [B, T, D]: one compiled layer body whatever the depth.
 
   The scan body is pure: it merges (graphdef, one layer's parameters) inside its own trace, so no NNX
   object crosses a trace boundary (it runs the same under jit, grad, lax.map and while_loop). A cache
   is carried through the scan, each layer writing its rows in place. With `remat` the body saves
-  nothing for the backward pass: the scan keeps each layer's input [B, T, D] and recomputes the rest.
+  nothing for the backward pass: the scan keeps each layer's input [B, T, D] and recomputes the rest; `remat`
+  may name a policy instead (see `remat_policy`).
   Returns (x [B, T, D], cache).
   """
   graphdef, params = nnx.split(layers)
@@ -302,7 +330,7 @@ def scan_layers(layers: DecoderLayer, x, cos, sin, mask, cache: KVCache | None =
     return nnx.merge(graphdef, layer_params)(x, cos, sin, mask, cache, index, write_index), None
 
   if remat:
-    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    body = jax.checkpoint(body, policy=remat_policy(remat), prevent_cse=False)
   (x, cache), _ = lax.scan(body, (x, cache), (params, jnp.arange(num_layers, dtype=jnp.int32)))
   return x, cache
 
@@ -350,7 +378,7 @@ class Qwen2Model(nnx.Module):
     x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(c.dtype)  # [B, T, D]
     x = sharding.constrain(x, ("batch", None, None))
     cos, sin = attention.rope_cos_sin(positions, c.head_size, c.rope_theta)
-    x, cache = scan_layers(self.layers, x, cos, sin, mask, cache, write_index, remat=c.remat)
+    x, cache = scan_layers(self.layers, x, cos, sin, mask, cache, write_index, remat=c.remat and c.remat_policy)
     return self.norm(x), cache
 
 
