@@ -101,11 +101,9 @@ def splash_attend(q, k, v, mask, *, interpret: bool | None = None):
     shape = dict(mesh.shape)
     spec_q = sharding.spec_for(("batch", "heads", None, None), sharding.ACTIVATION_RULES, shape, qh.shape)
     spec_kv = sharding.spec_for(("batch", "kv_heads", None, None), sharding.ACTIVATION_RULES, shape, kp.shape)
-    if spec_q[1] != spec_kv[1]:  # kv heads not split like the query heads: every shard takes all kv heads
-      spec_kv = P(spec_kv[0], None, None, None)
-      if spec_q[1] is not None:
-        raise ValueError(f"splash attention: {K} kv heads cannot follow {K * G} query heads split over "
-                         f"{spec_q[1]!r}; use model.attention_impl='xla' or a tensor axis dividing the kv heads")
+    if spec_q[1] != spec_kv[1]:  # kv heads not split like the query heads: one kv head per query head
+      kp, vp = jnp.repeat(kp, G, axis=1), jnp.repeat(vp, G, axis=1)
+      spec_kv = spec_q
     run = jax.shard_map(run, mesh=mesh, in_specs=(spec_q, spec_kv, spec_kv, P(spec_q[0], None)),
                         out_specs=spec_q, check_vma=False)
   out = run(qh, kp, vp, seg)[:, :, :T]  # [B, N, T, H]

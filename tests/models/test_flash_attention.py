@@ -47,12 +47,14 @@ def test_splash_equals_xla_forward_and_gradient():
   assert_equal_to_xla(flash.splash_attend, *inputs())
 
 
-def test_splash_under_a_mesh_runs_per_shard_and_equals_xla():
-  # 4 rows over fsdp (one per shard), heads over tensor.
+@pytest.mark.parametrize("fsdp,tensor", [(4, 2), (2, 4)])
+def test_splash_under_a_mesh_runs_per_shard_and_equals_xla(fsdp, tensor):
+  # 4 rows over fsdp, heads over tensor; with tensor = 4 the 2 kv heads cannot follow the 4 query heads'
+  # split, and each query head takes its own copy of its kv head.
   q, k, v, mask, real, w = inputs(1)
   q, k, v, mask, w = (jnp.concatenate([x, x[:1]]) for x in (q, k, v, mask, w))
   real = np.concatenate([real, real[:1]])
-  mesh = sharding.make_mesh(data=1, fsdp=4, tensor=2)
+  mesh = sharding.make_mesh(data=1, fsdp=fsdp, tensor=tensor)
   with jax.set_mesh(mesh):
     assert_equal_to_xla(flash.splash_attend, q, k, v, mask, real, w)
     lowered = jax.jit(flash.splash_attend).lower(q, k, v, mask).as_text()
