@@ -88,6 +88,11 @@ def splash_attend(q, k, v, mask, *, interpret: bool | None = None):
   B, T, K, G, H = q.shape
   if interpret is None:
     interpret = platform() != "tpu"
+  precision = jax.config.jax_default_matmul_precision
+  if not interpret and q.dtype != jnp.float32 and precision not in (None, "default", "bfloat16", "fastest"):
+    # Mosaic compiles bf16 matmuls only at the default precision ("Bad lhs type").
+    raise ValueError(f"splash attention on {q.dtype} inputs compiles only at the default matmul precision, not "
+                     f"jax_default_matmul_precision={precision!r}: unset it or use model.attention_impl='xla'")
   seg = segment_ids(mask)
   Tp = -(-T // block_size(T)) * block_size(T)
   # Queries scaled before the kernel (it computes q . k); rows past T are padding no real query can see.
