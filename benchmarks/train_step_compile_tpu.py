@@ -69,7 +69,7 @@ def main():
     raise SystemExit(f"train step does not compile: {report.error[:2000]}")
   mc = config_lib.preset_model_config(cfg)
   kernel_tflop = hlo_cost.analyse(compiled.as_text()).total("kernel_flops") / 1e12
-  print(f"{args.config}: {cfg.model.preset} (attention {flash.resolve(mc.attention_impl, 'tpu')}, remat={mc.remat} "
+  print(f"{args.config}: {cfg.model.preset} (attention {flash.resolve(mc.attention_impl, 'tpu', mc.dtype)}, remat={mc.remat} "
         f"policy {mc.remat_policy!r}, {cfg.algorithm}) on {topology} ({mesh.size} chips), mesh {dict(mesh.shape)}, "
         f"mini-batch {batch['input_ids'].shape}, load average {os.getloadavg()[0]:.1f}")
   print(f"train step: compile {report.compile_s:.1f} s; per chip: arguments {report.argument / GB:.2f} GB, outputs "

@@ -35,13 +35,17 @@ def platform() -> str:
   return device.platform if device is not None else jax.default_backend()
 
 
-def resolve(impl: str, target: str | None = None) -> str:
-  """"auto" -> the platform's kernel (tpu: splash, gpu: cudnn, else xla); others as given."""
+def resolve(impl: str, target: str | None = None, dtype=None) -> str:
+  """"auto" -> the platform's kernel (tpu: splash; gpu: cudnn, which takes 16-bit inputs only, so fp32
+  stays on xla; else xla); others as given."""
   if impl not in IMPLS:
     raise ValueError(f"model.attention_impl must be one of {IMPLS}, got {impl!r}")
   if impl != "auto":
     return impl
-  return {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(target or platform(), "xla")
+  kernel = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}.get(target or platform(), "xla")
+  if kernel == "cudnn" and dtype is not None and jnp.dtype(dtype) == jnp.float32:
+    return "xla"
+  return kernel
 
 
 def segment_ids(mask: jax.Array) -> jax.Array:

@@ -230,7 +230,7 @@ class Attention(nnx.Module):
     B, T, N, H = q.shape
     K = k.shape[1]
     q = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
-    impl = flash.resolve(c.attention_impl) if cache is None else "xla"
+    impl = flash.resolve(c.attention_impl, dtype=q.dtype) if cache is None else "xla"
     if impl != "xla":
       out = flash.attend(impl, q, k, v, mask)
     elif c.attention_chunk and T > c.attention_chunk:

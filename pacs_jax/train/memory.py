@@ -108,7 +108,7 @@ def activation_bytes(cfg, mc: qwen2.Qwen2Config, batch_shards: int, tensor: int,
   if mc.remat and mc.remat_policy == "matmuls":
     per_layer_saved = L * m * T * ((2 * heads + 2 * K / tensor) * H * b + 2 * D * b + 2 * F / tensor * b + heads * 4)
   target = "tpu" if cfg.hardware.tpu_topology else None  # else the backend this runs on
-  flash_kernel = flash.resolve(mc.attention_impl, target) != "xla"
+  flash_kernel = flash.resolve(mc.attention_impl, target, mc.dtype) != "xla"
   queries = 0 if flash_kernel else min(T, mc.attention_chunk or T)  # query rows whose fp32 scores are live at once
   attention = 2 * m * heads * queries * T * 4 + 4 * m * T * N * H / tensor * b
   mlp = 3 * m * T * F / tensor * b

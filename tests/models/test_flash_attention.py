@@ -90,7 +90,9 @@ def test_whole_model_with_splash_equals_xla():
 
 def test_auto_picks_the_platforms_kernel_and_bad_names_are_refused():
   assert [flash.resolve("auto", p) for p in ("tpu", "gpu", "cpu")] == ["splash", "cudnn", "xla"]
-  assert flash.resolve("auto") == "xla"  # these tests run on CPU (or GPU: cudnn)
+  # cuDNN takes 16-bit inputs: fp32 models on a GPU (the equality tests) keep the XLA path.
+  assert [flash.resolve("auto", "gpu", d) for d in (jnp.bfloat16, jnp.float32)] == ["cudnn", "xla"]
+  assert flash.resolve("auto", dtype=jnp.float32) == "xla"  # on CPU or GPU, these tests' fp32 models
   cfg = config_lib.default_config()
   cfg.model.attention_impl = "flash"
   with pytest.raises(config_lib.ConfigError, match="model.attention_impl"):
