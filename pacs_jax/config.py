@@ -37,6 +37,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"  # compute dtype; bfloat16 on GPU/TPU
   c.model.remat = False  # rematerialise decoder layers in the backward pass
   c.model.attention_chunk = 0  # >0: attention over blocks of this many queries (memory of long sequences)
+  # Training / log-prob attention: "auto" (TPU: splash, GPU: cudnn, else xla) | "xla" | "splash" | "cudnn".
+  c.model.attention_impl = "auto"
+  c.model.remat_policy = "nothing"  # with remat: "nothing" (keep layer inputs) | "matmuls" (no matmul re-run)
   c.model.vocab_size = 0  # >0 overrides the preset's vocab (the synthetic task's tokenizer is small)
 
   # Tokenizer: "synthetic" (built in, for the synthetic task) or a path (defaults to model.hf_path).
@@ -224,6 +227,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(c.model.hf_path or c.model.preset, "model.preset", "set model.preset or model.hf_path")
   _check_enum(c.model.param_dtype, DTYPE_NAMES, "model.param_dtype")
   _check(c.model.attention_chunk >= 0, "model.attention_chunk", "must be >= 0 (0 = all queries at once)")
+  from pacs_jax.models import flash, qwen2
+  _check_enum(c.model.attention_impl, flash.IMPLS, "model.attention_impl")
+  _check_enum(c.model.remat_policy, qwen2.REMAT_POLICIES, "model.remat_policy")
   _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
   _check(c.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0 (0 = keep every checkpoint)")
   _check_enum(c.checkpoint.restore, RESTORE_MODES, "checkpoint.restore")
@@ -377,7 +383,8 @@ def dtype(name: str):
 def model_overrides(c: ml_collections.ConfigDict) -> dict:
   """The `Qwen2Config` fields a run config sets on top of a preset or a checkpoint's config.json."""
   return dict(param_dtype=dtype(c.model.param_dtype), dtype=dtype(c.model.dtype), remat=c.model.remat,
-              attention_chunk=c.model.attention_chunk)
+              attention_chunk=c.model.attention_chunk, attention_impl=c.model.attention_impl,
+              remat_policy=c.model.remat_policy)
 
 
 def preset_model_config(c: ml_collections.ConfigDict):

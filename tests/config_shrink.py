@@ -16,7 +16,7 @@ from pacs_jax import sharding
 # Kept exactly as the config sets them. A trailing ".*" keeps a whole group: `pacs`, `grpo` and `ppo` are
 # the algorithm; `hardware` and `distributed` describe the target machine, not what a step computes.
 KEEP = (
-    "seed", "algorithm", "model.param_dtype", "model.dtype", "model.remat",
+    "seed", "algorithm", "model.param_dtype", "model.dtype", "model.remat", "model.remat_policy",
     "data.skip_bad_rows", "data.val_max_examples",
     "rollout.n", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.val_max_new_tokens",
     "rollout.stop_tokens", "rollout.kv_cache", "rollout_data_dir", "validation_data_dir",
@@ -71,6 +71,7 @@ def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
       "steps": STEPS,
       "model.preset": "tiny", "model.hf_path": "", "model.vocab_size": 64,
       "model.attention_chunk": CHUNK if c.model.attention_chunk else 0,
+      "model.attention_impl": "auto",  # the kernel of the machine the test runs on (CPU: xla)
       "tokenizer": "synthetic",
       "data.train": "synthetic/mod3", "data.val": "synthetic/mod3" if c.data.val or c.data.val_dir else "",
       "data.val_dir": "",

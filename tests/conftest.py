@@ -24,6 +24,16 @@ jax.config.update("jax_compilation_cache_dir",
                   os.environ.get("PACS_JAX_TEST_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
+def pytest_collection_modifyitems(config, items):
+  """`gpu`-marked tests run only where jax's default backend is a GPU."""
+  if jax.default_backend() == "gpu":
+    return
+  skip = pytest.mark.skip(reason="needs a GPU (jax's default backend is not gpu)")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
 SHARED_DATA = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
 
 

@@ -19,7 +19,7 @@ from flax import nnx
 from jax import lax
 
 from pacs_jax import sharding
-from pacs_jax.models import attention, paged
+from pacs_jax.models import attention, flash, paged, paged_kernel
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
@@ -41,6 +41,12 @@ class Qwen2Config:
   # >0: attend `attention_chunk` queries at a time, each block rematerialised in the backward pass, so the
   # fp32 scores peak at [B, K, G, chunk, S] instead of [B, K, G, T, S] (long responses). 0 = all at once.
   attention_chunk: int = 0
+  # Uncached (training / log-prob) attention: "xla" (`attention.attend`, the reference), "splash" (TPU Pallas
+  # kernels), "cudnn" (GPU flash attention) or "auto" (by the platform the program is traced for).
+  attention_impl: str = "auto"
+  # What a rematerialised layer saves for the backward pass (`remat=True`): "nothing" (its input only) or
+  # "matmuls" (projection and MLP matmul outputs and the splash kernel's residuals: no matmul re-run).
+  remat_policy: str = "nothing"
 
   def __post_init__(self):
     if self.head_dim is None:  # transformers' default; stored so configs compare equal after a round trip
@@ -203,6 +209,20 @@ class Attention(nnx.Module):
     return (sharding.constrain(attention.apply_rope(q, cos, sin), ("batch", None, "heads", None)),
             attention.apply_rope(k, cos, sin), v)
 
+  def _decode_kernel(self, kv_heads: int) -> bool:
+    """Whether a paged decode step attends with the TPU Pallas kernel: on TPU where training uses splash,
+    unless the kernel cannot take the shapes (then the XLA path, or an error if splash was asked for).
+    Elsewhere (splash in interpret mode on CPU) decode takes the XLA path."""
+    c = self.config
+    if flash.resolve(c.attention_impl) != "splash" or flash.platform() != "tpu":
+      return False
+    tensor = jax.sharding.get_abstract_mesh().shape.get("tensor", 1) if paged_kernel.sharded() else 1
+    local = kv_heads // tensor if kv_heads % tensor == 0 else kv_heads
+    why = paged_kernel.kernel_unsupported(c.head_size, 2 * local, c.dtype)
+    if why and c.attention_impl == "splash":
+      raise ValueError(f"model.attention_impl='splash': the TPU paged decode kernel cannot run this model: {why}")
+    return why is None
+
   def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, layer=None, write_index=None):
     """x: [B, T, D]; mask: [B, T, S] bool (True = may attend). Returns (y [B, T, D], cache).
 
@@ -214,7 +234,7 @@ class Attention(nnx.Module):
     c = self.config
     q, k, v = self.project(x, cos, sin)
     if isinstance(cache, paged.PagedStep):  # one decode step (T = 1) on the paged cache
-      out, cache = paged.paged_layer(cache, layer, q[:, 0], k[:, 0], v[:, 0])  # [B, N, H]
+      out, cache = paged.paged_layer(cache, layer, q[:, 0], k[:, 0], v[:, 0], kernel=self._decode_kernel(k.shape[2]))
       out = sharding.constrain(out[:, None], ("batch", None, "heads", None))
       return jnp.einsum("BTNH,NHD->BTD", out, self.o_kernel[...].astype(c.dtype)), cache
     if cache is None:
@@ -228,7 +248,10 @@ class Attention(nnx.Module):
     B, T, N, H = q.shape
     K = k.shape[1]
     q = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
-    if c.attention_chunk and T > c.attention_chunk:
+    impl = flash.resolve(c.attention_impl, dtype=q.dtype) if cache is None else "xla"
+    if impl != "xla":
+      out = flash.attend(impl, q, k, v, mask)
+    elif c.attention_chunk and T > c.attention_chunk:
       out = attention.attend_in_chunks(q, k, v, mask, c.attention_chunk)
     else:
       out = attention.attend(q, k, v, mask)
@@ -288,14 +311,32 @@ def stacked_layers(config: Qwen2Config, rngs: nnx.Rngs) -> DecoderLayer:
   return make(rngs)
 
 
+REMAT_POLICIES = ("nothing", "matmuls")
+
+
+def remat_policy(name: str):
+  """The `jax.checkpoint` policy of a rematerialised layer: "nothing" saves nothing (the scan keeps the
+  layer's input); "matmuls" saves the outputs of the weight matmuls (q/k/v/o projections, MLP gate/up/down)
+  and the splash kernel's residuals, so the backward pass recomputes only elementwise work (norms, RoPE,
+  SiLU) and the XLA path's attention."""
+  if name in ("nothing", True):
+    return jax.checkpoint_policies.nothing_saveable
+  if name == "matmuls":
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(flash.SPLASH_RESIDUALS))
+  raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {name!r}")
+
+
 def scan_layers(layers: DecoderLayer, x, cos, sin, mask, cache: KVCache | None = None, write_index=None,
-                remat: bool = False):
+                remat: bool | str = False):
   """Runs stacked `layers` over x [B, T, D]: one compiled layer body whatever the depth.
 
   The scan body is pure: it merges (graphdef, one layer's parameters) inside its own trace, so no NNX
   object crosses a trace boundary (it runs the same under jit, grad, lax.map and while_loop). A cache
   is carried through the scan, each layer writing its rows in place. With `remat` the body saves
-  nothing for the backward pass: the scan keeps each layer's input [B, T, D] and recomputes the rest.
+  nothing for the backward pass: the scan keeps each layer's input [B, T, D] and recomputes the rest; `remat`
+  may name a policy instead (see `remat_policy`).
   Returns (x [B, T, D], cache).
   """
   graphdef, params = nnx.split(layers)
@@ -307,7 +348,7 @@ def scan_layers(layers: DecoderLayer, x, cos, sin, mask, cache: KVCache | None =
     return nnx.merge(graphdef, layer_params)(x, cos, sin, mask, cache, index, write_index), None
 
   if remat:
-    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    body = jax.checkpoint(body, policy=remat_policy(remat), prevent_cse=False)
   (x, cache), _ = lax.scan(body, (x, cache), (params, jnp.arange(num_layers, dtype=jnp.int32)))
   return x, cache
 
@@ -358,7 +399,7 @@ class Qwen2Model(nnx.Module):
     x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(c.dtype)  # [B, T, D]
     x = sharding.constrain(x, ("batch", None, None))
     cos, sin = attention.rope_cos_sin(positions, c.head_size, c.rope_theta)
-    x, cache = scan_layers(self.layers, x, cos, sin, mask, cache, write_index, remat=c.remat)
+    x, cache = scan_layers(self.layers, x, cos, sin, mask, cache, write_index, remat=c.remat and c.remat_policy)
     return self.norm(x), cache
 
 

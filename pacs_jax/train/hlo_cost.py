@@ -7,6 +7,8 @@ loop's condition `i < N` with the counter's start and step read from the loop's 
 computation gets a multiplier (the product of the trip counts of the loops around it), and each
 computation's own cost is counted:
   flops     2 x output elements x contracted size of every dot / convolution (fusion bodies included);
+  kernel_flops  the matmul flops of Pallas kernels (custom calls XLA counts as none): the splash attention
+            kernels' causal blocks (`flash.splash_kernel_flops`);
   bytes     operands read and results written by each top-level instruction, counting a dynamic slice as
             the slice and an in-place dynamic update as the update (as XLA does);
   cycles    the TPU compiler's per-instruction `estimated_cycles` (its cost model behind `optimal_seconds`).
@@ -22,6 +24,7 @@ import re
 
 import numpy as np
 
+from pacs_jax.models import flash
 from pacs_jax.train.hlo_parse import Computation, Instruction, parse
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
@@ -160,6 +163,16 @@ def _valid_taps(n_in: int, n_out: int, w: dict, kernel_size: int) -> float:
   return float(valid.sum()) / max(n_out, 1)
 
 
+def _kernel_flops(comp: Computation, instr: Instruction) -> float:
+  """Matmul flops of a Pallas TPU kernel call, by kernel (its instruction is named after the kernel's scope):
+  splash attention from its query operand (the first floating-point one); other kernels count none."""
+  if 'custom_call_target="tpu_custom_call"' not in instr.attrs or not instr.name.startswith(flash.SPLASH_KERNELS):
+    return 0.0
+  floats = [o.dims[0][1] for o in (comp.instructions.get(n) for n in instr.operands)
+            if o is not None and o.dims and o.dims[0][0] in ("bf16", "f32", "f16")]
+  return flash.splash_kernel_flops(instr.name, floats[0]) if floats else 0.0
+
+
 _SLICING = ("dynamic-slice", "slice", "gather")
 _UPDATING = ("dynamic-update-slice", "scatter")
 _VIEWS = ("bitcast", "reshape", "get-tuple-element")
@@ -229,6 +242,7 @@ def _written_bytes(computations, instr: Instruction) -> float:
 class Own:
   """One computation's own cost (called computations excluded)."""
   flops: float = 0.0
+  kernel_flops: float = 0.0
   bytes: float = 0.0
   cycles: float = 0.0
 
@@ -240,6 +254,8 @@ def own_costs(computations: dict[str, Computation]) -> dict[str, Own]:
     for instr in comp.instructions.values():
       if instr.opcode in ("dot", "convolution"):
         own.flops += _dot_flops(comp, instr)
+      elif instr.opcode == "custom-call":
+        own.kernel_flops += _kernel_flops(comp, instr)
       m = _CYCLES.search(instr.attrs)
       if m:
         own.cycles += float(m.group(1))

@@ -96,7 +96,7 @@ def parse(hlo_text: str) -> tuple[dict[str, Computation], str]:
         if m.group(1):
           entry = current.name
       continue
-    if line.startswith("}"):
+    if line.rstrip() == "}":  # not "}}, metadata=...": the tail of a Pallas kernel's multi-line attributes
       computations[current.name] = current
       current = None
       continue

@@ -56,7 +56,8 @@ def build_policy(cfg: ml_collections.ConfigDict, mesh) -> qwen2.Qwen2ForCausalLM
   mc = config_lib.model_config(cfg)
   if cfg.model.hf_path:
     model, _ = hf.load_pretrained(cfg.model.hf_path, dtype=mc.param_dtype, mesh=mesh, compute_dtype=mc.dtype,
-                                  remat=mc.remat, attention_chunk=mc.attention_chunk)
+                                  remat=mc.remat, attention_chunk=mc.attention_chunk,
+                                  attention_impl=mc.attention_impl, remat_policy=mc.remat_policy)
     return model
   return sharding.create_sharded(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")
 

@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.algos import registry
-from pacs_jax.models import qwen2
+from pacs_jax.models import flash, qwen2
 from pacs_jax.train import state as state_lib
 
 GB = 1e9
@@ -95,19 +95,26 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, floa
 def activation_bytes(cfg, mc: qwen2.Qwen2Config, batch_shards: int, tensor: int, T: int) -> float:
   """Peak of one micro-batch's forward + backward on a device (estimate).
 
-  With remat, each layer keeps its input [m, T, D]; one layer at a time holds its internals: fp32
-  attention scores and probabilities [m, N/t, T or attention_chunk, T], q/k/v/out and the MLP's [m, T, F/t] activations;
-  the log-prob head holds one chunk of fp32 logits [m, C, V/t] (and its gradient).
+  With remat, each layer keeps its input [m, T, D] and, with remat_policy "matmuls", its weight matmuls'
+  outputs (q, k, v, o, gate, up, down) and the splash kernel's output and log-sum-exp; one layer at a time
+  holds its internals: fp32 attention scores and probabilities [m, N/t, T or attention_chunk, T] (XLA
+  attention; none with a flash kernel), q/k/v/out and the MLP's [m, T, F/t] activations; the log-prob head
+  holds one chunk of fp32 logits [m, C, V/t] (and its gradient).
   """
   micro_prompts = cfg.train.micro_batch_prompts or cfg.train.mini_batch_prompts
   m = max(1.0, micro_prompts * cfg.rollout.n / batch_shards)
   b = jnp.dtype(mc.dtype).itemsize
   D, F, N, V = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.vocab_size
   heads = N / tensor if N % tensor == 0 else N
-  residuals = (mc.num_hidden_layers if mc.remat else 0) * m * T * D * b
-  per_layer_saved = (0 if mc.remat else mc.num_hidden_layers) * m * T * (6 * D + 3 * F / tensor) * b
-  queries = min(T, mc.attention_chunk or T)  # query rows whose scores are live at once
-  attention = 2 * m * heads * queries * T * 4 + 4 * m * T * N * mc.head_size / tensor * b
+  L, K, H = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_size
+  residuals = (L if mc.remat else 0) * m * T * D * b
+  per_layer_saved = (0 if mc.remat else L) * m * T * (6 * D + 3 * F / tensor) * b
+  if mc.remat and mc.remat_policy == "matmuls":
+    per_layer_saved = L * m * T * ((2 * heads + 2 * K / tensor) * H * b + 2 * D * b + 2 * F / tensor * b + heads * 4)
+  target = "tpu" if cfg.hardware.tpu_topology else None  # else the backend this runs on
+  flash_kernel = flash.resolve(mc.attention_impl, target, mc.dtype) != "xla"
+  queries = 0 if flash_kernel else min(T, mc.attention_chunk or T)  # query rows whose fp32 scores are live at once
+  attention = 2 * m * heads * queries * T * 4 + 4 * m * T * N * H / tensor * b
   mlp = 3 * m * T * F / tensor * b
   logits_chunk = 3 * m * 128 * V / tensor * 4
   return residuals + per_layer_saved + 2 * (attention + mlp) + logits_chunk + 4 * m * T * D * 4
