@@ -12,6 +12,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from pacs_jax import sharding
 from pacs_jax.models.attention import _MASK_VALUE
 
 # Logical axes (see `pacs_jax.sharding`): pages and page tables over the batch axes, kv heads over tensor.
@@ -32,13 +33,6 @@ class PagedStep:
 def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:
   """k, v [..., K, H] -> [..., 2K, H] with k head i at 2i and v head i at 2i + 1."""
   return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
-
-
-def global_table(page_table: jax.Array, num_pages: int, shards: int) -> jax.Array:
-  """Shard-local page indices [S, M] -> indices into all P pages (shard d owns pages [d P/D, (d+1) P/D))."""
-  S = page_table.shape[0]
-  shard = jnp.arange(S, dtype=jnp.int32) // (S // shards)  # [S]
-  return page_table + (shard * (num_pages // shards))[:, None]
 
 
 def write_pages(pages: jax.Array, k_new: jax.Array, v_new: jax.Array, page_table: jax.Array,
@@ -84,7 +78,10 @@ def ragged_decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Arra
   K, M = K2 // 2, page_table.shape[1]
   slot, page, valid = live_pairs(kv_lens, ps, live_pages)  # [J]
   page_id = jnp.where(valid, page_table[slot, jnp.minimum(page, M - 1)], 0)  # [J]
-  kv = pages[page_id] if layer is None else pages[layer, page_id]  # [J, ps, 2K, H]
+  # Row by row ([2K, H] slices, the pages' own tiles on TPU): a gather of whole [ps, 2K, H] pages makes XLA
+  # re-lay every page out first.
+  rows = jnp.arange(ps)[None, :]
+  kv = pages[page_id[:, None], rows] if layer is None else pages[layer, page_id[:, None], rows]  # [J, ps, 2K, H]
   k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [J, ps, K, H]
   qj = q[slot].reshape(live_pages, K, N // K, H)  # [J, K, G, H]
   scores = jnp.einsum("JKGH,JRKH->JKGR", qj, k.astype(q.dtype), preferred_element_type=jnp.float32)
@@ -106,11 +103,19 @@ def paged_layer(step: PagedStep, layer: jax.Array, q: jax.Array, k: jax.Array,
   """One layer of a decode step on the paged cache: writes k, v [S, K, H] at `positions`, then attends
   q [S, N, H] over the live pages -> (out [S, N, H], step with the new pages).
 
-  The single place decode touches pages: a shard_map / Pallas TPU dispatch (same per-shard functions,
-  shard-local tables) replaces this XLA path over the global pages.
+  The single place decode touches pages. The per-shard functions run vmapped over the D batch shards
+  (pages [layers, P] seen as [layers, D, P / D], slots as [D, S / D], shard-local tables), so on a mesh
+  each shard gathers from its own pool; a shard_map / Pallas TPU dispatch of the same functions replaces this.
   """
-  P = step.pages.shape[1]
-  table = global_table(step.page_table, P, step.shards)
-  pages = write_pages(step.pages, k, v, table, step.positions, layer)
-  out = ragged_decode_attention(q, pages, table, step.kv_lens, step.live_pages * step.shards, layer)
-  return out, step.replace(pages=pages)
+  D = step.shards
+  layers, P = step.pages.shape[:2]
+  S = q.shape[0]
+  # The write: one scatter over all pages, at each slot's shard offset (a vmapped scatter is re-laid out on TPU).
+  offset = (jnp.arange(S, dtype=jnp.int32) // (S // D)) * (P // D)  # [S]
+  pages = write_pages(step.pages, k, v, step.page_table + offset[:, None], step.positions, layer)
+  by_shard = lambda x: sharding.constrain(x.reshape(D, S // D, *x.shape[1:]), ("batch",) + (None,) * x.ndim)
+  per_shard = sharding.constrain(pages.reshape(layers, D, P // D, *pages.shape[2:]),
+                                 ("layers", "batch", None, None, "kv_heads", None))
+  attend = lambda pages, q, table, kv_lens: ragged_decode_attention(q, pages, table, kv_lens, step.live_pages, layer)
+  out = jax.vmap(attend, in_axes=(1, 0, 0, 0))(per_shard, by_shard(q), by_shard(step.page_table), by_shard(step.kv_lens))
+  return out.reshape(S, *out.shape[2:]), step.replace(pages=pages)
