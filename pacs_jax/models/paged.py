@@ -110,7 +110,7 @@ def paged_layer(step: PagedStep, layer: jax.Array, q: jax.Array, k: jax.Array,
   D = step.shards
   layers, P = step.pages.shape[:2]
   S = q.shape[0]
-  # The write: one scatter over all pages, at each slot's shard offset (a vmapped scatter is re-laid out on TPU).
+  # The write: one scatter over all pages, each slot's page at its shard's offset.
   offset = (jnp.arange(S, dtype=jnp.int32) // (S // D)) * (P // D)  # [S]
   pages = write_pages(step.pages, k, v, step.page_table + offset[:, None], step.positions, layer)
   by_shard = lambda x: sharding.constrain(x.reshape(D, S // D, *x.shape[1:]), ("batch",) + (None,) * x.ndim)

@@ -3,6 +3,7 @@ it reads and writes the KV cache (dense or paged) in place, never re-lays it out
 every slot's new row without a serial loop over slots."""
 
 
+import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -66,3 +67,21 @@ def test_decode_updates_the_cache_in_place(tpu_mesh, kv_cache, window):
   # these tiny shapes its time estimate, optimal_seconds, is not positive; bytes accessed is the same test.)
   assert many_cost["bytes accessed"] <= 1.5 * one_cost["bytes accessed"]
   assert many_cost["bytes accessed"] < one_cost["bytes accessed"] + cache_bytes
+
+
+def test_insert_writes_prompt_pages_in_place(tpu_mesh):
+  """Inserting prefilled prompts scatters their rows into the donated pages: no copy of the page pool."""
+  engine = make_engine(tpu_mesh, 16, "paged")
+  state = engine.abstract_decode_state()
+  pages_bytes = aot_measure.per_chip_bytes(state.cache.pages)
+  params = engine.abstract_params()
+  B = 8
+  cache, logits = aot_measure.outputs_of(engine.lower_prefill(params, B, PREFILL).compile())
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  with jax.set_mesh(tpu_mesh):
+    compiled = engine._insert_requests_jit.lower(
+        state, cache, logits, i32(B), i32(B), i32(B), jax.ShapeDtypeStruct((), jnp.uint32), i32(B), i32(B), i32(B),
+        i32(4), sampling=sampling.Temperature(1.0)).compile()
+  mem = compiled.memory_analysis()
+  assert mem.alias_size_in_bytes >= pages_bytes
+  assert mem.temp_size_in_bytes < pages_bytes / 4, (mem.temp_size_in_bytes, pages_bytes)
