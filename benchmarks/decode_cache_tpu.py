@@ -5,6 +5,8 @@ in place, the N-step call costs about what one step does (the while body is coun
 temporaries stay far below the cache.
 
   JAX_PLATFORMS=cpu python benchmarks/decode_cache_tpu.py --config configs/qwen3b_v5p.py --topology v5p:2x4x4
+  JAX_PLATFORMS=cpu python benchmarks/decode_cache_tpu.py --config configs/qwen7b_v5p.py --kv_cache dense,paged \
+      --steps 16 --windows full,half     # the dense cache's whole window vs the page pool, all or half of it read
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ def main():
   parser.add_argument("--config", default="configs/qwen3b_v5p.py")
   parser.add_argument("--topology", default="v5p:2x4x4", help="TPU topology of the config's slice (v5p:2x4x4 = v5p-64)")
   parser.add_argument("--steps", default="1,16", help="decode steps per call to compare")
-  parser.add_argument("--windows", default="full", help="comma-separated decode windows (cache rows read), or full")
+  parser.add_argument("--windows", default="full", help="comma-separated read budgets: decode windows (dense: cache "
+                      "rows read), live pages per batch shard (paged), or full / half (of the largest)")
+  parser.add_argument("--kv_cache", default=None, help="comma-separated KV caches to compile (paged, dense); "
+                      "default: the config's rollout.kv_cache")
   args = parser.parse_args()
 
   cfg = config_lib.load_config_file(args.config)
@@ -55,29 +60,33 @@ def main():
   method = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   print(f"{args.config}: {cfg.model.preset} on {args.topology} ({len(devices)} chips), mesh {dict(mesh.shape)}, "
         f"{slots} slots x {cfg.data.max_prompt_length + cfg.rollout.max_new_tokens} cache rows")
-  header = ("steps", "window", "compile_s", "argument_gb", "output_gb", "alias_gb", "temp_gb", "optimal_ms",
+  header = ("kv_cache", "steps", "window", "compile_s", "argument_gb", "output_gb", "alias_gb", "temp_gb", "optimal_ms",
             "bytes_accessed_gb", "gflops")
   print(" ".join(f"{h:>17}" for h in header))
   results = {}
-  for steps in (int(s) for s in args.steps.split(",")):
-    engine = engine_lib.Engine(model, max_concurrent_decodes=slots, max_prefill_length=cfg.data.max_prompt_length,
-                               max_decode_length=cfg.rollout.max_new_tokens, mesh=mesh, steps_per_call=steps)
-    params = engine.abstract_params(mc.dtype)  # the rollout weights: compute dtype, sample layout
-    if steps == int(args.steps.split(",")[0]):
-      cache = engine.abstract_decode_state().cache
-      per_chip = aot_measure.per_chip_bytes((cache.k, cache.v))
-      print(f"KV cache per chip: {per_chip / GB:.2f} GB")
-    for w in args.windows.split(","):
-      window = None if w == "full" else int(w)
-      figures = decode_figures(engine, params, window, method)
-      results[(steps, window)] = figures
-      print(" ".join(f"{v:>17}" for v in (steps, w)) + " " + " ".join(f"{figures[h]:>17.3f}" for h in header[2:]),
-            flush=True)
+  for kv_cache in (args.kv_cache or cfg.rollout.kv_cache).split(","):
+    for steps in (int(s) for s in args.steps.split(",")):
+      engine = engine_lib.Engine(model, max_concurrent_decodes=slots, max_prefill_length=cfg.data.max_prompt_length,
+                                 max_decode_length=cfg.rollout.max_new_tokens, mesh=mesh, steps_per_call=steps,
+                                 kv_cache=kv_cache, page_size=cfg.rollout.page_size, kv_pages=cfg.rollout.kv_pages)
+      params = engine.abstract_params(mc.dtype)  # the rollout weights: compute dtype, sample layout
+      if steps == int(args.steps.split(",")[0]):
+        cache = engine.abstract_decode_state().cache
+        per_chip = aot_measure.per_chip_bytes(cache)
+        print(f"{kv_cache} KV cache per chip: {per_chip / GB:.2f} GB (read budgets {engine.read_budgets})")
+      top = engine.read_budgets[-1]
+      for w in args.windows.split(","):
+        window = {"full": top, "half": top // 2}.get(w) or int(w)
+        figures = decode_figures(engine, params, window, method)
+        results[(kv_cache, steps, w)] = figures
+        print(" ".join(f"{v:>17}" for v in (kv_cache, steps, window)) + " "
+              + " ".join(f"{figures[h]:>17.3f}" for h in header[3:]), flush=True)
   first, last = (int(s) for s in (args.steps.split(",")[0], args.steps.split(",")[-1]))
-  for w in args.windows.split(","):
-    window = None if w == "full" else int(w)
-    ratio = results[(last, window)]["optimal_ms"] / results[(first, window)]["optimal_ms"]
-    print(f"window {w}: optimal time of a {last}-step call / a {first}-step call = {ratio:.2f}")
+  if first != last:
+    for kv_cache, steps, w in results:
+      if steps == first:
+        ratio = results[(kv_cache, last, w)]["optimal_ms"] / results[(kv_cache, first, w)]["optimal_ms"]
+        print(f"{kv_cache} window {w}: optimal time of a {last}-step call / a {first}-step call = {ratio:.2f}")
 
 
 if __name__ == "__main__":

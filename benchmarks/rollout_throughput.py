@@ -47,7 +47,9 @@ def main():
                       help="memory bandwidth of one device in GB/s for the roofline (e.g. 3350 H100, 2765 v5p, 819 v5e)")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--min_decode_window", type=int, default=512,
-                      help="smallest decode window (cache rows read per step); 0 = always read the whole cache")
+                      help="dense cache: smallest decode window (cache rows read per step); 0 = always the whole cache")
+  parser.add_argument("--kv_cache", default="paged", choices=engine_lib.KV_CACHES)
+  parser.add_argument("--page_size", type=int, default=64)
   args = parser.parse_args()
 
   dtype = jnp.dtype(args.dtype)
@@ -57,7 +59,8 @@ def main():
   S, P, N = args.batch, args.prompt_len, args.new_tokens
   engine = engine_lib.Engine(model, max_concurrent_decodes=S, max_prefill_length=P, max_decode_length=N,
                              mesh=mesh, steps_per_call=args.steps_per_call,
-                             min_decode_window=args.min_decode_window or P + N)
+                             min_decode_window=args.min_decode_window or P + N, kv_cache=args.kv_cache,
+                             page_size=args.page_size)
   params = engine.load_params(model)
   del model
   method, no_eos = sampling.Temperature(1.0), ()
@@ -76,15 +79,15 @@ def main():
 
   def decode(state):
     """Until every slot has generated N tokens (budget and cache both end there); returns the state,
-    the decode steps and the cache rows each step read (summed), with windows chosen as `generate` does."""
-    steps, rows_read, rows, active = 0, 0, P, True
-    while active:
-      window = engine.decode_window(rows + engine.steps_per_call)
-      state, out = engine.decode(params, state, S + 1, method, no_eos, window)
-      emitted, active, lengths = out.emitted, out.active, out.lengths
+    the decode steps and the KV rows each step read (all slots, summed), with budgets chosen as `generate` does."""
+    steps, rows_read, rows, active = 0, 0, np.full(S, P), np.ones(S, bool)
+    while active.any():
+      budget = engine.read_budget(rows, active)
+      state, out = engine.decode(params, state, S + 1, method, no_eos, budget)
+      emitted, active, lengths = out.emitted, np.asarray(out.active), out.lengths
       done = int(np.asarray(emitted).any(axis=0).sum())  # the host reads results each call, as `generate` does
-      steps, rows_read = steps + done, rows_read + done * window
-      rows, active = int(np.asarray(lengths).max()), bool(np.asarray(active).any())
+      steps, rows_read = steps + done, rows_read + done * engine.rows_read(budget)
+      rows = np.asarray(lengths)
     return jax.block_until_ready(state), steps, rows_read
 
   # Bytes one device reads per decode step: its shard of every weight, and of every layer's KV cache
@@ -92,7 +95,10 @@ def main():
   shard_bytes = lambda x: x.addressable_shards[0].data.nbytes
   param_bytes = sum(shard_bytes(x) for x in jax.tree.leaves(params))
   state = fill()
-  kv_bytes = sum(shard_bytes(x) for x in jax.tree.leaves(state.cache))
+  kv_array = state.cache.pages if engine.paged else state.cache.k
+  kv_bytes = sum(shard_bytes(x) for x in jax.tree.leaves((state.cache.pages,) if engine.paged else
+                                                         (state.cache.k, state.cache.v)))
+  kv_rows = kv_array.shape[1] * kv_array.shape[2] if engine.paged else S * engine.cache_length  # rows the cache holds
   decode(state)  # compiles every window (the state is donated)
   best = math.inf
   for _ in range(args.repeats):
@@ -101,14 +107,14 @@ def main():
     _, steps, rows_read = decode(state)
     best = min(best, (time.perf_counter() - start) / steps)
   step_s = best
-  kv_step_bytes = kv_bytes * rows_read / steps / engine.cache_length
+  kv_step_bytes = kv_bytes * rows_read / steps / kv_rows
 
   print(f"backend={jax.default_backend()} devices={jax.device_count()} preset={args.preset} dtype={dtype.name} "
         f"slots={S} prompt_len={P} new_tokens={N} cache_rows={engine.cache_length} "
         f"params={sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M")
   print(f"prefill: {S * P / prefill_s:12,.0f} tokens/s  ({prefill_s * 1e3:.1f} ms for {S}x{P})")
   print(f"decode:  {S / step_s:12,.0f} tokens/s  ({step_s * 1e3:.2f} ms/step, {S} slots)")
-  print(f"decode windows {engine.decode_windows}: {rows_read / steps:,.0f} of {engine.cache_length} cache rows "
+  print(f"{args.kv_cache} cache, read budgets {engine.read_budgets}: {rows_read / steps:,.0f} of {kv_rows:,} KV rows "
         f"read per step on average")
   print(f"bytes read per decode step and device: weights {param_bytes / 1e6:,.1f} MB + KV cache "
         f"{kv_step_bytes / 1e6:,.1f} MB (whole cache {kv_bytes / 1e6:,.1f} MB)")

@@ -35,13 +35,6 @@ def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:
   return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
 
 
-def global_table(page_table: jax.Array, num_pages: int, shards: int) -> jax.Array:
-  """Shard-local page indices [S, M] -> indices into all P pages (shard d owns pages [d P/D, (d+1) P/D))."""
-  S = page_table.shape[0]
-  shard = jnp.arange(S, dtype=jnp.int32) // (S // shards)  # [S]
-  return page_table + (shard * (num_pages // shards))[:, None]
-
-
 def write_pages(pages: jax.Array, k_new: jax.Array, v_new: jax.Array, page_table: jax.Array,
                 positions: jax.Array, layer: jax.Array | None = None) -> jax.Array:
   """Writes each slot's new key and value k_new, v_new [S, K, H] to cache row positions[s] of its pages.
@@ -85,7 +78,10 @@ def ragged_decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Arra
   K, M = K2 // 2, page_table.shape[1]
   slot, page, valid = live_pairs(kv_lens, ps, live_pages)  # [J]
   page_id = jnp.where(valid, page_table[slot, jnp.minimum(page, M - 1)], 0)  # [J]
-  kv = pages[page_id] if layer is None else pages[layer, page_id]  # [J, ps, 2K, H]
+  # Row by row ([2K, H] slices, the pages' own tiles on TPU): a gather of whole [ps, 2K, H] pages makes XLA
+  # re-lay every page out first.
+  rows = jnp.arange(ps)[None, :]
+  kv = pages[page_id[:, None], rows] if layer is None else pages[layer, page_id[:, None], rows]  # [J, ps, 2K, H]
   k, v = kv[:, :, 0::2], kv[:, :, 1::2]  # [J, ps, K, H]
   qj = q[slot].reshape(live_pages, K, N // K, H)  # [J, K, G, H]
   scores = jnp.einsum("JKGH,JRKH->JKGR", qj, k.astype(q.dtype), preferred_element_type=jnp.float32)
@@ -112,9 +108,8 @@ def paged_layer(step: PagedStep, layer: jax.Array, q: jax.Array, k: jax.Array, v
   attention is the TPU Pallas kernel with `kernel`, else the XLA gather over live pages.
   """
   S, K = k.shape[:2]
-  budget, table = step.live_pages, step.page_table
-  if step.shards > 1 and not paged_kernel.sharded():  # no mesh to split over: the D pools side by side
-    budget, table = budget * step.shards, global_table(table, step.pages.shape[1], step.shards)
+  if step.shards > 1 and not paged_kernel.sharded():
+    raise ValueError(f"{step.shards} page pools need the mesh they are split over (jax.set_mesh)")
 
   def per_shard(pages, table, positions, kv_lens, layer, q, k, v):
     pages = write_pages(pages, k, v, table, positions, layer)
@@ -123,12 +118,12 @@ def paged_layer(step: PagedStep, layer: jax.Array, q: jax.Array, k: jax.Array, v
       out = paged_kernel.pallas_decode_attention(q, pages.reshape(L * P, *pages.shape[2:]), table + layer * P,
                                                  kv_lens)
     else:
-      out = ragged_decode_attention(q, pages, table, kv_lens, budget, layer)
+      out = ragged_decode_attention(q, pages, table, kv_lens, step.live_pages, layer)
     return out, pages
 
   slot, new_kv = paged_kernel.SLOT_AXES, paged_kernel.NEW_KV_AXES
   axes = (PAGES_AXES, slot + (None,), slot, slot, (), paged_kernel.QUERY_AXES, new_kv, new_kv)
-  args = (step.pages, table, step.positions, step.kv_lens, layer, q, k, v)
+  args = (step.pages, step.page_table, step.positions, step.kv_lens, layer, q, k, v)
   out, pages = paged_kernel.on_shards(per_shard, args, axes, (paged_kernel.QUERY_AXES, PAGES_AXES), slots=S,
                                       kv_heads=K)
   return out, step.replace(pages=pages)

@@ -6,6 +6,7 @@ Shapes: S slots, N query heads, K kv heads, H head dim, P pages, ps page size, M
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 
@@ -46,9 +47,14 @@ def pallas_decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Arra
     num_queries_per_block = num_queries_per_block or min(S, 32)
   cu_q_lens = jnp.arange(S + 1, dtype=jnp.int32)  # one query token per slot
   num_seqs = jnp.array([S], jnp.int32)
-  return rpa.ragged_paged_attention(q, pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32), cu_q_lens,
-                                    num_seqs, sm_scale=H ** -0.5, num_kv_pages_per_block=num_kv_pages_per_block,
-                                    num_queries_per_block=num_queries_per_block)
+  # 16-bit tiles: products are exact in the fp32 accumulator at any precision, and Mosaic refuses a
+  # "highest" (fp32) contraction of bf16 operands, so a global "highest" setting is not passed on.
+  precision = jax.default_matmul_precision("default") if q.dtype != jnp.float32 else contextlib.nullcontext()
+  with precision:
+    return rpa.ragged_paged_attention(q, pages, kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
+                                      cu_q_lens, num_seqs, sm_scale=H ** -0.5,
+                                      num_kv_pages_per_block=num_kv_pages_per_block,
+                                      num_queries_per_block=num_queries_per_block)
 
 
 # Logical axes of the paged-cache arrays a per-shard function takes: slots and pages over the batch axes,

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pacs_jax import sharding
 from pacs_jax.models import attention, paged
 
 S, K, G, H, PS, M = 5, 2, 3, 8, 4, 6  # slots, kv heads, query heads per kv head, head dim, page size, pages/slot
@@ -84,7 +85,7 @@ def test_live_pairs_list_only_live_pages():
 
 
 def test_paged_layer_on_shard_local_tables(case):
-  """Two shards: each slot's table holds indices local to its shard's half of the pages."""
+  """Two shards (a 2-device mesh): each slot's table holds indices local to its shard's half of the pages."""
   q, k, v, pages, table, kv_lens = case
   q, k, v, table, kv_lens = q[:4], k[:4], v[:4], table[:4], kv_lens[:4]
   # Shard 0 holds slots 0, 1's pages, shard 1 slots 2, 3's (the rest of each half zeroed): a table read as
@@ -97,7 +98,10 @@ def test_paged_layer_on_shard_local_tables(case):
   k_new, v_new = k[np.arange(4), :, positions], v[np.arange(4), :, positions]  # rewrite the last row, same values
   step = paged.PagedStep(pages=jnp.asarray(both)[None], page_table=jnp.asarray(table), positions=jnp.asarray(positions),
                          kv_lens=jnp.asarray(kv_lens), live_pages=int(np.sum(-(-kv_lens // PS))), shards=2)
-  out, new = jax.jit(paged.paged_layer)(step, jnp.int32(0), jnp.asarray(q), k_new, v_new)
+  with jax.set_mesh(sharding.make_mesh(data=1, fsdp=2, tensor=1, devices=jax.devices()[:2])):
+    out, new = jax.jit(paged.paged_layer)(step, jnp.int32(0), jnp.asarray(q), k_new, v_new)
+  with pytest.raises(ValueError, match="2 page pools need the mesh"):
+    paged.paged_layer(step, jnp.int32(0), jnp.asarray(q), k_new, v_new)
   mask = np.arange(L)[None, None, :] < kv_lens[:, None, None]
   ref = attention.attend(jnp.asarray(q).reshape(4, 1, K, G, H), k, v, mask).reshape(4, K * G, H)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)

@@ -1,5 +1,5 @@
-"""The TPU ragged paged attention kernel (interpret mode on CPU) against plain softmax attention over each
-slot's rows, per shard under a mesh, and compiled ahead of time for a TPU v5p topology."""
+"""The TPU ragged paged attention kernel (interpret mode on CPU) against the XLA path (`paged.
+ragged_decode_attention`) and plain softmax attention over each slot's rows, per shard under a mesh, and compiled ahead of time for a TPU v5p topology."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from pacs_jax import sharding
-from pacs_jax.models import paged_kernel
+from pacs_jax.models import paged, paged_kernel
 from pacs_jax.train import aot_measure
 from tests.pallas_interpret import ragged_paged_attention_interpreted
 
@@ -49,7 +49,8 @@ def random_case(rng, slots, pages_per_slot, pool, kv_lens):
   return q, pages, jnp.asarray(table, jnp.int32), jnp.asarray(kv_lens, jnp.int32)
 
 
-def test_kernel_equals_softmax_attention_over_each_slots_pages():
+def test_kernel_equals_the_xla_path_and_softmax_attention_over_each_slots_pages():
+  """Acceptance 1 (decode kernel): fp32, 1e-5."""
   rng = np.random.default_rng(0)
   # One row, a full page, one past a page, several pages, the whole table.
   kv_lens = [1, PS, PS + 1, 3 * PS - 5, 4 * PS]
@@ -57,6 +58,9 @@ def test_kernel_equals_softmax_attention_over_each_slots_pages():
   with ragged_paged_attention_interpreted():
     out = paged_kernel.pallas_decode_attention(q, pages, table, lens, num_kv_pages_per_block=2,
                                                num_queries_per_block=1)
+  live = sum(-(-n // PS) for n in kv_lens)
+  xla = paged.ragged_decode_attention(q, pages, table, lens, live_pages=live + 3)  # 3 padding pairs
+  np.testing.assert_allclose(np.asarray(out), np.asarray(xla), rtol=0, atol=1e-5)
   np.testing.assert_allclose(np.asarray(out), dense_reference(q, pages, table, lens), rtol=0, atol=1e-5)
 
 
@@ -127,9 +131,8 @@ def test_kernel_compiles_for_tpu_v5p_per_shard():
   args = [jax.ShapeDtypeStruct(s, t, sharding=NamedSharding(mesh, p)) for (s, t), p in zip(shapes, specs)]
   fn = lambda *a: paged_kernel.on_shards(paged_kernel.pallas_decode_attention, a, axes, paged_kernel.QUERY_AXES,
                                          slots=slots, kv_heads=K)
-  # The suite's "highest" matmul precision (tests/conftest.py) asks Mosaic for fp32 contractions of bf16
-  # tiles, which it rejects; training and rollout run at the default precision.
-  with aot_measure.persistent_cache_off(), jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+  # Under the suite's "highest" matmul precision (tests/conftest.py): bf16 tiles take the default one.
+  with aot_measure.persistent_cache_off(), jax.set_mesh(mesh):
     compiled = jax.jit(fn).lower(*args).compile()
   text = compiled.as_text()
   assert "tpu_custom_call" in text

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.rollout import sampling, scheduler
+from pacs_jax.rollout import jetstream, sampling, scheduler
 from pacs_jax.rollout.state import DecodeStats
 
 PREFILL, DECODE, PAGE = 16, 16, 8  # 32 cache rows: 4 pages of 8 per slot
@@ -136,3 +137,20 @@ def test_long_tailed_rollout_reads_at_most_half_the_dense_windowed_rows(model):
   assert stats["paged"].steps == stats["dense"].steps > 128
   assert stats["paged"].rows_per_step <= 0.5 * stats["dense"].rows_per_step, (stats["paged"], stats["dense"])
   assert stats["paged"].peak_rows_held < 0.5 * stats["dense"].peak_rows_held
+
+
+@pytest.mark.parametrize("field,value,message", [("kv_cache", "ring", "rollout.kv_cache"),
+                                                 ("page_size", 0, "rollout.page_size"),
+                                                 ("kv_pages", -1, "rollout.kv_pages")])
+def test_config_names_a_bad_kv_cache_field(field, value, message):
+  cfg = config_lib.default_config()
+  cfg.rollout[field] = value
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(cfg)
+
+
+def test_jetstream_needs_a_pool_that_never_runs_out(model):
+  engine = engine_lib.Engine(model, max_concurrent_decodes=2, max_prefill_length=16, max_decode_length=16,
+                             page_size=PAGE, kv_pages=5)
+  with pytest.raises(ValueError, match="rollout.kv_pages must be 0"):
+    jetstream.JetStreamEngine(engine)
