@@ -185,6 +185,25 @@ class RMSNorm(nnx.Module):
     return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
+def _tensor_size() -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+
+
+def paged_decode_kernel(config: Qwen2Config, platform: str, tensor: int = 1) -> bool:
+  """Whether paged decode attends with the TPU Pallas kernel (`paged_kernel`): on TPU where training uses
+  splash, unless the kernel cannot take the shapes (then the XLA path, or an error if splash was asked
+  for). Elsewhere (splash in interpret mode on CPU) decode takes the XLA path."""
+  if flash.resolve(config.attention_impl, platform) != "splash" or platform != "tpu":
+    return False
+  K = config.num_key_value_heads
+  local = K // tensor if K % tensor == 0 else K
+  why = paged_kernel.kernel_unsupported(config.head_size, 2 * local, config.dtype)
+  if why and config.attention_impl == "splash":
+    raise ValueError(f"model.attention_impl='splash': the TPU paged decode kernel cannot run this model: {why}")
+  return why is None
+
+
 class Attention(nnx.Module):
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
     c = config
@@ -209,20 +228,6 @@ class Attention(nnx.Module):
     return (sharding.constrain(attention.apply_rope(q, cos, sin), ("batch", None, "heads", None)),
             attention.apply_rope(k, cos, sin), v)
 
-  def _decode_kernel(self, kv_heads: int) -> bool:
-    """Whether a paged decode step attends with the TPU Pallas kernel: on TPU where training uses splash,
-    unless the kernel cannot take the shapes (then the XLA path, or an error if splash was asked for).
-    Elsewhere (splash in interpret mode on CPU) decode takes the XLA path."""
-    c = self.config
-    if flash.resolve(c.attention_impl) != "splash" or flash.platform() != "tpu":
-      return False
-    tensor = jax.sharding.get_abstract_mesh().shape.get("tensor", 1) if paged_kernel.sharded() else 1
-    local = kv_heads // tensor if kv_heads % tensor == 0 else kv_heads
-    why = paged_kernel.kernel_unsupported(c.head_size, 2 * local, c.dtype)
-    if why and c.attention_impl == "splash":
-      raise ValueError(f"model.attention_impl='splash': the TPU paged decode kernel cannot run this model: {why}")
-    return why is None
-
   def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, layer=None, write_index=None):
     """x: [B, T, D]; mask: [B, T, S] bool (True = may attend). Returns (y [B, T, D], cache).
 
@@ -234,7 +239,8 @@ class Attention(nnx.Module):
     c = self.config
     q, k, v = self.project(x, cos, sin)
     if isinstance(cache, paged.PagedStep):  # one decode step (T = 1) on the paged cache
-      out, cache = paged.paged_layer(cache, layer, q[:, 0], k[:, 0], v[:, 0], kernel=self._decode_kernel(k.shape[2]))
+      out, cache = paged.paged_layer(cache, layer, q[:, 0], k[:, 0], v[:, 0],
+                                     kernel=paged_decode_kernel(c, flash.platform(), _tensor_size()))
       out = sharding.constrain(out[:, None], ("batch", None, "heads", None))
       return jnp.einsum("BTNH,NHD->BTD", out, self.o_kernel[...].astype(c.dtype)), cache
     if cache is None:

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from pacs_jax import sharding
-from pacs_jax.models import qwen2
+from pacs_jax.models import paged_kernel, qwen2
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import decode as decode_lib
 from pacs_jax.rollout import pages as pages_lib
@@ -88,9 +88,8 @@ class Engine:
     self.paged = kv_cache == "paged"
     self.page_size = page_size
     self.kv_pages = kv_pages
-    batch_shards = 1 if mesh is None else int(np.prod([mesh.shape[a] for a in sharding.BATCH_AXES if a in mesh.shape]))
     # Slot s and its pages live on batch shard s // (S / D); slots the mesh does not divide are one pool.
-    self.page_shards = batch_shards if max_concurrent_decodes % batch_shards == 0 else 1
+    self.page_shards = 1 if mesh is None else paged_kernel.batch_shards(dict(mesh.shape), max_concurrent_decodes)
     self.pages_per_slot = -(-self.cache_length // page_size)
     slots_per_shard = max_concurrent_decodes // self.page_shards
     if self.paged:
@@ -105,8 +104,14 @@ class Engine:
               f"rollout.kv_pages={kv_pages} must be a multiple of the {self.page_shards} batch shards with at least "
               f"{self.pages_per_slot + 1} pages each (one slot of {self.cache_length} rows in pages of "
               f"rollout.page_size={page_size}, and a null page), or 0 (enough for every slot)")
-    # Live pages track the tokens in flight closely (not the longest row), so their budgets step finer.
+    # Live pages track the tokens in flight closely (not the longest row), so their budgets step finer. The TPU
+    # kernel walks each slot's live pages itself: one decode program, no budget.
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+    self.decode_kernel = self.paged and qwen2.paged_decode_kernel(self.config, platform, tensor)
     self.live_page_buckets = _pow2_ladder(slots_per_shard, slots_per_shard * self.pages_per_slot, half_steps=True)
+    if self.decode_kernel:
+      self.live_page_buckets = self.live_page_buckets[-1:]
     self.param_shardings = sharding.state_shardings(abstract, mesh, "sample") if mesh is not None else None
 
     # Model-sized programs (prefill per bucket shape, decode) are kept apart from the cheap ones that

@@ -30,6 +30,7 @@ def compiled():
                                page_size=PAGE)
     state = engine.abstract_decode_state()
     program = engine.lower_decode(engine.abstract_params(), state, None, sampling.Temperature(1.0)).compile()
+  assert engine.decode_kernel and engine.read_budgets == [SLOTS // 2 * engine.pages_per_slot]  # one program
   return program, aot_measure.per_chip_bytes(state.cache.pages)
 
 
