@@ -59,7 +59,8 @@ def live_pairs(kv_lens: jax.Array, page_size: int, budget: int):
   count = -(-kv_lens // page_size)  # [S]
   end = jnp.cumsum(count)  # [S]
   j = jnp.arange(budget, dtype=jnp.int32)
-  slot = jnp.minimum(jnp.searchsorted(end, j, side="right"), S - 1).astype(jnp.int32)  # [J]
+  # The slot whose pages pair j falls in: slots ending at or before j (compared all at once, no search loop).
+  slot = jnp.minimum(jnp.sum(end[None, :] <= j[:, None], axis=1, dtype=jnp.int32), S - 1)  # [J]
   page = j - (end[slot] - count[slot])
   return slot, page, j < end[-1]
 

@@ -43,8 +43,9 @@ class Engine:
 
   The engine holds the model's graphdef only; weights (an `nnx.State`) are an argument of every call,
   so a new policy is swapped in each training step without recompiling (same shapes and shardings).
-  Each slot owns a preallocated KV cache of `max_prefill_length + max_decode_length` rows. Prompts are
-  right-padded to power-of-two buckets so prefill compiles a few shapes only.
+  Each slot holds up to `max_prefill_length + max_decode_length` KV rows: pages of a shared pool (paged)
+  or its own preallocated rows (dense). Prompts are right-padded to power-of-two buckets so prefill
+  compiles a few shapes only.
 
   One prompt, one slot, one step (`prefill`, `insert`, `step`) use the engine's `sampling` and
   `eos_ids`; the batched calls behind `scheduler.generate` (`prefill_batch` and `insert_requests`: many

@@ -115,7 +115,7 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
       # The free slot on the shard with the most free pages (dense: the first free slot).
       slot = max(free, key=lambda i: (free_pages[i // slots_per_shard], -i))
       d = slot // slots_per_shard
-      if engine.paged and free_pages[d] - need < busy[d] + 1:
+      if engine.paged and free_pages[d] - need < (busy[d] + 1 if busy[d] else 0):
         break
       free_pages[d] -= need
       busy[d] += 1
@@ -135,6 +135,9 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   while queue or any(r is not None for r in slot_request):
     firsts = []
     take, taken_slots = admit()
+    if not take and all(r is None for r in slot_request):  # cannot happen: kv_pages holds one slot's pages
+      raise RuntimeError(f"no decode slot's batch shard has the KV pages for the next prompt "
+                         f"({len(prompts[queue[0][0]])} tokens); raise rollout.kv_pages")
     if take:
       distinct = sorted({p for p, _ in take})
       row_of = {p: i for i, p in enumerate(distinct)}

@@ -62,7 +62,8 @@ class PagedCache:
 @flax.struct.dataclass
 class DecodeState:
   """Everything a decode step transforms, one row per slot."""
-  cache: KVCache | PagedCache = _axes(qwen2.CACHE_AXES)  # dense [layers, S, K, L, H] or paged
+  # dense [layers, S, K, L, H], or paged (whose own fields declare their axes)
+  cache: KVCache | PagedCache = _axes(qwen2.CACHE_AXES)
   lengths: jax.Array = _axes(_PER_ROW)  # [S] int32: filled cache rows = position of the pending token
   tokens: jax.Array = _axes(_PER_ROW)  # [S] int32: pending token (last sampled), fed at the next step
   keys: jax.Array = _axes(_KEY)  # [S, *key] uint32: request keys; token t of a request uses fold_in(key, t)

@@ -80,6 +80,14 @@ def test_out_of_pages_waits_then_finishes_and_pages_come_back(model):
     del small.decode
   assert [c.tokens for c in out] == expected * 3
   assert free[-1] == [small.pages_per_shard - 1] and min(f[0] for f in free) < small.pages_per_shard - 1
+  # A request done when it is inserted (a budget of one token) returns its prompt's pages at once.
+  free.clear()
+  small.decode = lambda *a: (lambda r: free.append(np.asarray(r[1].free_pages).tolist()) or r)(decode(*a))
+  try:
+    out = scheduler.generate(small, params, prompts, max_new_tokens=1)
+  finally:
+    del small.decode
+  assert [c.tokens for c in out] == [t[:1] for t in expected] and free and all(f == [small.pages_per_shard - 1] for f in free)
 
 
 def test_a_pool_too_small_for_the_tokens_in_flight_is_a_clear_error(model):

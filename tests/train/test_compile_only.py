@@ -155,7 +155,7 @@ def test_a_config_that_does_not_fit_exits_nonzero_naming_the_program_and_its_siz
   assert proc.returncode == 1, proc.stdout + proc.stderr
   verdict = proc.stdout[proc.stdout.index("DOES NOT FIT in 95 GB per chip"):]
   assert re.search(r"init_decode_state \(rollout\) needs \d+\.\d+ GB per chip", verdict), verdict
-  assert re.search(r"decode\[W=96\] \(rollout\) needs \d+\.\d+ GB per chip", verdict), verdict
+  assert re.search(r"decode\[pages=\d+\] \(rollout\) needs \d+\.\d+ GB per chip", verdict), verdict
   assert not (tmp_path / "never").exists()
 
 
