@@ -1,18 +1,18 @@
 """Ahead-of-time TPU compile of the rollout's decode call at a config's real shapes, from abstract weights
 (nothing allocated, no TPU needed: libtpu compiles for a topology on a CPU host). Prints per-chip memory
-and the compiler's time estimate for a call of 1 and of N decode steps: with the KV cache read and written
-in place, the N-step call costs about what one step does (the while body is counted once) and its
-temporaries stay far below the cache.
+and the compiler's bytes accessed and time estimate, as it reports them (each loop body once: a call of N
+steps costs about one step's layer when the cache is read and written in place) and with loop trip counts
+applied (`hlo_cost`: every layer of every step). The Pallas decode kernel's own reads are not in the
+compiler's figures (a custom call it cannot see into).
 
   JAX_PLATFORMS=cpu python benchmarks/decode_cache_tpu.py --config configs/qwen3b_v5p.py --topology v5p:2x4x4
-  JAX_PLATFORMS=cpu python benchmarks/decode_cache_tpu.py --config configs/qwen7b_v5p.py --kv_cache dense,paged \
-      --steps 16 --windows full,half     # the dense cache's whole window vs the page pool, all or half of it read
+  JAX_PLATFORMS=cpu python benchmarks/decode_cache_tpu.py --config configs/qwen7b_v5p.py --kv_cache dense,paged:xla \
+      --steps 1 --windows full,half   # the dense cache's whole window vs the page pool, all or half of it read
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 from flax import nnx
 
@@ -27,17 +27,20 @@ GB = 1e9
 
 
 def decode_figures(engine: engine_lib.Engine, params, window: int | None, sampling) -> dict[str, float]:
-  """Compiles one decode call from abstract params and state; its per-chip memory and cost analyses."""
-  start = time.perf_counter()
-  compiled = engine.lower_decode(params, engine.abstract_decode_state(), window, sampling).compile()
-  compile_s = time.perf_counter() - start
-  mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  return {"compile_s": compile_s, "argument_gb": mem.argument_size_in_bytes / GB,
-          "output_gb": mem.output_size_in_bytes / GB, "alias_gb": mem.alias_size_in_bytes / GB,
-          "temp_gb": mem.temp_size_in_bytes / GB, "optimal_ms": cost.get("optimal_seconds", float("nan")) * 1e3,
-          "bytes_accessed_gb": cost.get("bytes accessed", float("nan")) / GB, "gflops": cost.get("flops", 0.0) / 1e9}
+  """Compiles one decode call from abstract params and state: per-chip memory, and the compiler's cost both
+  as it reports it (each loop body once: one layer of one step) and with loop trip counts applied."""
+  report = aot_measure.ProgramReport("decode", "rollout", calls=1, model_flops=0.0)
+  aot_measure.measure(report, lambda: engine.lower_decode(params, engine.abstract_decode_state(), window, sampling),
+                      resident=lambda compiled: 0.0)
+  if report.error:
+    raise RuntimeError(report.error)
+  return {"compile_s": report.compile_s, "argument_gb": report.argument / GB, "output_gb": report.output / GB,
+          "alias_gb": report.alias / GB, "temp_gb": report.temp / GB,
+          "optimal_ms": (report.raw_optimal_s or float("nan")) * 1e3,
+          "bytes_accessed_gb": (report.raw_bytes or float("nan")) / GB,
+          "optimal_ms_loops": (report.optimal_s or float("nan")) * 1e3,
+          "bytes_accessed_gb_loops": (report.bytes_accessed or float("nan")) / GB,
+          "gflops_loops": (report.flops or 0.0) / 1e9}
 
 
 def main():
@@ -47,33 +50,38 @@ def main():
   parser.add_argument("--steps", default="1,16", help="decode steps per call to compare")
   parser.add_argument("--windows", default="full", help="comma-separated read budgets: decode windows (dense: cache "
                       "rows read), live pages per batch shard (paged), or full / half (of the largest)")
-  parser.add_argument("--kv_cache", default=None, help="comma-separated KV caches to compile (paged, dense); "
-                      "default: the config's rollout.kv_cache")
+  parser.add_argument("--kv_cache", default=None, help="comma-separated KV caches to compile: dense, paged (decode "
+                      "attention as model.attention_impl picks: the Pallas kernel on TPU under 'auto'), paged:xla "
+                      "(the XLA gather over live pages); default: the config's rollout.kv_cache")
   args = parser.parse_args()
 
   cfg = config_lib.load_config_file(args.config)
   mc = config_lib.preset_model_config(cfg)
   devices = sharding.tpu_topology_devices(args.topology)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-  model = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(0)))
+  models = {impl: nnx.eval_shape(lambda impl=impl: qwen2.Qwen2ForCausalLM(mc.replace(attention_impl=impl),
+                                                                         rngs=nnx.Rngs(0)))
+            for impl in {mc.attention_impl, "xla"}}
   slots = cfg.rollout.slots or cfg.train.batch_prompts * cfg.rollout.n
   method = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   print(f"{args.config}: {cfg.model.preset} on {args.topology} ({len(devices)} chips), mesh {dict(mesh.shape)}, "
         f"{slots} slots x {cfg.data.max_prompt_length + cfg.rollout.max_new_tokens} cache rows")
   header = ("kv_cache", "steps", "window", "compile_s", "argument_gb", "output_gb", "alias_gb", "temp_gb", "optimal_ms",
-            "bytes_accessed_gb", "gflops")
+            "bytes_accessed_gb", "optimal_ms_loops", "bytes_accessed_gb_loops", "gflops_loops")
   print(" ".join(f"{h:>17}" for h in header))
   results = {}
   for kv_cache in (args.kv_cache or cfg.rollout.kv_cache).split(","):
+    model = models["xla" if kv_cache.endswith(":xla") else mc.attention_impl]
     for steps in (int(s) for s in args.steps.split(",")):
       engine = engine_lib.Engine(model, max_concurrent_decodes=slots, max_prefill_length=cfg.data.max_prompt_length,
                                  max_decode_length=cfg.rollout.max_new_tokens, mesh=mesh, steps_per_call=steps,
-                                 kv_cache=kv_cache, page_size=cfg.rollout.page_size, kv_pages=cfg.rollout.kv_pages)
+                                 kv_cache=kv_cache.split(":")[0], page_size=cfg.rollout.page_size, kv_pages=cfg.rollout.kv_pages)
       params = engine.abstract_params(mc.dtype)  # the rollout weights: compute dtype, sample layout
       if steps == int(args.steps.split(",")[0]):
         cache = engine.abstract_decode_state().cache
         per_chip = aot_measure.per_chip_bytes(cache)
-        print(f"{kv_cache} KV cache per chip: {per_chip / GB:.2f} GB (read budgets {engine.read_budgets})")
+        print(f"{kv_cache} KV cache per chip: {per_chip / GB:.2f} GB (read budgets {engine.read_budgets}"
+              f"{', Pallas kernel' if engine.decode_kernel else ''})")
       top = engine.read_budgets[-1]
       for w in args.windows.split(","):
         window = {"full": top, "half": top // 2}.get(w) or int(w)
