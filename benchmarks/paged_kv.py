@@ -3,6 +3,7 @@ response lengths are long-tailed: most short (up to new_tokens / 8), one in `--l
 (random weights, per-prompt token budgets, no EOS).
 
   python benchmarks/paged_kv.py                       # tiny model on CPU
+  python benchmarks/paged_kv.py --kv_pages 160        # a pool of 160 pages of 16 rows (0.56x the dense cache)
   python benchmarks/paged_kv.py --slots 64 --new_tokens 1024 --page_size 64
 """
 
@@ -32,6 +33,7 @@ def main():
   parser.add_argument("--page_size", type=int, default=16)
   parser.add_argument("--long_every", type=int, default=8, help="one request in this many runs to new_tokens")
   parser.add_argument("--steps_per_call", type=int, default=16)
+  parser.add_argument("--kv_pages", type=int, default=0, help="the page pool (0: every slot at full length)")
   args = parser.parse_args()
 
   config = qwen2.get_preset(args.preset)
@@ -45,7 +47,7 @@ def main():
   common = dict(max_concurrent_decodes=args.slots, max_prefill_length=args.prompt_len,
                 max_decode_length=args.new_tokens, steps_per_call=args.steps_per_call)
   engines = {
-      "paged": engine_lib.Engine(model, page_size=args.page_size, **common),
+      "paged": engine_lib.Engine(model, page_size=args.page_size, kv_pages=args.kv_pages, **common),
       # The dense cache at its best: windows from one page up, so it reads no more than the longest row needs.
       "dense windowed": engine_lib.Engine(model, kv_cache="dense", min_decode_window=args.page_size, **common),
   }
@@ -69,7 +71,9 @@ def main():
           f"{stats.peak_rows_held * row_bytes / 2**20:8.2f} MiB KV held at most ({stats.peak_rows_held:,} rows)")
   ratio = results["paged"][1].rows_per_step / results["dense windowed"][1].rows_per_step
   held = results["paged"][1].peak_rows_held / results["dense windowed"][1].peak_rows_held
-  print(f"paged / dense windowed: {ratio:.2f}x the rows read per step, {held:.2f}x the KV bytes held")
+  pool = engines["paged"].page_shards * engines["paged"].pages_per_shard * args.page_size
+  print(f"paged / dense windowed: {ratio:.2f}x the rows read per step, {held:.2f}x the KV bytes held "
+        f"(page pool: {pool:,} rows allocated, {pool / results['dense windowed'][1].peak_rows_held:.2f}x)")
 
 
 if __name__ == "__main__":
