@@ -64,17 +64,24 @@ def sample_first(logits: jax.Array, key_data: jax.Array, sampling: sampling_lib.
 
 
 def prefix_of_requests(cache: KVCache, logits: jax.Array, true_lengths: jax.Array, rows: jax.Array,
-                       key_data: jax.Array, sampling: sampling_lib.SamplingMethod) -> Prefix:
+                       key_data: jax.Array, sampling: sampling_lib.SamplingMethod,
+                       gather_cache: bool = True) -> Prefix:
   """R requests from B prefilled prompts (cache [layers, B, K, T, H], logits [B, V], true_lengths [B]):
-  request r continues prompt `rows[r]` with its first token sampled from key data `key_data[r]`."""
+  request r continues prompt `rows[r]` with its first token sampled from key data `key_data[r]`. Without
+  `gather_cache` the prefix keeps the prompts' cache ([layers, B, ...], not one copy per request): pass
+  `rows` on to `insert_rows`, which reads each request's rows one layer at a time."""
   first, logprobs = sample_first(logits[rows], key_data, sampling)
-  return Prefix(cache=KVCache(k=cache.k[:, rows], v=cache.v[:, rows]), lengths=true_lengths[rows], tokens=first,
-                logprobs=logprobs, keys=key_data, steps=jnp.ones_like(rows))
+  if gather_cache:
+    cache = KVCache(k=cache.k[:, rows], v=cache.v[:, rows])
+  return Prefix(cache=cache, lengths=true_lengths[rows], tokens=first, logprobs=logprobs, keys=key_data,
+                steps=jnp.ones_like(rows))
 
 
 def insert_rows(state: DecodeState, prefix: Prefix, slots: jax.Array, budgets: jax.Array,
-                eos_ids: jax.Array) -> DecodeState:
+                eos_ids: jax.Array, cache_rows: jax.Array | None = None) -> DecodeState:
   """Writes prefix rows [R] into decode slots [R]; a slot index >= S is a padding row and is dropped.
+  `cache_rows` [R]: request r's rows are prefix.cache's row cache_rows[r] (a prefix of the prompts, see
+  `prefix_of_requests`); None: row r.
 
   A paged cache gives each request the pages its prompt rows fill (a request its shard has no pages for
   is dropped; the scheduler checks first) and takes them back at once from a request that is already done.
@@ -82,9 +89,10 @@ def insert_rows(state: DecodeState, prefix: Prefix, slots: jax.Array, budgets: j
   L = cache_length(state)
   T = prefix.cache.rows
   if isinstance(state.cache, PagedCache):
-    cache, slots = pages_lib.insert(state.cache, prefix.cache, prefix.lengths, slots)
+    cache, slots = pages_lib.insert(state.cache, prefix.cache, prefix.lengths, slots, cache_rows)
   else:  # only the slots' first T rows of every layer are written (in place: the decode state is donated)
-    put_rows = lambda buf, rows: buf.at[:, slots, :, :T].set(rows.astype(buf.dtype), mode="drop")
+    rows_of = (lambda x: x) if cache_rows is None else (lambda x: x[:, cache_rows])
+    put_rows = lambda buf, rows: buf.at[:, slots, :, :T].set(rows_of(rows).astype(buf.dtype), mode="drop")
     cache = KVCache(k=put_rows(state.cache.k, prefix.cache.k), v=put_rows(state.cache.v, prefix.cache.v))
 
   def put(buf, rows):  # buf [S, ...], rows [R, ...]

@@ -278,8 +278,11 @@ class Engine:
                             sample_index, budgets, eos_ids, sampling):
     """Inserts R requests from B prefilled prompts (several samples may share a prompt row)."""
     key_data = decode_lib.request_keys(seed, prompt_index, sample_index)
-    prefix = decode_lib.prefix_of_requests(cache, logits, true_lengths, rows, key_data, sampling)
-    state = self._constrain(decode_lib.insert_rows(state, prefix, slots, budgets, eos_ids))
+    # The paged insert reads each request's prompt rows layer by layer: no [layers, R, ...] copy of them.
+    prefix = decode_lib.prefix_of_requests(cache, logits, true_lengths, rows, key_data, sampling,
+                                           gather_cache=not self.paged)
+    cache_rows = rows if self.paged else None
+    state = self._constrain(decode_lib.insert_rows(state, prefix, slots, budgets, eos_ids, cache_rows))
     return (state, *self._replicate((prefix.tokens, prefix.logprobs)))
 
   def _step_impl(self, params, state, eos_ids, sampling):

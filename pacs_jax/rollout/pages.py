@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pacs_jax.models import paged
 from pacs_jax.models.qwen2 import KVCache
@@ -50,15 +51,22 @@ def release(cache: PagedCache, slots: jax.Array) -> PagedCache:
                        free_count=cache.free_count + jnp.sum(give, axis=1, dtype=jnp.int32))
 
 
-def insert(cache: PagedCache, prefix: KVCache, lengths: jax.Array, slots: jax.Array) -> tuple[PagedCache, jax.Array]:
-  """Gives request r (prefix rows [layers, R, K, T, H], lengths [R]) ceil(lengths[r] / ps) fresh pages of
-  slot slots[r]'s shard and copies its first rows there (slots >= S: padding, dropped); the slots' old
-  pages are returned first. A request its shard has no pages for is dropped too (the scheduler checks
-  free counts first). Returns (cache, slots [R] with dropped requests set to S)."""
+def insert(cache: PagedCache, prefix: KVCache, lengths: jax.Array, slots: jax.Array,
+           cache_rows: jax.Array | None = None) -> tuple[PagedCache, jax.Array]:
+  """Gives request r (lengths [R]; its rows are prefix row cache_rows[r] of [layers, B, K, T, H], None:
+  row r) ceil(lengths[r] / ps) fresh pages of slot slots[r]'s shard and copies its first rows there (slots
+  >= S: padding, dropped); the slots' old pages are returned first. A request its shard has no pages for is
+  dropped too (the scheduler checks free counts first). Returns (cache, slots [R] with dropped requests set
+  to S).
+
+  The rows are written one layer at a time in a loop over the donated pages: the program holds one layer
+  of the requests' rows at once, never a [layers, R, T] copy (78 GB per chip for qwen3b_v5p's 2,048).
+  """
   D, Pd = cache.free_pages.shape
   S, M = cache.page_table.shape
   ps = cache.page_size
-  layers, R, K, T, H = prefix.k.shape
+  layers, _, K, T, H = prefix.k.shape
+  R = lengths.shape[0]
   n_t = -(-T // ps)
   cache = release(cache, jnp.zeros((S,), bool).at[slots].set(True, mode="drop"))
   shard = slots // (S // D)  # [R]; D for padding requests
@@ -77,14 +85,21 @@ def insert(cache: PagedCache, prefix: KVCache, lengths: jax.Array, slots: jax.Ar
   table = cache.page_table.at[slots].set(rows, mode="drop")
   taken = jnp.zeros((D,), jnp.int32).at[shard].add(jnp.where(ok, count, 0), mode="drop")
 
-  def blocks(x):  # [layers, R, K, T, H] -> [layers, R, n_t, ps, K, H]
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, n_t * ps - T), (0, 0)))
-    return jnp.moveaxis(x.reshape(layers, R, K, n_t, ps, H), 2, 4)
+  def blocks(x):  # [R, K, T, H] -> [R, n_t, ps, K, H]
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, n_t * ps - T), (0, 0)))
+    return jnp.moveaxis(x.reshape(R, K, n_t, ps, H), 1, 3)
 
   P = cache.pages.shape[1]
   target = jnp.where(has, page + (jnp.minimum(shard, D - 1) * Pd)[:, None], P)  # global page ids; P = none
-  kv = paged.interleave_kv(blocks(prefix.k), blocks(prefix.v)).astype(cache.pages.dtype)
-  pages = cache.pages.at[:, target].set(kv, mode="drop")  # [layers, R, n_t, ps, 2K, H] into its pages
+  of_requests = (lambda x: x) if cache_rows is None else (lambda x: x[cache_rows])
+
+  def write_layer(layer, pages):  # one layer's [R, n_t, ps, 2K, H] rows into their pages
+    k, v = (of_requests(lax.dynamic_index_in_dim(x, layer, keepdims=False)) for x in (prefix.k, prefix.v))
+    kv = paged.interleave_kv(blocks(k), blocks(v)).astype(pages.dtype)
+    # Row by row ([2K, H] slices, the pages' own tiles): a scatter of whole pages re-lays the pool out.
+    return pages.at[layer, target[:, :, None], jnp.arange(ps)[None, None, :]].set(kv, mode="drop")
+
+  pages = lax.fori_loop(0, layers, write_layer, cache.pages)
   return cache.replace(pages=pages, page_table=table, free_count=cache.free_count - taken), slots
 
 
