@@ -13,7 +13,6 @@ import ast
 import os
 
 import jax
-from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
@@ -39,13 +38,7 @@ def compile_train_step(cfg, topology: str = ""):
   is 6 N per token (forward + backward, N the matmul parameters; twice with a critic) per chip."""
   devices = sharding.tpu_topology_devices(topology or cfg.hardware.tpu_topology)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-  graphdef, critic_graphdef, state = programs_lib.abstract_train_state(cfg, mesh)
-  optimizer, critic_optimizer = programs_lib.make_optimizers(cfg)
-  state_shardings = jax.tree.map(lambda x: x.sharding, state)
-  policy = nnx.merge(graphdef, state.params)
-  engine = programs_lib.make_engine(cfg, policy, mesh, eos_ids=(0,))
-  progs = programs_lib.make_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
-                                     engine.param_shardings)
+  state, policy, _, progs = aot.abstract_run(cfg, mesh)
   batch = programs_lib.minibatch_shapes(cfg, mesh)
   tokens = cfg.train.mini_batch_prompts * cfg.rollout.n * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
   critic = 2.0 if progs.value_fn is not None else 1.0
@@ -60,6 +53,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default="configs/qwen3b_v5p.py")
   parser.add_argument("--topology", default="", help="TPU topology (default: the config's hardware.tpu_topology)")
+  parser.add_argument("--max_ratio", type=float, default=1.25,
+                      help="exit 1 when compiled FLOPs exceed this many times the model's 6N per token")
   parser.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. model.remat_policy=nothing")
   args = parser.parse_args()
   cfg = config_lib.load_config_file(args.config, {k: _literal(v) for k, v in (a.split("=", 1) for a in args.set)})
@@ -79,6 +74,9 @@ def main():
         f"{kernel_tflop:.0f} in Pallas kernels) / {report.model_flops / 1e12:.0f} TFLOP model (6N per token) = "
         f"{report.flops / report.model_flops:.3f}x; optimal_seconds {report.optimal_s:.2f} (the compiler's cost model "
         "gives Pallas kernels no time)")
+  if report.flops > args.max_ratio * report.model_flops:
+    raise SystemExit(f"compiled FLOPs are {report.flops / report.model_flops:.3f}x the model's, above "
+                     f"--max_ratio {args.max_ratio}")
 
 
 if __name__ == "__main__":

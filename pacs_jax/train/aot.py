@@ -169,6 +169,19 @@ def _compile_problem(p: ProgramReport, where: str) -> str:
   return f"{p.name} ({p.phase}) does not compile for {where}: {p.error.splitlines()[0][:400]}"
 
 
+def abstract_run(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
+  """The run's train state (abstract, in its shardings), the abstract policy, its rollout engine and the
+  jitted programs the trainer runs, built on `mesh` with nothing allocated: (state, policy, engine, progs)."""
+  graphdef, critic_graphdef, state = programs_lib.abstract_train_state(cfg, mesh)
+  optimizer, critic_optimizer = programs_lib.make_optimizers(cfg)
+  state_shardings = jax.tree.map(lambda x: x.sharding, state)
+  policy = nnx.merge(graphdef, state.params)
+  engine = programs_lib.make_engine(cfg, policy, mesh, eos_ids=(0,))
+  progs = programs_lib.make_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
+                                     engine.param_shardings)
+  return state, policy, engine, progs
+
+
 def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, validation: bool = True,
                 one_step_decode: bool = False, log: Callable[[str], None] = lambda s: None) -> Report:
   """Compiles every program of a training run of `cfg` for its target; see the module docstring.
@@ -181,13 +194,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   tgt = tgt or target(cfg)
   config_lib.validate(cfg, num_processes=tgt.num_processes, devices=tgt.devices, check_paths=False)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=tgt.devices)
-  graphdef, critic_graphdef, state = programs_lib.abstract_train_state(cfg, mesh)
-  optimizer, critic_optimizer = programs_lib.make_optimizers(cfg)
-  state_shardings = jax.tree.map(lambda x: x.sharding, state)
-  policy = nnx.merge(graphdef, state.params)
-  engine = programs_lib.make_engine(cfg, policy, mesh, eos_ids=(0,))
-  progs = programs_lib.make_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
-                                     engine.param_shardings)
+  state, policy, engine, progs = abstract_run(cfg, mesh)
   N = matmul_params(policy) / len(tgt.devices)  # per chip: the model FLOPs split evenly over the chips
   n, P, R = cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
   S = engine.max_concurrent_decodes
