@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from pacs_jax import sharding
 from pacs_jax.models import attention, flash, paged, paged_kernel
@@ -173,6 +174,10 @@ def _param(rngs: nnx.Rngs, shape, axes, dtype, init=nnx.initializers.normal(0.02
   return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
 
 
+# `jax.checkpoint` name of RMSNorm's per-row scale (see `remat_policy`).
+NORM_SCALE = "norm_scale"
+
+
 class RMSNorm(nnx.Module):
   def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
     self.eps = eps
@@ -181,8 +186,10 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     # As transformers: normalise in fp32, cast back, then scale.
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
+    # Named so the "matmuls" remat policy keeps this [B, T, 1] scale: the backward pass then needs no
+    # reduction over D to rebuild the normalised input of the next matmul.
+    scale = checkpoint_name(jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps), NORM_SCALE)
+    return self.weight[...].astype(x.dtype) * (x32 * scale).astype(x.dtype)
 
 
 def _tensor_size() -> int:
@@ -222,11 +229,17 @@ class Attention(nnx.Module):
     """x [B, T, D] -> q [B, T, N, H], k, v [B, T, K, H] (RoPE applied to q and k)."""
     dt = self.config.dtype
     x = x.astype(dt)
-    q = jnp.einsum("BTD,DNH->BTNH", x, self.q_kernel[...].astype(dt)) + self.q_bias[...].astype(dt)
-    k = jnp.einsum("BTD,DKH->BTKH", x, self.k_kernel[...].astype(dt)) + self.k_bias[...].astype(dt)
-    v = jnp.einsum("BTD,DKH->BTKH", x, self.v_kernel[...].astype(dt)) + self.v_bias[...].astype(dt)
+    wq = sharding.matmul_weight(self.q_kernel[...], ("embed", "q_heads", "head_dim"), dt)
+    wk = sharding.matmul_weight(self.k_kernel[...], ("embed", "kv_heads", "head_dim"), dt)
+    wv = sharding.matmul_weight(self.v_kernel[...], ("embed", "kv_heads", "head_dim"), dt)
+    q = jnp.einsum("BTD,DNH->BTNH", x, wq) + self.q_bias[...].astype(dt)
+    k = jnp.einsum("BTD,DKH->BTKH", x, wk) + self.k_bias[...].astype(dt)
+    v = jnp.einsum("BTD,DKH->BTKH", x, wv) + self.v_bias[...].astype(dt)
     return (sharding.constrain(attention.apply_rope(q, cos, sin), ("batch", None, "heads", None)),
             attention.apply_rope(k, cos, sin), v)
+
+  def _o_weight(self):
+    return sharding.matmul_weight(self.o_kernel[...], ("q_heads", "head_dim", "embed"), self.config.dtype)
 
   def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, layer=None, write_index=None):
     """x: [B, T, D]; mask: [B, T, S] bool (True = may attend). Returns (y [B, T, D], cache).
@@ -242,7 +255,7 @@ class Attention(nnx.Module):
       out, cache = paged.paged_layer(cache, layer, q[:, 0], k[:, 0], v[:, 0],
                                      kernel=paged_decode_kernel(c, flash.platform(), _tensor_size()))
       out = sharding.constrain(out[:, None], ("batch", None, "heads", None))
-      return jnp.einsum("BTNH,NHD->BTD", out, self.o_kernel[...].astype(c.dtype)), cache
+      return jnp.einsum("BTNH,NHD->BTD", out, self._o_weight()), cache
     if cache is None:
       k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H]
     else:
@@ -262,7 +275,7 @@ class Attention(nnx.Module):
     else:
       out = attention.attend(q, k, v, mask)
     out = sharding.constrain(out.reshape(B, T, N, H), ("batch", None, "heads", None))
-    y = jnp.einsum("BTNH,NHD->BTD", out, self.o_kernel[...].astype(c.dtype))
+    y = jnp.einsum("BTNH,NHD->BTD", out, self._o_weight())
     return y, cache
 
 
@@ -278,10 +291,10 @@ class MLP(nnx.Module):
     """x [B, T, D] -> [B, T, D] (SwiGLU through [B, T, F])."""
     dt = self.dtype
     x = x.astype(dt)
-    gate = jnp.einsum("BTD,DF->BTF", x, self.gate_kernel[...].astype(dt))
-    up = jnp.einsum("BTD,DF->BTF", x, self.up_kernel[...].astype(dt))
+    gate = jnp.einsum("BTD,DF->BTF", x, sharding.matmul_weight(self.gate_kernel[...], ("embed", "mlp"), dt))
+    up = jnp.einsum("BTD,DF->BTF", x, sharding.matmul_weight(self.up_kernel[...], ("embed", "mlp"), dt))
     h = sharding.constrain(jax.nn.silu(gate) * up, ("batch", None, "mlp"))
-    return jnp.einsum("BTF,FD->BTD", h, self.down_kernel[...].astype(dt))
+    return jnp.einsum("BTF,FD->BTD", h, sharding.matmul_weight(self.down_kernel[...], ("mlp", "embed"), dt))
 
 
 class DecoderLayer(nnx.Module):
@@ -322,15 +335,15 @@ REMAT_POLICIES = ("nothing", "matmuls")
 
 def remat_policy(name: str):
   """The `jax.checkpoint` policy of a rematerialised layer: "nothing" saves nothing (the scan keeps the
-  layer's input); "matmuls" saves the outputs of the weight matmuls (q/k/v/o projections, MLP gate/up/down)
-  and the splash kernel's residuals, so the backward pass recomputes only elementwise work (norms, RoPE,
-  SiLU) and the XLA path's attention."""
+  layer's input); "matmuls" saves the outputs of the weight matmuls (q/k/v/o projections, MLP gate/up/down),
+  the splash kernel's inputs and residuals, and RMSNorm's row scales, so the backward pass recomputes only
+  elementwise work (normalised inputs, SiLU) and the XLA path's attention."""
   if name in ("nothing", True):
     return jax.checkpoint_policies.nothing_saveable
   if name == "matmuls":
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        jax.checkpoint_policies.save_only_these_names(flash.SPLASH_RESIDUALS))
+        jax.checkpoint_policies.save_only_these_names(flash.SPLASH_RESIDUALS, NORM_SCALE))
   raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {name!r}")
 
 
@@ -421,9 +434,10 @@ class Qwen2ForCausalLM(nnx.Module):
     """hidden [B, T, D] -> logits [B, T, V] in the compute dtype."""
     dt = self.config.dtype
     if self.config.tie_word_embeddings:
-      out = jnp.einsum("BTD,VD->BTV", hidden.astype(dt), self.model.embed_tokens[...].astype(dt))
+      w = sharding.matmul_weight(self.model.embed_tokens[...], ("vocab", "embed"), dt)
+      out = jnp.einsum("BTD,VD->BTV", hidden.astype(dt), w)
     else:
-      out = jnp.einsum("BTD,DV->BTV", hidden.astype(dt), self.lm_head[...].astype(dt))
+      out = jnp.einsum("BTD,DV->BTV", hidden.astype(dt), sharding.matmul_weight(self.lm_head[...], ("embed", "vocab"), dt))
     return sharding.constrain(out, ("batch", None, "vocab"))
 
   def __call__(self, input_ids, attention_mask=None):

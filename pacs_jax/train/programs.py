@@ -164,7 +164,7 @@ def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, opt
   return Programs(
       train_step=jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
                          out_shardings=(state_shardings, None), donate_argnums=(0,)),
-      logprob_fn=jax.jit(step_lib.make_logprob_fn(graphdef, cfg.rollout.temperature)),
+      logprob_fn=jax.jit(step_lib.make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.train.logits_chunk)),
       value_fn=jax.jit(step_lib.make_value_fn(critic_graphdef)) if critic_graphdef is not None else None,
       ppo_advantages=jax.jit(lambda mbs: algo.step_inputs(cfg, mbs)) if algo.has_step_inputs else None,
       to_sample_params=jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute), p), out_shardings=sample_shardings))

@@ -26,19 +26,29 @@ Batch = dict[str, jax.Array]
 
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float,
-                      with_entropy: bool = False, targets=None):
+                      with_entropy: bool = False, targets=None,
+                      logits_chunk: int = logprobs_lib.DEFAULT_CHUNK_SIZE):
   """Log-probs [B, R] (and entropies) of the response tokens input_ids[:, P:] (or `targets` [B, R]) under
   logits / temperature.
 
   The hidden state at position t predicts token t + 1, so the response's predictors are [P-1, L-1).
-  Logits are built chunk by chunk from hidden states, never as a full fp32 [B, R, V].
+  Never a full fp32 [B, R, V]: with `logits_chunk` > 0 the LM head runs on that many positions at a time,
+  each chunk's logits recomputed in the backward pass (memory: one [B, chunk, V] chunk); with 0 it is one
+  matmul over the whole response whose 16-bit logits [B, R, V] are kept for the backward pass (no
+  recompute, and the head's weight gradient is one matmul, not a sum over chunks; `train.logits_chunk`).
   """
   hidden = model.model(input_ids, attention_mask)  # [B, L, D]
   L = input_ids.shape[1]
   P = L - response_len
   targets = input_ids[:, P:] if targets is None else targets
-  return logprobs_lib.token_logprobs_from_hidden(hidden[:, P - 1:L - 1], model.logits, targets,
-                                                 temperature, with_entropy=with_entropy)
+  predictors = hidden[:, P - 1:L - 1]  # [B, R, D]
+  if logits_chunk == 0:
+    logits = model.logits(predictors)  # [B, R, V]
+    if with_entropy:
+      return logprobs_lib.token_logprobs_and_entropy(logits, targets, temperature)
+    return logprobs_lib.token_logprobs(logits, targets, temperature)
+  return logprobs_lib.token_logprobs_from_hidden(predictors, model.logits, targets, temperature,
+                                                 chunk_size=logits_chunk, with_entropy=with_entropy)
 
 
 def response_values(critic, input_ids, attention_mask, response_len: int):
@@ -69,7 +79,8 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     model = nnx.merge(graphdef, params)
     R = micro["response_mask"].shape[-1]
     logp, entropy = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
-                                      with_entropy=True, targets=micro.get("logprob_targets"))
+                                      with_entropy=True, targets=micro.get("logprob_targets"),
+                                      logits_chunk=cfg.train.logits_chunk)
     # The entropy only carries gradient when it is part of the objective (GRPO's entropy bonus).
     loss, metrics = algo.loss(cfg, logp, entropy if algo.entropy_has_grad(cfg) else jax.lax.stop_gradient(entropy),
                               micro)
@@ -131,9 +142,10 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
   return train_step
 
 
-def make_logprob_fn(graphdef, temperature: float) -> Callable[[nnx.State, Batch], jax.Array]:
+def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = logprobs_lib.DEFAULT_CHUNK_SIZE
+                    ) -> Callable[[nnx.State, Batch], jax.Array]:
   """(params, minibatch [k, m, ...]) -> log-probs [k, m, R] of the responses (or of `logprob_targets`), one
-  micro-batch at a time."""
+  micro-batch at a time (`logits_chunk` as `response_logprobs`)."""
 
   def fn(params, minibatch):
     R = minibatch["response_mask"].shape[-1]
@@ -141,7 +153,7 @@ def make_logprob_fn(graphdef, temperature: float) -> Callable[[nnx.State, Batch]
     def one(micro):  # merged inside the mapped function's trace, so no module crosses a trace boundary
       model = nnx.merge(graphdef, params)
       return response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
-                               targets=micro.get("logprob_targets"))
+                               targets=micro.get("logprob_targets"), logits_chunk=logits_chunk)
 
     keys = ("input_ids", "attention_mask", "response_mask", "logprob_targets")
     return jax.lax.map(one, {k: minibatch[k] for k in keys if k in minibatch})
