@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec as P
@@ -20,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 from pacs_jax import sharding
 
 IMPLS = ("auto", "xla", "splash", "cudnn")
-# `jax.checkpoint` name of the splash forward's residuals (output, log-sum-exp): a remat policy that saves
-# it keeps the backward pass from re-running the forward kernel.
+# `jax.checkpoint` name of the splash forward's inputs and residuals (output, log-sum-exp): a remat policy
+# that saves it keeps the backward pass from re-running the forward kernel or what prepares its inputs.
 SPLASH_RESIDUALS = "splash_residuals"
 SPLASH_KERNELS = ("splash_mha_", "splash_mqa_")  # names of the kernels' scopes (and compiled instructions)
 _LANES = 128  # splash blocks are multiples of the TPU lane width
@@ -67,8 +68,13 @@ def block_size(T: int) -> int:
 
 
 def _block_sizes(block: int) -> splash.BlockSizes:
+  # Separate dq and dkv backward kernels (MaxText's default), not the fused one: the fused kernel writes dq
+  # as one bf16 partial per key block ([b, T / block, n, T, H]: 9 at 4,608 rows) and XLA sums them after
+  # the kernel, a reduction that cost 10% of the 3B train step's backward layer (by the compiler's cycles)
+  # and rounds each partial to bf16. The dq kernel re-does q.k and dO.v instead (2 of 9 kernel matmuls).
   return splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                           block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+                           block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+                           use_fused_bwd_kernel=False)
 
 
 def _splash_shard(q, k, v, seg, *, interpret: bool):
@@ -82,7 +88,7 @@ def _splash_shard(q, k, v, seg, *, interpret: bool):
 
 def splash_attend(q, k, v, mask, *, interpret: bool | None = None):
   """Causal attention with left (or any) padding by the splash kernels: fully masked key blocks are
-  skipped, the backward pass is one fused kernel. q: [B, T, K, G, H]; k, v: [B, K, T, H]; mask [B, T, T]
+  skipped, the backward pass is a dq and a dkv kernel. q: [B, T, K, G, H]; k, v: [B, K, T, H]; mask [B, T, T]
   as `Qwen2Model` builds it (causal & key is real). Returns [B, T, K, G, H]; rows of padded queries differ
   from `attention.attend` (they attend to the padding before them, not uniformly to every key).
 
@@ -102,7 +108,9 @@ def splash_attend(q, k, v, mask, *, interpret: bool | None = None):
   # Queries scaled before the kernel (it computes q . k); rows past T are padding no real query can see.
   qh = jnp.moveaxis((q * (1.0 / math.sqrt(H))).astype(q.dtype).reshape(B, T, K * G, H), 1, 2)  # [B, N, T, H]
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, Tp - T), (0, 0)))
-  qh, kp, vp = pad(qh), pad(k.astype(q.dtype)), pad(v.astype(q.dtype))
+  # The kernels' inputs are saved residuals too (same name): the backward kernels read them, so with them
+  # saved the backward pass re-does none of RoPE, scaling, re-layout and padding.
+  qh, kp, vp = (checkpoint_name(x, SPLASH_RESIDUALS) for x in (pad(qh), pad(k.astype(q.dtype)), pad(v.astype(q.dtype))))
   seg = jnp.pad(seg, ((0, 0), (0, Tp - T)))
   run = functools.partial(_splash_shard, interpret=interpret)
   mesh = jax.sharding.get_abstract_mesh()
@@ -119,16 +127,17 @@ def splash_attend(q, k, v, mask, *, interpret: bool | None = None):
   return jnp.moveaxis(out, 1, 2).reshape(B, T, K, G, H)
 
 
-def splash_kernel_flops(kernel: str, q_shape) -> float:
+def splash_kernel_flops(kernel: str, q_shape, fused_dq: bool = False) -> float:
   """Matmul flops of one splash kernel call from its name and query operand shape [..., n, T, H]: causal
-  blocks only (the kernels skip blocks above the diagonal), 2 matmuls per block in the
-  forward (q.k, p.v) and 5 in the fused backward (q.k again, dO.v, dS.k, p.dO, dS.q)."""
+  blocks only (the kernels skip blocks above the diagonal), 2 matmuls per block in the forward (q.k, p.v),
+  3 in the dq kernel (q.k again, dO.v, dS.k), 4 in the dkv kernel (q.k, dO.v, p.dO, dS.q), 5 in the fused
+  backward kernel (`fused_dq`: the dkv kernel that also returns dq)."""
   *lead, n, T, H = q_shape
   block = block_size(T)
   nb = T // block
   blocks = nb * (nb + 1) // 2  # on or below the diagonal
   per_block = 2.0 * block * block * H
-  matmuls = 2 if "_fwd" in kernel else 5
+  matmuls = 2 if "_fwd" in kernel else 3 if "_dq" in kernel else 5 if fused_dq else 4
   return matmuls * per_block * blocks * n * math.prod(lead)
 
 
