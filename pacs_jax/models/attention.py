@@ -30,10 +30,10 @@ def apply_rope(x, cos, sin):
   much cheaper program to compile than a split and a concatenate along the lanes.
   """
   H = x.shape[-1]
-  x32 = x.astype(jnp.float32)
-  sign = jnp.where(jnp.arange(H) < H // 2, -1.0, 1.0).astype(jnp.float32)  # [H]
-  rotated = jnp.roll(x32, H // 2, axis=-1) * sign
-  return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
+  dt = x.dtype
+  sign = jnp.where(jnp.arange(H) < H // 2, -1.0, 1.0).astype(dt)  # [H]
+  rotated = jnp.roll(x, H // 2, axis=-1) * sign
+  return x * cos[:, :, None, :].astype(dt) + rotated * sin[:, :, None, :].astype(dt)
 
 
 def attend(q, k, v, mask):
