@@ -1,7 +1,8 @@
 """Ahead-of-time TPU compile of a config's train step (the trainer's own program: one mini-batch with its
-micro-batches) from abstract weights and optimizer state: compile time on this host, per-chip memory, and the
-FLOPs with loop trip counts and Pallas kernels counted, next to the model's 6N per token. `--compile_only`
-compiles every program of the run; this one is the largest.
+micro-batches) and log-prob pass from abstract weights and optimizer state: compile time on this host, per-chip
+memory, bytes accessed, the compiler-optimal time and the FLOPs with loop trip counts and Pallas kernels counted
+(next to the model's 6N per token), and where the estimated cycles go (top loops and instructions), so a
+regression shows at a glance. `--compile_only` compiles every program of the run; these are the largest.
 
   JAX_PLATFORMS=cpu python benchmarks/train_step_compile_tpu.py --config configs/qwen3b_v5p.py
 """
@@ -49,12 +50,41 @@ def compile_train_step(cfg, topology: str = ""):
   return report, compiled, mesh, batch
 
 
+def compile_logprob_pass(cfg, topology: str = ""):
+  """(ProgramReport, compiled) of the config's log-prob pass (reference / old log-probs) on one mini-batch;
+  `model_flops` is 2N per token (forward only)."""
+  devices = sharding.tpu_topology_devices(topology or cfg.hardware.tpu_topology)
+  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+  state, policy, _, progs = aot.abstract_run(cfg, mesh)
+  batch = programs_lib.minibatch_shapes(cfg, mesh)
+  tokens = cfg.train.mini_batch_prompts * cfg.rollout.n * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+  report = aot_measure.ProgramReport("logprobs", "update", 1, 2.0 * aot.matmul_params(policy) / len(devices) * tokens)
+  with jax.set_mesh(mesh), aot_measure.persistent_cache_off():
+    compiled = aot_measure.measure(report, lambda: progs.logprob_fn.lower(state.params, batch), lambda c: 0.0)
+  return report, compiled
+
+
+def describe(report, compiled, hbm_gb) -> str:
+  """Per chip: compiler-optimal seconds, bytes accessed, FLOPs against the model's, peak; then the hotspots."""
+  return (f"{report.name} per chip, loop trip counts applied: optimal_seconds {report.optimal_s:.2f}, bytes accessed "
+          f"{report.bytes_accessed / 1e12:.2f} TB, {report.flops / 1e12:.0f} TFLOP compiled / "
+          f"{report.model_flops / 1e12:.0f} model = {report.flops / report.model_flops:.3f}x, peak "
+          f"{report.peak / GB:.2f} GB" + (f" of {hbm_gb:g}" if hbm_gb else "") + f"; compile {report.compile_s:.0f} s\n"
+          + hlo_cost.format_hotspots(compiled.as_text()))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default="configs/qwen3b_v5p.py")
   parser.add_argument("--topology", default="", help="TPU topology (default: the config's hardware.tpu_topology)")
   parser.add_argument("--max_ratio", type=float, default=1.25,
                       help="exit 1 when compiled FLOPs exceed this many times the model's 6N per token")
+  parser.add_argument("--max_seconds", type=float, default=0.0,
+                      help="exit 1 when the train step's optimal_seconds (loops applied) exceed this (0: no bound)")
+  parser.add_argument("--logprobs", action=argparse.BooleanOptionalAction, default=True,
+                      help="also compile the log-prob pass and compare its optimal_seconds with the train step's")
+  parser.add_argument("--max_logprob_ratio", type=float, default=0.4,
+                      help="exit 1 when the log-prob pass takes more than this share of the train step")
   parser.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. model.remat_policy=nothing")
   args = parser.parse_args()
   cfg = config_lib.load_config_file(args.config, {k: _literal(v) for k, v in (a.split("=", 1) for a in args.set)})
@@ -74,9 +104,24 @@ def main():
         f"{kernel_tflop:.0f} in Pallas kernels) / {report.model_flops / 1e12:.0f} TFLOP model (6N per token) = "
         f"{report.flops / report.model_flops:.3f}x; optimal_seconds {report.optimal_s:.2f} (the compiler's cost model "
         "gives Pallas kernels no time)")
+  print(describe(report, compiled, cfg.hardware.hbm_gb))
+  failures = []
   if report.flops > args.max_ratio * report.model_flops:
-    raise SystemExit(f"compiled FLOPs are {report.flops / report.model_flops:.3f}x the model's, above "
-                     f"--max_ratio {args.max_ratio}")
+    failures.append(f"compiled FLOPs are {report.flops / report.model_flops:.3f}x the model's, above --max_ratio "
+                    f"{args.max_ratio}")
+  if args.max_seconds and report.optimal_s > args.max_seconds:
+    failures.append(f"train step optimal_seconds {report.optimal_s:.2f} above --max_seconds {args.max_seconds}")
+  if args.logprobs:
+    lp, lp_compiled = compile_logprob_pass(cfg, topology)
+    if lp_compiled is None:
+      raise SystemExit(f"log-prob pass does not compile: {lp.error[:2000]}")
+    print(describe(lp, lp_compiled, cfg.hardware.hbm_gb))
+    ratio = lp.optimal_s / report.optimal_s
+    print(f"log-prob pass / train step, optimal_seconds: {ratio:.3f} (the forward's share is about 1/3)")
+    if ratio > args.max_logprob_ratio:
+      failures.append(f"log-prob pass is {ratio:.3f}x the train step, above --max_logprob_ratio {args.max_logprob_ratio}")
+  if failures:
+    raise SystemExit("; ".join(failures))
 
 
 if __name__ == "__main__":
