@@ -126,3 +126,20 @@ def test_validate_names_the_mesh_when_it_cannot_be_laid_out():
   cfg.hardware.num_processes = 4
   with pytest.raises(config_lib.ConfigError, match=r"config\.hardware\.num_processes: v5p:2x4x4 has 8 hosts"):
     config_lib.validate(cfg)
+
+
+def test_validate_names_the_gpu_target_fields():
+  def error(**fields):
+    cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen3b_gpu.py"))
+    for field, value in fields.items():
+      config_lib.set_field(cfg, f"hardware.{field}", value)
+    with pytest.raises(config_lib.ConfigError) as e:
+      config_lib.validate(cfg, check_paths=False)
+    return str(e.value)
+
+  assert error(gpu_target="a100").startswith("config.hardware.gpu_target: one of h100-sxm-80gb, got 'a100'")
+  assert error(gpu_topology="8").startswith("config.hardware.gpu_topology: expected \"<slices>x<hosts>x<gpus per host>\"")
+  assert error(gpu_topology="").startswith("config.hardware.gpu_topology: set both")
+  assert error(gpu_topology="1x1x4").startswith("config.hardware.num_devices: 1x1x4 has 4 GPUs, got 8")
+  assert error(gpu_topology="1x2x4").startswith("config.hardware.num_processes: 1x2x4 has 2 hosts")
+  assert error(tpu_topology="v5p:2x4x4").startswith("config.hardware.gpu_target: a config targets a TPU slice or GPUs")

@@ -339,6 +339,18 @@ def step_seconds(report: Report, phase: str | None = None, prefix: str = "") -> 
              if (phase is None or p.phase == phase) and p.name.startswith(prefix))
 
 
+def kernel_lines(report: Report) -> list[str]:
+  """Which programs call which kernels by name (cuDNN attention, Pallas kernels): the attention path the config's
+  dtype and target selected, seen in the compiled programs."""
+  programs: dict[str, list[str]] = {}
+  for p in report.programs:
+    if p.custom_calls:
+      names = programs.setdefault(", ".join(p.custom_calls), [])
+      name = p.name.split("[")[0]
+      names += [name] if name not in names else []
+  return [f"custom calls {calls}: {', '.join(names)}" for calls, names in programs.items()]
+
+
 def format_report(report: Report) -> str:
   unit = report.target.unit
   timed = any(p.optimal_s is not None for p in report.programs)
@@ -386,6 +398,7 @@ def format_report(report: Report) -> str:
   compiled = sum(p.calls * (p.flops or 0.0) for p in report.programs)
   lines.append(f"FLOPs per step per {unit}: compiled {compiled / 1e15:.2f} PFLOP, model (6N / 2N per token) "
                f"{model / 1e15:.2f} PFLOP")
+  lines += kernel_lines(report)
   lines += [f"note: {n}" for n in report.notes]
   problems = report.problems()
   hbm = report.target.hbm_bytes
