@@ -120,3 +120,13 @@ def test_a_config_that_does_not_fit_returns_1_naming_the_program_and_its_size_pe
   assert re.search(r"init_decode_state needs \d+\.\d+ GB per GPU by itself \(> 80 GB\)", verdict), verdict
   assert re.search(r"decode\[pages=\d+\] needs \d+\.\d+ GB per GPU by itself", verdict), verdict
   assert re.search(r"rollout phase needs \d+\.\d+ GB per GPU > 80 GB", verdict), verdict
+
+
+def test_without_the_cuda_plugin_compile_only_says_what_to_install(monkeypatch):
+  monkeypatch.setattr(gpu_targets, "_installed", lambda module: False)
+  monkeypatch.setattr(gpu_targets.shutil, "which", lambda name: None)
+  cfg = tiny_gpu_config(**{"hardware.gpu_topology": "1x1x2", "hardware.num_devices": 2})  # not cached yet
+  lines = []
+  assert aot.main(cfg, "tiny_gpu", log=lines.append) == 2
+  assert lines == ["compile only: compiling for a GPU target needs jax's CUDA plugin and ptxas: "
+                   'pip install -e ".[gpu-compile]"'], lines
