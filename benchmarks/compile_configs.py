@@ -1,9 +1,12 @@
 """Every released config with a TPU topology compiled ahead of time for its pod (`--compile_only`), and the
 figures written to the README's table: per-chip memory per phase, compile time on this host, and the
 compiler's optimal time per step next to the model FLOPs. Needs libtpu, no TPU. Minutes per config.
+With --gpu, the configs with a GPU target (hardware.gpu_target; jax's CUDA plugin, no GPU) and the README's GPU
+table: memory per GPU, FLOPs and bytes, no times (nothing is autotuned without a GPU).
 
   python benchmarks/compile_configs.py                     # all TPU configs; rewrites the README table
   python benchmarks/compile_configs.py --configs configs/qwen3b_v5p.py --no_readme
+  python benchmarks/compile_configs.py --gpu               # all GPU configs; rewrites the README's GPU table
 """
 
 from __future__ import annotations
@@ -16,13 +19,59 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BEGIN, END = "<!-- compile_configs: begin -->", "<!-- compile_configs: end -->"
+MARKERS = {"tpu": ("<!-- compile_configs: begin -->", "<!-- compile_configs: end -->"),
+           "gpu": ("<!-- compile_configs_gpu: begin -->", "<!-- compile_configs_gpu: end -->")}
 
 
-def tpu_configs() -> list[str]:
+def target_configs(kind: str) -> list[str]:
+  """The config files whose target is a TPU topology ("tpu") or a GPU target ("gpu")."""
   from pacs_jax import config as config_lib
   paths = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py")) if not os.path.basename(p).startswith("_"))
-  return [p for p in paths if config_lib.load_config_file(p).hardware.tpu_topology]
+  field = {"tpu": "tpu_topology", "gpu": "gpu_target"}[kind]
+  return [p for p in paths if config_lib.load_config_file(p).hardware[field]]
+
+
+def memory_rows(report, cfg, slots_in_row: bool = True) -> dict[str, str]:
+  """Resident parts and phase peaks per chip / GPU (the slot count in the KV cache's row name, or in its value)."""
+  from pacs_jax.train import aot
+  gb = lambda x: f"{x / aot.GB:.1f}"
+  out = {}
+  for part in ("policy params", "optimizer state", "frozen reference"):
+    if part in report.resident["update"]:
+      out[part] = gb(report.resident["update"][part])
+  out["rollout weights (compute dtype, sample layout)"] = gb(report.resident["rollout"]["rollout weights"])
+  kv = gb(report.resident["rollout"]["decode state (KV cache)"])
+  if slots_in_row:
+    out[f"decode state: KV cache of {cfg.rollout.slots} slots"] = kv
+  else:
+    out["decode state: KV cache (slots)"] = f"{kv} ({cfg.rollout.slots})"
+  out["step batch (token ids, masks, log-probs)"] = gb(report.resident["update"]["step batch (mini-batches)"])
+  for phase in ("rollout", "update"):
+    total, largest = report.phase_total(phase)
+    out[f"+ largest {phase} program (its temporaries etc.)"] = f"{gb(largest.extra)} ({largest.name})"
+    out[f"**{phase} phase peak** (of {report.target.hbm_bytes / aot.GB:g} GB)"] = f"**{gb(total)}**"
+  return out
+
+
+def gpu_summary(report, cfg) -> dict[str, str]:
+  """One README column of the GPU table: memory, FLOPs and bytes per GPU (no times: nothing is autotuned)."""
+  from pacs_jax.train import aot
+  out = memory_rows(report, cfg, slots_in_row=False)
+  progs = {p.name: p for p in report.programs}
+  train, logprobs = progs["train_step"], progs["logprobs"]
+  out["train step compile time (this 2-core host)"] = f"{train.compile_s:.0f} s"
+  out["train step TFLOP per GPU: compiled / model (6N per token)"] = (
+      f"{train.flops / 1e12:.0f} / {train.model_flops / 1e12:.0f}")
+  out["log-prob pass TFLOP per GPU: compiled / model (2N per token)"] = (
+      f"{logprobs.flops / 1e12:.0f} / {logprobs.model_flops / 1e12:.0f}")
+  out["train step GB read + written per GPU (loops applied)"] = f"{train.bytes_accessed / aot.GB:.0f}"
+  decode = [p for p in report.programs if p.name.startswith("decode[")]
+  full = max(decode, key=lambda p: int(re.search(r"(?:W|pages)=(\d+)", p.name).group(1)))
+  out["decode call (16 steps) at the full budget: temporaries / GB read + written"] = (
+      f"{full.temp / aot.GB:.2f} / {full.bytes_accessed / aot.GB:.0f}")
+  cudnn = [c for c in train.custom_calls if c.startswith("__cudnn$fmha")]
+  out["train step attention"] = "cuDNN (" + ", ".join(c.removeprefix("__cudnn$") for c in cudnn) + ")" if cudnn else "XLA"
+  return out
 
 
 def summary(report, cfg) -> dict[str, str]:
@@ -30,17 +79,7 @@ def summary(report, cfg) -> dict[str, str]:
   from pacs_jax.train import aot
   from pacs_jax.train import programs as programs_lib
   gb = lambda x: f"{x / aot.GB:.1f}"
-  out = {}
-  for part in ("policy params", "optimizer state", "frozen reference"):
-    if part in report.resident["update"]:
-      out[part] = gb(report.resident["update"][part])
-  out["rollout weights (compute dtype, sample layout)"] = gb(report.resident["rollout"]["rollout weights"])
-  out[f"decode state: KV cache of {cfg.rollout.slots} slots"] = gb(report.resident["rollout"]["decode state (KV cache)"])
-  out["step batch (token ids, masks, log-probs)"] = gb(report.resident["update"]["step batch (mini-batches)"])
-  for phase in ("rollout", "update"):
-    total, largest = report.phase_total(phase)
-    out[f"+ largest {phase} program (its temporaries etc.)"] = f"{gb(largest.extra)} ({largest.name})"
-    out[f"**{phase} phase peak** (of {report.target.hbm_bytes / aot.GB:g} GB)"] = f"**{gb(total)}**"
+  out = memory_rows(report, cfg, slots_in_row=False)
   progs = {p.name: p for p in report.programs}
   train, logprobs = progs["train_step"], progs["logprobs"]
   out["train step compile time (this 2-core host)"] = f"{train.compile_s:.0f} s"
@@ -64,10 +103,12 @@ def summary(report, cfg) -> dict[str, str]:
   return out
 
 
-def write_readme(columns: dict[str, dict[str, str]], readme: str) -> None:
+def write_readme(columns: dict[str, dict[str, str]], readme: str, kind: str = "tpu") -> None:
+  BEGIN, END = MARKERS[kind]
   rows = list(dict.fromkeys(k for col in columns.values() for k in col))
   names = list(columns)
-  lines = [BEGIN, "", "| per chip, compiled for the target (GB unless stated) | " + " | ".join(names) + " |",
+  unit = {"tpu": "chip", "gpu": "GPU"}[kind]
+  lines = [BEGIN, "", f"| per {unit}, compiled for the target (GB unless stated) | " + " | ".join(names) + " |",
            "|---|" + "---|" * len(names)]
   lines += [f"| {row} | " + " | ".join(columns[n].get(row, "-") for n in names) + " |" for row in rows]
   lines += ["", END]
@@ -81,18 +122,21 @@ def write_readme(columns: dict[str, dict[str, str]], readme: str) -> None:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--configs", nargs="*", default=None, help="config files (default: every one with a TPU topology)")
+  parser.add_argument("--configs", nargs="*", default=None,
+                      help="config files (default: every one with a TPU topology, or with --gpu a GPU target)")
+  parser.add_argument("--gpu", action="store_true", help="the GPU configs and the README's GPU table")
   parser.add_argument("--no_readme", action="store_true", help="print only; leave README.md as it is")
   parser.add_argument("--no_validation", action="store_true", help="skip the validation (greedy) programs")
   args = parser.parse_args()
   from pacs_jax import config as config_lib
   from pacs_jax.train import aot
   columns, status = {}, 0
-  for path in args.configs or tpu_configs():
+  kind = "gpu" if args.gpu else "tpu"
+  for path in args.configs or target_configs(kind):
     cfg = config_lib.load_config_file(path)
     name = os.path.splitext(os.path.basename(path))[0]
     start = time.perf_counter()
-    report = aot.compile_run(cfg, validation=not args.no_validation, one_step_decode=True,
+    report = aot.compile_run(cfg, validation=not args.no_validation, one_step_decode=not args.gpu,
                              log=lambda s: print(s, flush=True))
     report.config_name = path
     print(aot.format_report(report))
@@ -100,9 +144,12 @@ def main():
     if not report.fits:
       status = 1
       continue
-    columns[f"{name} ({cfg.hardware.tpu_topology})"] = summary(report, cfg)
+    if args.gpu:
+      columns[f"{name} ({cfg.hardware.gpu_target} {cfg.hardware.gpu_topology})"] = gpu_summary(report, cfg)
+    else:
+      columns[f"{name} ({cfg.hardware.tpu_topology})"] = summary(report, cfg)
   if columns and not args.no_readme:
-    write_readme(columns, os.path.join(ROOT, "README.md"))
+    write_readme(columns, os.path.join(ROOT, "README.md"), kind)
     print("README.md table updated")
   sys.exit(status)
 

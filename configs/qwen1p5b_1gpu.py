@@ -14,6 +14,7 @@ from _released import released_recipe  # noqa: E402
 
 def get_config(algorithm: str = "pacs"):
   c = released_recipe("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B", algorithm)
+  c.hardware.gpu_target, c.hardware.gpu_topology = "h100-sxm-80gb", "1x1x1"  # --compile_only compiles for these
   c.hardware.num_devices = 1
   c.hardware.hbm_gb = 80.0
   c.hardware.num_processes = 1

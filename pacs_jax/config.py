@@ -165,6 +165,11 @@ def default_config() -> ml_collections.ConfigDict:
   # A TPU slice as libtpu names it, "<generation>:<topology>": "v5p:2x4x4" is a v5p-64 (32 chips, 8 hosts),
   # "v5p:4x4x4" a v5p-128 (64 chips, 16 hosts). "" = no TPU target (GPU / CPU configs).
   c.hardware.tpu_topology = ""
+  # NVIDIA GPUs to compile for on any machine (jax's CUDA plugin: pip install -e ".[gpu-compile]"): the GPU, one of
+  # pacs_jax/gpu_targets ("h100-sxm-80gb"), and "<slices>x<hosts>x<gpus per host>" ("1x1x8": one 8-GPU node).
+  # "" = no GPU target (TPU / CPU configs, or --compile_only on the GPU machine itself).
+  c.hardware.gpu_target = ""
+  c.hardware.gpu_topology = ""
   c.hardware.num_devices = 0  # accelerator chips of the target slice (0 = the devices present)
   c.hardware.hbm_gb = 0.0  # memory per chip, e.g. 95 on TPU v5p, 80 on H100
   c.hardware.num_processes = 0  # JAX processes (hosts) of the target slice, e.g. chips / 4 on v5p (0 = 1)
@@ -311,8 +316,11 @@ def validate_eval(c: ml_collections.ConfigDict) -> None:
 
 
 def _check_topology(c: ml_collections.ConfigDict) -> None:
-  """The TPU target agrees with the chip and host counts the config states."""
+  """The TPU or GPU target agrees with the chip and host counts the config states."""
   h = c.hardware
+  _check(not (h.tpu_topology and h.gpu_target), "hardware.gpu_target",
+         f"a config targets a TPU slice or GPUs, not both (hardware.tpu_topology={h.tpu_topology!r})")
+  _check_gpu_target(h)
   if not h.tpu_topology:
     return
   from pacs_jax import sharding
@@ -327,13 +335,31 @@ def _check_topology(c: ml_collections.ConfigDict) -> None:
          f"{h.tpu_topology} has {hosts} hosts of {sharding.TPU_CHIPS_PER_HOST} chips, got {h.num_processes}")
 
 
+def _check_gpu_target(h: ml_collections.ConfigDict) -> None:
+  from pacs_jax import gpu_targets
+  _check(bool(h.gpu_target) == bool(h.gpu_topology), "hardware.gpu_topology" if h.gpu_target else "hardware.gpu_target",
+         f"set both hardware.gpu_target and hardware.gpu_topology, or neither (got {h.gpu_target!r}, {h.gpu_topology!r})")
+  if not h.gpu_target:
+    return
+  _check(h.gpu_target in gpu_targets.TARGETS, "hardware.gpu_target",
+         f"one of {' | '.join(gpu_targets.TARGETS)}, got {h.gpu_target!r}")
+  try:
+    gpus, hosts = gpu_targets.topology_gpus(h.gpu_topology), gpu_targets.topology_hosts(h.gpu_topology)
+  except ValueError as e:
+    raise ConfigError(f"config.hardware.gpu_topology: {e}") from None
+  _check(h.num_devices in (0, gpus), "hardware.num_devices", f"{h.gpu_topology} has {gpus} GPUs, got {h.num_devices}")
+  _check(h.num_processes in (0, hosts), "hardware.num_processes",
+         f"{h.gpu_topology} has {hosts} hosts (one process each), got {h.num_processes}")
+
+
 def check_mesh_layout(c: ml_collections.ConfigDict, devices) -> None:
   """The mesh (data, fsdp, tensor) can be laid out on `devices`, each host holding whole batch shards."""
   from pacs_jax import sharding
   try:
     sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
   except ValueError as e:
-    where = f" of {c.hardware.tpu_topology}" if c.hardware.tpu_topology else ""
+    topology = c.hardware.tpu_topology or c.hardware.gpu_topology
+    where = f" of {topology}" if topology else ""
     raise ConfigError(f"config.mesh.data/fsdp/tensor = {c.mesh.data}/{c.mesh.fsdp}/{c.mesh.tensor}: cannot be laid "
                       f"out on the {len(devices)} devices{where}: {e}") from e
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pacs_jax import config as config_lib
+from pacs_jax import gpu_targets
 from pacs_jax import sharding
 from pacs_jax.train import memory
 
@@ -60,9 +61,13 @@ def test_dry_run_cli_prints_the_per_device_table():
 
 
 def test_dry_run_says_it_is_an_estimate_without_a_tpu_target():
-  out = subprocess.run([sys.executable, "-m", "pacs_jax.train", "--config", os.path.join(ROOT, "configs", "qwen3b_gpu.py"),
-                        "--dry_run"], capture_output=True, text=True, check=True, env={**os.environ, "XLA_FLAGS": ""},
-                       timeout=300).stdout
+  gpu = os.path.join(ROOT, "configs", "qwen3b_gpu.py")
+  dry_run = lambda *flags: subprocess.run([sys.executable, "-m", "pacs_jax.train", "--config", gpu, "--dry_run", *flags],
+                                          capture_output=True, text=True, check=True, env={**os.environ, "XLA_FLAGS": ""},
+                                          timeout=300).stdout
+  out = dry_run()
+  assert "ESTIMATE" in out and "figures for h100-sxm-80gb 1x1x8: rerun with --compile_only" in out
+  out = dry_run("--config.hardware.gpu_target=", "--config.hardware.gpu_topology=")
   assert "ESTIMATE" in out and "no compiled figures here, the config names no TPU topology" in out
 
 
@@ -70,9 +75,11 @@ RELEASED = [p for p in CONFIGS if os.path.basename(p) != "tiny_cpu.py"]
 
 
 def target_devices(cfg):
-  """The target's devices: a TPU topology's abstract devices, or (GPU configs) that many CPU stand-ins."""
+  """The target's devices: a TPU topology's or GPU target's abstract devices, or that many CPU stand-ins."""
   if cfg.hardware.tpu_topology:
     return sharding.tpu_topology_devices(cfg.hardware.tpu_topology)
+  if cfg.hardware.gpu_target:
+    return gpu_targets.devices(cfg.hardware.gpu_target, cfg.hardware.gpu_topology)
   return jax.devices()[:cfg.hardware.num_devices]
 
 
@@ -88,8 +95,9 @@ def test_released_mesh_is_laid_out_on_its_target(path):
   assert set(mesh.devices.flat) == set(devices)
   shards = mesh.devices.reshape(data * fsdp, tensor)  # the devices holding each batch shard
   hosts = cfg.hardware.num_processes or 1
-  if cfg.hardware.tpu_topology:
+  if cfg.hardware.tpu_topology or cfg.hardware.gpu_target:
     assert len({d.process_index for d in devices}) == hosts
+  if cfg.hardware.tpu_topology:
     for group in shards:  # tensor groups are neighbours on the torus (one hop apart)
       coords = np.array([d.coords for d in group])
       assert all(np.abs(np.diff(coords, axis=0)).sum(-1) == 1), coords
@@ -118,3 +126,20 @@ def test_validate_names_the_mesh_when_it_cannot_be_laid_out():
   cfg.hardware.num_processes = 4
   with pytest.raises(config_lib.ConfigError, match=r"config\.hardware\.num_processes: v5p:2x4x4 has 8 hosts"):
     config_lib.validate(cfg)
+
+
+def test_validate_names_the_gpu_target_fields():
+  def error(**fields):
+    cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen3b_gpu.py"))
+    for field, value in fields.items():
+      config_lib.set_field(cfg, f"hardware.{field}", value)
+    with pytest.raises(config_lib.ConfigError) as e:
+      config_lib.validate(cfg, check_paths=False)
+    return str(e.value)
+
+  assert error(gpu_target="a100").startswith("config.hardware.gpu_target: one of h100-sxm-80gb, got 'a100'")
+  assert error(gpu_topology="8").startswith("config.hardware.gpu_topology: expected \"<slices>x<hosts>x<gpus per host>\"")
+  assert error(gpu_topology="").startswith("config.hardware.gpu_topology: set both")
+  assert error(gpu_topology="1x1x4").startswith("config.hardware.num_devices: 1x1x4 has 4 GPUs, got 8")
+  assert error(gpu_topology="1x2x4").startswith("config.hardware.num_processes: 1x2x4 has 2 hosts")
+  assert error(tpu_topology="v5p:2x4x4").startswith("config.hardware.gpu_target: a config targets a TPU slice or GPUs")

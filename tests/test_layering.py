@@ -13,6 +13,7 @@ LAYERS = {
     "pacs_jax": 0,  # the package's __init__
     "pacs_jax.paths": 0,  # local / gs:// files
     "pacs_jax.sharding": 1,  # meshes and partition rules
+    "pacs_jax.gpu_targets": 1,  # GPU target descriptions and their abstract devices
     "pacs_jax.rewards": 1,  # verifiers: import neither models nor train
     "pacs_jax.data": 2,  # records, prompts, the Grain pipeline (the synthetic tasks' verifier is in rewards)
     "pacs_jax.models": 3,

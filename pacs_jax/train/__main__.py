@@ -19,8 +19,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and logs go (
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build everything abstractly on a mesh of config.hardware.num_devices "
                              "devices and print an estimate of per-device memory; train nothing.")
 _COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Compile every program of the run ahead of time for the "
-                                  "config's target (hardware.tpu_topology; needs libtpu) from abstract weights and print "
-                                  "per-chip memory, cost and a fits verdict; exit 1 if it does not fit. Loads nothing.")
+                                  "config's target (hardware.tpu_topology: needs libtpu; hardware.gpu_target: needs "
+                                  "jax's CUDA plugin, no GPU) from abstract weights and print per-chip memory, cost and a fits verdict; exit 1 if it does not fit. Loads nothing.")
 
 
 def main(argv):

@@ -4,7 +4,9 @@ abstract weights; per-program memory and cost per chip, the resident total per p
 Nothing is materialised and no checkpoint or tokenizer is read (shapes come from `model.preset`). The
 programs are the trainer's own (`programs.make_programs`, the rollout engine's jitted calls), lowered
 with the shardings the trainer uses on `hardware.tpu_topology`'s abstract devices (libtpu compiles TPU
-programs on any machine). Loop trip counts are applied to the compiler's cost figures (see `hlo_cost`).
+programs on any machine) or `hardware.gpu_target` x `gpu_topology`'s (jax's CUDA plugin compiles GPU programs
+on a CPU host; nothing is autotuned there, so GPU reports give memory, FLOPs and bytes, never a time). Loop
+trip counts are applied to the compiler's cost figures (see `hlo_cost`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from pacs_jax import config as config_lib
+from pacs_jax import gpu_targets
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
@@ -44,21 +47,28 @@ class Target:
   description: str  # e.g. "TPU v5p:2x4x4 (32 chips, 8 hosts)"
   hbm_bytes: float | None  # memory per chip, for the verdict (None: unknown, no verdict)
   num_processes: int
+  unit: str = "chip"  # what the figures are per: "chip" (TPU, local devices) or "GPU" (a GPU target)
 
 
 def target(cfg: ml_collections.ConfigDict) -> Target:
-  """The devices to compile for: a TPU topology's abstract devices, or this machine's when they are the target."""
+  """The devices to compile for: a TPU topology's or GPU target's abstract devices, or this machine's when they
+  are the target."""
   h = cfg.hardware
   hbm = h.hbm_gb * GB if h.hbm_gb else None
   if h.tpu_topology:
     devices = sharding.tpu_topology_devices(h.tpu_topology)
     hosts = len({d.process_index for d in devices})
     return Target(devices, f"TPU {h.tpu_topology} ({len(devices)} chips, {hosts} hosts)", hbm, hosts)
+  if h.gpu_target:
+    devices = gpu_targets.devices(h.gpu_target, h.gpu_topology)
+    hosts = len({d.process_index for d in devices})
+    return Target(devices, f"{len(devices)} x {devices[0].device_kind} ({h.gpu_target} {h.gpu_topology}, {hosts} "
+                           f"host{'s' if hosts > 1 else ''})", hbm, hosts, unit="GPU")
   local = jax.devices()
   wanted = h.num_devices or len(local)
   if (h.hbm_gb and local[0].platform == "cpu") or wanted > len(local):
     raise TargetUnavailable(
-        f"config names no TPU topology (hardware.tpu_topology) and its target ({wanted} devices"
+        f"config names no TPU topology (hardware.tpu_topology) nor GPU target (hardware.gpu_target) and its target ({wanted} devices"
         f"{f' of {h.hbm_gb:g} GB' if h.hbm_gb else ''}) is not this machine ({len(local)} {local[0].platform} "
         "devices): --compile_only compiles for the target's own backend, so run it on the target machine; "
         "--dry_run prints an estimate anywhere")
@@ -136,16 +146,17 @@ class Report:
 
   def problems(self) -> list[str]:
     """Why the run would not fit (empty when it fits or no memory limit is known)."""
-    out = [_compile_problem(p, self.target.description) for p in self.failed]
+    unit = self.target.unit
+    out = [_compile_problem(p, self.target.description, unit) for p in self.failed]
     hbm = self.target.hbm_bytes
     if hbm:
       for p in self.programs:
         if not p.error and p.peak > hbm:
-          out.append(f"{p.name} needs {p.peak / GB:.2f} GB per chip by itself (> {hbm / GB:g} GB)")
+          out.append(f"{p.name} needs {p.peak / GB:.2f} GB per {unit} by itself (> {hbm / GB:g} GB)")
       for phase in self.resident:
         total, largest = self.phase_total(phase)
         if total > hbm:
-          out.append(f"{phase} phase needs {total / GB:.2f} GB per chip > {hbm / GB:g} GB (resident "
+          out.append(f"{phase} phase needs {total / GB:.2f} GB per {unit} > {hbm / GB:g} GB (resident "
                      f"{sum(self.resident[phase].values()) / GB:.2f} GB + {largest.name if largest else '-'} "
                      f"{(largest.extra if largest else 0) / GB:.2f} GB)")
     return out
@@ -158,14 +169,14 @@ class Report:
 _UNITS = {"K": 1e3 / GB, "M": 1e6 / GB, "G": 1.0, "T": 1e3}
 
 
-def _compile_problem(p: ProgramReport, where: str) -> str:
+def _compile_problem(p: ProgramReport, where: str, unit: str = "chip") -> str:
   """One failed program: XLA's out-of-memory figure (`Used 160.5G of 95.74G hbm`, `... (96.20G) exceeds available
   HBM (95.74G)`) as GB per chip, else its error."""
   m = (re.search(r"Used ([\d.]+)([KMGT])? of ([\d.]+)([KMGT])? hbm", p.error) or
        re.search(r"\(([\d.]+)([KMGT])?\) exceeds available HBM \(([\d.]+)([KMGT])?\)", p.error))
   if m:
     used, cap = float(m.group(1)) * _UNITS[m.group(2) or "G"], float(m.group(3)) * _UNITS[m.group(4) or "G"]
-    return f"{p.name} ({p.phase}) needs {used:.2f} GB per chip, more than the {cap:.2f} GB XLA can use on {where}"
+    return f"{p.name} ({p.phase}) needs {used:.2f} GB per {unit}, more than the {cap:.2f} GB XLA can use on {where}"
   return f"{p.name} ({p.phase}) does not compile for {where}: {p.error.splitlines()[0][:400]}"
 
 
@@ -301,6 +312,9 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     always["critic params + optimizer"] = per_chip_bytes(state.critic_params) + per_chip_bytes(state.critic_opt_state)
   resident = {"rollout": {**always, "rollout weights": rollout_weights, "decode state (KV cache)": state_bytes},
               "update": {**always, "step batch (mini-batches)": batch_bytes}}
+  if tgt.unit == "GPU":
+    notes.append("compiled for GPUs on a host without one: nothing is autotuned (default kernel tiles), so no times; "
+                 "cuDNN attention's matmuls (custom calls) are not in the compiled FLOPs")
   uncosted = [p.name for p in reports if p.uncosted]
   if uncosted:
     notes.append(f"the compiler gave no time for a few small instructions of {', '.join(uncosted)} (left out)")
@@ -325,12 +339,26 @@ def step_seconds(report: Report, phase: str | None = None, prefix: str = "") -> 
              if (phase is None or p.phase == phase) and p.name.startswith(prefix))
 
 
+def kernel_lines(report: Report) -> list[str]:
+  """Which programs call which kernels by name (cuDNN attention, Pallas kernels): the attention path the config's
+  dtype and target selected, seen in the compiled programs."""
+  programs: dict[str, list[str]] = {}
+  for p in report.programs:
+    if p.custom_calls:
+      names = programs.setdefault(", ".join(p.custom_calls), [])
+      name = p.name.split("[")[0]
+      names += [name] if name not in names else []
+  return [f"custom calls {calls}: {', '.join(names)}" for calls, names in programs.items()]
+
+
 def format_report(report: Report) -> str:
+  unit = report.target.unit
+  timed = any(p.optimal_s is not None for p in report.programs)
   lines = [f"compile only: {report.config_name} for {report.target.description}, mesh {report.mesh_shape}",
-           "per chip; flops, bytes and optimal time per call with loop trip counts applied (the compiler's "
-           "own figures count each loop body once)", ""]
+           f"per {unit}; flops, bytes{' and optimal time' if timed else ''} per call with loop trip counts applied "
+           "(the compiler's own figures count each loop body once)", ""]
   head = (f"{'program':<30}{'compile s':>10}{'args GB':>9}{'out GB':>8}{'temp GB':>9}{'peak GB':>9}"
-          f"{'TFLOP':>9}{'model':>8}{'GB r/w':>9}{'opt ms':>10}{'calls':>8}  loops")
+          f"{'TFLOP':>10}{'model':>10}{'GB r/w':>9}{'opt ms':>10}{'calls':>8}  loops")
   lines.append(head)
   for p in report.programs:
     if p.error:
@@ -342,9 +370,9 @@ def format_report(report: Report) -> str:
     model = f"{p.model_flops / 1e12:.3f}" if p.model_flops else "-"
     opt = "-" if p.optimal_s is None else f"{p.optimal_s * 1e3:.2f}"
     lines.append(f"{p.name:<30}{p.compile_s:>10.1f}{_gb(p.argument):>9}{_gb(p.output):>8}{_gb(p.temp):>9}"
-                 f"{_gb(p.peak):>9}{tflop:>9}{model:>8}{_gb(p.bytes_accessed):>9}{opt:>10}{p.calls:>8.0f}  {loops}")
+                 f"{_gb(p.peak):>9}{tflop:>10}{model:>10}{_gb(p.bytes_accessed):>9}{opt:>10}{p.calls:>8.0f}  {loops}")
   lines.append("")
-  lines.append("resident per chip (GB)")
+  lines.append(f"resident per {unit} (GB)")
   phases = list(report.resident)
   parts = list(dict.fromkeys(k for ph in phases for k in report.resident[ph]))
   lines.append(f"  {'':<34}" + "".join(f"{ph:>12}" for ph in phases))
@@ -362,23 +390,25 @@ def format_report(report: Report) -> str:
   if train is not None:
     lines.append(f"train step compile: {train.compile_s:.1f} s on this host ({os.cpu_count()} cores, load average "
                  f"{train.load_average:.1f})")
-  rollout_s, update_s = step_seconds(report, "rollout"), step_seconds(report, "update")
-  lines.append(f"compiler's optimal time per step: update {update_s:.1f} s, rollout {rollout_s:.1f} s (upper bound: "
-               "every response at max_new_tokens)")
+  if timed:
+    rollout_s, update_s = step_seconds(report, "rollout"), step_seconds(report, "update")
+    lines.append(f"compiler's optimal time per step: update {update_s:.1f} s, rollout {rollout_s:.1f} s (upper bound: "
+                 "every response at max_new_tokens)")
   model = sum(p.calls * p.model_flops for p in report.programs)
   compiled = sum(p.calls * (p.flops or 0.0) for p in report.programs)
-  lines.append(f"FLOPs per step per chip: compiled {compiled / 1e15:.2f} PFLOP, model (6N / 2N per token) "
+  lines.append(f"FLOPs per step per {unit}: compiled {compiled / 1e15:.2f} PFLOP, model (6N / 2N per token) "
                f"{model / 1e15:.2f} PFLOP")
+  lines += kernel_lines(report)
   lines += [f"note: {n}" for n in report.notes]
   problems = report.problems()
   hbm = report.target.hbm_bytes
   if problems:
-    memory_only = all("GB per chip" in p for p in problems)
-    lines.append(f"DOES NOT FIT in {hbm / GB:g} GB per chip:" if memory_only and hbm else "DOES NOT COMPILE:")
+    memory_only = all(f"GB per {unit}" in p for p in problems)
+    lines.append(f"DOES NOT FIT in {hbm / GB:g} GB per {unit}:" if memory_only and hbm else "DOES NOT COMPILE:")
     lines += [f"  {p}" for p in problems]
   elif hbm:
     totals = ", ".join(f"{ph} {largest[ph][0] / GB:.2f} GB ({100 * largest[ph][0] / hbm:.0f}%)" for ph in phases)
-    lines.append(f"fits in {hbm / GB:g} GB per chip: {totals}")
+    lines.append(f"fits in {hbm / GB:g} GB per {unit}: {totals}")
   else:
     lines.append("no memory limit known (hardware.hbm_gb = 0): no verdict")
   return "\n".join(lines)

@@ -75,17 +75,17 @@ def trip_count(computations: dict[str, Computation], caller: Computation, loop: 
     return None
   init = _through_copies(caller, loop.operands[0]) if loop.operands else None
   best = None
-  for cmp in (i for i in cond.instructions.values() if i.opcode == "compare"):
+  for cmp, where in _condition_compares(computations, cond):
     direction = re.search(r"direction=(\w+)", cmp.attrs)
     if not direction or direction.group(1) not in ("LT", "GT") or len(cmp.operands) != 2:
       continue
-    a, b = cmp.operands if direction.group(1) == "LT" else cmp.operands[::-1]
-    index, limit = _tuple_index(cond, a), _constant(_through_copies(cond, b))
+    a, b = (where(x) for x in (cmp.operands if direction.group(1) == "LT" else cmp.operands[::-1]))
+    index, limit = _tuple_index(*a), _constant(_through_copies(*b))
     if index is None or limit is None:
       continue
     start = _constant(_through_copies(caller, init.operands[index])) if init is not None and init.opcode == "tuple" \
         and index < len(init.operands) else None
-    step = _body_step(body, index)
+    step = _body_step(body, index, computations)
     if start is None or not step:
       continue
     n = max(0, -(-(limit - start) // step))
@@ -93,17 +93,49 @@ def trip_count(computations: dict[str, Computation], caller: Computation, loop: 
   return best
 
 
-def _body_step(body: Computation, index: int) -> int | None:
-  """The constant added to tuple element `index` on each iteration."""
+def _reader(comp: Computation, fused: Computation | None = None, fusion: Instruction | None = None):
+  """operand name -> (computation, name) to read it in: in `comp`, or inside `fusion` (of `comp`) calling `fused`,
+  where a fused parameter is read as the fusion's operand in `comp`."""
+  def where(name):
+    x = fused.instructions.get(name) if fused is not None else None
+    if x is None:
+      return comp, name
+    if x.opcode == "parameter" and int(x.operands[0]) < len(fusion.operands):
+      return comp, fusion.operands[int(x.operands[0])]
+    return fused, name
+  return where
+
+
+def _fused(computations: dict[str, Computation], instr: Instruction) -> Computation | None:
+  return computations.get(dict(instr.called()).get("calls", "")) if instr.opcode == "fusion" else None
+
+
+def _condition_compares(computations: dict[str, Computation], cond: Computation):
+  """(compare, its operands' reader) of a loop condition: its own compares and those fused into its fusions
+  (XLA's GPU compiler fuses `i < N and ...` into one kernel)."""
+  for instr in cond.instructions.values():
+    if instr.opcode == "compare":
+      yield instr, _reader(cond)
+    fused = _fused(computations, instr)
+    for cmp in (i for i in (fused.instructions.values() if fused else ()) if i.opcode == "compare"):
+      yield cmp, _reader(cond, fused, instr)
+
+
+def _body_step(body: Computation, index: int, computations: dict[str, Computation] | None = None) -> int | None:
+  """The constant added to tuple element `index` on each iteration (the add may be fused, as on GPU)."""
   root = body.root
   if root.opcode != "tuple" or index >= len(root.operands):
     return None
   update = _through_copies(body, root.operands[index])
+  where = _reader(body)
+  fused = _fused(computations or {}, update) if update is not None else None
+  if fused is not None:
+    update, where = fused.root, _reader(body, fused, update)
   if update is None or update.opcode != "add":
     return None
   for x, y in (update.operands, update.operands[::-1]):
-    if _tuple_index(body, x) == index:
-      return _constant(_through_copies(body, y))
+    if _tuple_index(*where(x)) == index:
+      return _constant(_through_copies(*where(y)))
   return None
 
 

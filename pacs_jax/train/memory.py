@@ -111,7 +111,7 @@ def activation_bytes(cfg, mc: qwen2.Qwen2Config, batch_shards: int, tensor: int,
   per_layer_saved = (0 if mc.remat else L) * m * T * (6 * D + 3 * F / tensor) * b
   if mc.remat and mc.remat_policy == "matmuls":
     per_layer_saved = L * m * T * ((2 * heads + 2 * K / tensor) * H * b + 2 * D * b + 2 * F / tensor * b + heads * 4)
-  target = "tpu" if cfg.hardware.tpu_topology else None  # else the backend this runs on
+  target = "tpu" if cfg.hardware.tpu_topology else "gpu" if cfg.hardware.gpu_target else None  # else this backend
   flash_kernel = flash.resolve(mc.attention_impl, target, mc.dtype) != "xla"
   queries = 0 if flash_kernel else min(T, mc.attention_chunk or T)  # query rows whose fp32 scores are live at once
   attention = 2 * m * heads * queries * T * 4 + 4 * m * T * N * H / tensor * b
@@ -147,6 +147,10 @@ def dry_run(cfg: ml_collections.ConfigDict) -> str:
     lines.append(f"mesh laid out on the {len(devices)} chips of {topology}")
     lines.append(f"ESTIMATE (a formula; activations approximate). The compiler's figures for {topology}: rerun with "
                  "--compile_only (libtpu is installed; it compiles every program of the run, minutes on a small host)")
+  elif cfg.hardware.gpu_target:
+    lines.append(f"ESTIMATE (a formula; activations approximate). The compiler's figures for {cfg.hardware.gpu_target} "
+                 f"{cfg.hardware.gpu_topology}: rerun with --compile_only (jax's CUDA plugin: pip install -e "
+                 "'.[gpu-compile]'; no GPU needed)")
   else:
     why = "the config names no TPU topology" if not topology else "libtpu is not installed (pip install 'jax[tpu]')"
     lines.append(f"ESTIMATE (a formula; activations approximate): no compiled figures here, {why}")

@@ -160,6 +160,8 @@ def test_a_config_that_does_not_fit_exits_nonzero_naming_the_program_and_its_siz
 
 
 def test_a_target_that_is_not_here_is_said_plainly():
-  proc = run_cli("--config", os.path.join(ROOT, "configs", "qwen3b_gpu.py"), "--compile_only")
+  # 8 GPUs named by count only (no hardware.gpu_target to compile for): only the GPU machine itself can compile.
+  proc = run_cli("--config", os.path.join(ROOT, "configs", "qwen3b_gpu.py"), "--compile_only",
+                 "--config.hardware.gpu_target=", "--config.hardware.gpu_topology=")
   assert proc.returncode == 2, proc.stdout + proc.stderr
   assert "compiles for the target's own backend" in proc.stdout and "--dry_run" in proc.stdout
