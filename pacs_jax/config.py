@@ -85,10 +85,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.train.batch_prompts = 1024  # prompts per step (each sampled rollout.n times)
   c.train.mini_batch_prompts = 256  # one optimizer step per mini-batch of whole groups
   c.train.micro_batch_prompts = 0  # gradient accumulation; 0 = the whole mini-batch at once
-  # LM head positions per chunk in the train step and log-prob passes: each chunk's logits are recomputed in
-  # the backward pass (memory: [rows, chunk, V]). 0 = the whole response in one matmul, its 16-bit logits
-  # [rows, R, V] kept for the backward (no recompute; faster where memory allows: the v5p configs).
+  # LM head positions per chunk in the train step and log-prob passes (0 = the whole response at once): the
+  # fp32 softmax never exceeds [rows, chunk, V]. Each chunk's logits are recomputed in the backward pass unless
+  # keep_logits saves them (16-bit [rows, R, V] per micro-batch: no head matmul re-run; the v5p configs).
   c.train.logits_chunk = 128
+  c.train.keep_logits = False
   c.train.lr = 1e-6
   c.train.schedule = "constant"  # constant | cosine (linear warmup, then cosine decay to lr * min_lr_ratio)
   c.train.warmup_steps = 0  # optimizer updates
@@ -221,7 +222,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   micro = t.micro_batch_prompts or t.mini_batch_prompts
   _check(t.mini_batch_prompts % micro == 0, "train.micro_batch_prompts",
          f"must divide train.mini_batch_prompts={t.mini_batch_prompts} (micro-batches hold whole groups), got {micro}")
-  _check(t.logits_chunk >= 0, "train.logits_chunk", f"must be >= 0 (0 = one matmul), got {t.logits_chunk}")
+  _check(t.logits_chunk >= 0, "train.logits_chunk", f"must be >= 0 (0 = the whole response), got {t.logits_chunk}")
   _check(t.lr > 0, "train.lr", "must be positive")
   _check_enum(t.schedule, LR_SCHEDULES, "train.schedule")
   _check(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = no clipping), got {t.grad_clip}")

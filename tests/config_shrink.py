@@ -21,7 +21,7 @@ KEEP = (
     "rollout.n", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.val_max_new_tokens",
     "rollout.stop_tokens", "rollout.kv_cache", "rollout_data_dir", "validation_data_dir",
     "train.lr", "train.schedule", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.b1",
-    "train.b2", "train.eps", "train.grad_clip", "train.verl_micro_batch_rows",
+    "train.b2", "train.eps", "train.grad_clip", "train.verl_micro_batch_rows", "train.keep_logits",
     "pacs.*", "grpo.*", "ppo.*",
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.restore",
     "checkpoint.lock_stale_after_s",
@@ -81,6 +81,7 @@ def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
       # Pages of 8 rows (3 a slot at these lengths); a pool sized for the full model's lengths means nothing here.
       "rollout.page_size": 8, "rollout.kv_pages": 0,
       "train.batch_prompts": batch, "train.mini_batch_prompts": mini, "train.micro_batch_prompts": micro,
+      "train.logits_chunk": 4 if c.train.logits_chunk else 0,  # 8 new tokens: still two chunks
       "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
       "reward_workers": min(c.reward_workers, 2),
   }

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from pacs_jax.models.token_logprobs import token_stats
 
@@ -130,22 +131,31 @@ def _as_head(lm_head) -> Callable[[jax.Array], jax.Array]:
   return lambda h: jnp.einsum("BCD,DV->BCV", h, weight.astype(h.dtype))
 
 
+# `jax.checkpoint` name of a chunk's logits, saved for the backward pass with `keep_logits`.
+CHUNK_LOGITS = "chunk_logits"
+
+
 def token_logprobs_from_hidden(hidden: jax.Array, lm_head, tokens: jax.Array, temperature: float = 1.0,
-                               chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False):
-  """Log-probs (and entropies) from hidden states, never building the full `[B, T, V]` logits.
+                               chunk_size: int = DEFAULT_CHUNK_SIZE, with_entropy: bool = False,
+                               keep_logits: bool = False):
+  """Log-probs (and entropies) from hidden states, never building the full fp32 `[B, T, V]` logits.
 
   hidden: [B, T, D]; tokens: [B, T]; lm_head: a weight [D, V] or a callable `[B, C, D] -> [B, C, V]`
-  (e.g. `Qwen2ForCausalLM.logits`, which handles tied embeddings). Each chunk's logits are recomputed in the
-  backward pass, so neither pass holds more than `[B, C, V]` of them.
+  (e.g. `Qwen2ForCausalLM.logits`, which handles tied embeddings). By default each chunk's logits are
+  recomputed in the backward pass, so neither pass holds more than `[B, C, V]` of them. `keep_logits` saves
+  each chunk's logits (the head's dtype: [B, T, V] in all) for the backward pass instead: no head matmul
+  re-run, at that memory.
   Returns logp [B, T] fp32, or (logp, entropy) when `with_entropy`.
   """
   B, T, _ = hidden.shape
   head = _as_head(lm_head)
+  policy = jax.checkpoint_policies.save_only_these_names(CHUNK_LOGITS) if keep_logits else None
 
-  @functools.partial(jax.checkpoint, static_argnums=(2,))
+  @functools.partial(jax.checkpoint, static_argnums=(2,), policy=policy)
   def chunk_fn(_, start, size):
     h = lax.dynamic_slice_in_dim(hidden, start, size, axis=1)  # [B, C, D]
-    return _chunk_stats(head(h), lax.dynamic_slice_in_dim(tokens, start, size, axis=1), temperature, with_entropy)
+    logits = checkpoint_name(head(h), CHUNK_LOGITS)  # [B, C, V]
+    return _chunk_stats(logits, lax.dynamic_slice_in_dim(tokens, start, size, axis=1), temperature, with_entropy)
 
   outs = _scan_chunks(chunk_fn, B, T, chunk_size, 2 if with_entropy else 1,
                       dtype=jnp.promote_types(hidden.dtype, jnp.float32))

@@ -27,28 +27,22 @@ Batch = dict[str, jax.Array]
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float,
                       with_entropy: bool = False, targets=None,
-                      logits_chunk: int = logprobs_lib.DEFAULT_CHUNK_SIZE):
+                      logits_chunk: int = logprobs_lib.DEFAULT_CHUNK_SIZE, keep_logits: bool = False):
   """Log-probs [B, R] (and entropies) of the response tokens input_ids[:, P:] (or `targets` [B, R]) under
   logits / temperature.
 
   The hidden state at position t predicts token t + 1, so the response's predictors are [P-1, L-1).
-  Never a full fp32 [B, R, V]: with `logits_chunk` > 0 the LM head runs on that many positions at a time,
-  each chunk's logits recomputed in the backward pass (memory: one [B, chunk, V] chunk); with 0 it is one
-  matmul over the whole response whose 16-bit logits [B, R, V] are kept for the backward pass (no
-  recompute, and the head's weight gradient is one matmul, not a sum over chunks; `train.logits_chunk`).
+  The LM head runs on `logits_chunk` positions at a time (0: the whole response at once), never building a
+  full fp32 [B, R, V]; each chunk's logits are recomputed in the backward pass, or kept (`keep_logits`:
+  16-bit [B, R, V] in all; `train.logits_chunk`, `train.keep_logits`).
   """
   hidden = model.model(input_ids, attention_mask)  # [B, L, D]
   L = input_ids.shape[1]
   P = L - response_len
   targets = input_ids[:, P:] if targets is None else targets
-  predictors = hidden[:, P - 1:L - 1]  # [B, R, D]
-  if logits_chunk == 0:
-    logits = model.logits(predictors)  # [B, R, V]
-    if with_entropy:
-      return logprobs_lib.token_logprobs_and_entropy(logits, targets, temperature)
-    return logprobs_lib.token_logprobs(logits, targets, temperature)
-  return logprobs_lib.token_logprobs_from_hidden(predictors, model.logits, targets, temperature,
-                                                 chunk_size=logits_chunk, with_entropy=with_entropy)
+  return logprobs_lib.token_logprobs_from_hidden(hidden[:, P - 1:L - 1], model.logits, targets, temperature,
+                                                 chunk_size=logits_chunk or response_len,
+                                                 with_entropy=with_entropy, keep_logits=keep_logits)
 
 
 def response_values(critic, input_ids, attention_mask, response_len: int):
@@ -80,7 +74,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     R = micro["response_mask"].shape[-1]
     logp, entropy = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
                                       with_entropy=True, targets=micro.get("logprob_targets"),
-                                      logits_chunk=cfg.train.logits_chunk)
+                                      logits_chunk=cfg.train.logits_chunk, keep_logits=cfg.train.keep_logits)
     # The entropy only carries gradient when it is part of the objective (GRPO's entropy bonus).
     loss, metrics = algo.loss(cfg, logp, entropy if algo.entropy_has_grad(cfg) else jax.lax.stop_gradient(entropy),
                               micro)

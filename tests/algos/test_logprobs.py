@@ -1,5 +1,7 @@
 """Chunked token log-probs / entropies against torch's log_softmax + gather, and their compiled memory."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,6 +114,28 @@ def test_from_hidden_equals_from_logits():
   # Gradients w.r.t. hidden and the head weight equal those through the full logits.
   for g, w in zip(got_grads, want_grads):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_kept_logits_give_the_same_gradients_and_run_the_head_once_in_the_backward():
+  rng = np.random.default_rng(5)
+  B, T, D, V, chunk_size = 2, 12, 6, 40, 4
+  hidden = jnp.asarray(rng.normal(size=(B, T, D)).astype(np.float32))
+  weight = jnp.asarray(rng.normal(size=(D, V)).astype(np.float32))
+  tokens = jnp.asarray(rng.integers(0, V, size=(B, T)).astype(np.int32))
+
+  def loss(h, w, keep):
+    logp, entropy = lp.token_logprobs_from_hidden(h, w, tokens, 0.9, chunk_size, with_entropy=True, keep_logits=keep)
+    return jnp.sum(logp * np.arange(T)) + jnp.sum(entropy)
+
+  grads = {keep: jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(hidden, weight, keep) for keep in (False, True)}
+  for kept, recomputed in zip(grads[True], grads[False]):
+    np.testing.assert_allclose(kept, recomputed, rtol=1e-6, atol=1e-6)
+  # The head's [B * C, D] x [D, V] matmul in the compiled program (dW is [D, V], dh [B * C, D]): forward once
+  # per chunk either way; the backward re-runs it only without kept logits.
+  def head_matmuls(keep):
+    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2).lower(hidden, weight, keep).compile().as_text()
+    return len(re.findall(rf"= f32\[{B * chunk_size},{V}\]\{{[^}}]*\}} dot\(", hlo))
+  assert head_matmuls(False) == 2 and head_matmuls(True) == 1, (head_matmuls(False), head_matmuls(True))
 
 
 def test_vocab_sharded_logits_on_the_mesh():
