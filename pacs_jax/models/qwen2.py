@@ -272,6 +272,13 @@ class Attention(nnx.Module):
     return y, cache
 
 
+def silu(x):
+  """x * sigmoid(x) with sigmoid(x) = (1 + tanh(x / 2)) / 2: the same function, and no exp or divide on
+  [B, T, F] in the backward pass (the TPU compiler fused them into the down projection's transposed matmul,
+  whose estimate they raised by 45%; qwen3b_v5p's step 15.16 -> 15.09 s compiler-optimal)."""
+  return x * (0.5 + 0.5 * jnp.tanh(0.5 * x))
+
+
 class MLP(nnx.Module):
   def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
     D, F, pd = config.hidden_size, config.intermediate_size, config.param_dtype
@@ -286,7 +293,7 @@ class MLP(nnx.Module):
     x = x.astype(dt)
     gate = jnp.einsum("BTD,DF->BTF", x, sharding.matmul_weight(self.gate_kernel[...], ("embed", "mlp"), dt))
     up = jnp.einsum("BTD,DF->BTF", x, sharding.matmul_weight(self.up_kernel[...], ("embed", "mlp"), dt))
-    h = sharding.constrain(jax.nn.silu(gate) * up, ("batch", None, "mlp"))
+    h = sharding.constrain(silu(gate) * up, ("batch", None, "mlp"))
 
     return jnp.einsum("BTF,FD->BTD", h, sharding.matmul_weight(self.down_kernel[...], ("mlp", "embed"), dt))
 
