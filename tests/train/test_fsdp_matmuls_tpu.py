@@ -27,6 +27,7 @@ def compiled():
   qwen2.PRESETS[preset] = qwen2.PRESETS["qwen2.5-3b"].replace(num_hidden_layers=1)
   try:
     c = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen3b_v5p.py"))
+    c.algorithm = "ppo"  # PACS's programs plus PPO's critic: its value pass runs the same backbone
     c.model.preset = preset
     # 16 chips, fsdp 8 x tensor 2 (on 4 chips, fsdp 2 or 4, XLA gathers whole even without the constraint).
     c.hardware.tpu_topology, c.hardware.num_devices, c.hardware.num_processes = "v5p:2x2x4", 16, 4
@@ -40,16 +41,17 @@ def compiled():
     batch = programs_lib.minibatch_shapes(c, mesh)
     with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
       yield {"train_step": progs.train_step.lower(state, batch).compile().as_text(),
-             "logprobs": progs.logprob_fn.lower(state.params, batch).compile().as_text()}
+             "logprobs": progs.logprob_fn.lower(state.params, batch).compile().as_text(),
+             "values": progs.value_fn.lower(state.critic_params, batch).compile().as_text()}
   finally:
     del qwen2.PRESETS[preset]
 
 
-@pytest.mark.parametrize("program", ["train_step", "logprobs"])
+@pytest.mark.parametrize("program", ["train_step", "logprobs", "values"])
 def test_fsdp_weights_are_gathered_whole_not_streamed_through_windowed_einsum_loops(compiled, program):
   hlo = compiled[program]
   loops = WINDOWED.findall(hlo)
   assert not loops, f"{program}: XLA streams fsdp weight shards through {len(loops)} windowed-einsum loops"
-  # The gathers are there instead: every layer weight (q, k, v, o, gate, up, down) and the LM head.
+  # The gathers are there instead: the layer weights (q, k, v, o, gate, up, down) and the LM head.
   gathered = {m for m in re.findall(r"= bf16\[([\d,]+)\][^ ]* all-gather", hlo)}
   assert gathered, f"{program}: no bf16 all-gather of weights"
