@@ -164,7 +164,8 @@ class Trainer:
 
     with jax.set_mesh(self.mesh):
       policy = build_policy(cfg, self.mesh)
-    export_lib.write_model_card(workdir, policy.config, self.tokenizer)
+    export_lib.write_model_card(workdir, policy.config, self.tokenizer,
+                                source_dir=cfg.model.hf_path and hf.resolve_path(cfg.model.hf_path))
     self.graphdef, params = nnx.split(policy, nnx.Param)
     self.optimizer, self.critic_optimizer = programs_lib.make_optimizers(cfg)
     critic_graphdef = critic_params = critic_opt_state = None
