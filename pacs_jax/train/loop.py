@@ -374,7 +374,7 @@ class Trainer:
     last = {}
     try:
       with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
-        if restored is None and cfg.eval_every:
+        if restored is None and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
           writer.write(0, self.validate(scorer))
         for step in range(start + 1, cfg.steps + 1):
           batch = next(self.data_iter)
