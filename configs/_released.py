@@ -1,4 +1,4 @@
-"""The released recipe (PACS.md; ritzz-ai/PACS scripts/pacs/pacs_beta_1.0.sh, scripts/baseline/grpo.sh, ppo.sh and
+"""The released recipe (docs/algorithm.md; ritzz-ai/PACS scripts/pacs/pacs_beta_1.0.sh, scripts/baseline/grpo.sh, ppo.sh and
 configs/ppo_trainer.yaml) shared by the full-size configs; each config picks model, mesh and batch split."""
 
 from pacs_jax.config import default_config

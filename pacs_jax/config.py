@@ -72,7 +72,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.rollout.kv_cache = "paged"
   c.rollout.page_size = 64
   c.rollout.kv_pages = 0  # KV memory in pages, all batch shards together; 0 = enough for every slot at full length
-  # Which tokens end a response, and how far the response mask runs (PACS.md "Padding and stopping"):
+  # Which tokens end a response, and how far the response mask runs (docs/algorithm.md "Padding and stopping"):
   #   "released": the tokenizer's EOS plus generation_config.json's eos_token_id (config.json's when there is
   #     none), as verl's vLLM rollout; the mask runs up to and including the first generation-config EOS
   #     (verl's get_response_mask), the rest is padded with the pad token.
@@ -104,7 +104,7 @@ def default_config() -> ml_collections.ConfigDict:
   # mean (before the clip); pacs.exact_padding_replication packs rows in groups of this many.
   c.train.verl_micro_batch_rows = 8
 
-  # PACS (PACS.md): r̂ from log-prob ratios, ψ = advantage of r̂ in the group, BCE(ψ, R) with weights.
+  # PACS (docs/algorithm.md): r̂ from log-prob ratios, ψ = advantage of r̂ in the group, BCE(ψ, R) with weights.
   c.pacs = ml_collections.ConfigDict()
   c.pacs.beta = 1.0
   c.pacs.reward_method = "1"  # "1": β Σ (log π − log π_ref); "2": β Σ log π / |o|
@@ -113,7 +113,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.pacs.use_weight = True
   c.pacs.weight_mode = "question"  # question | only_positive | only_negative
   c.pacs.reference_policy = "frozen"  # frozen (initial model) | rollout (the sampling policy, as released)
-  # Off: r̂ sums the masked response tokens (PACS.md). On: it also sums the term verl's remove-padding forward
+  # Off: r̂ sums the masked response tokens (docs/algorithm.md). On: it also sums the term verl's remove-padding forward
   # leaves at the first padding position of a response that ended early: the log-prob of the next packed row's
   # first token given this row (rows packed in groups of train.verl_micro_batch_rows; the last wraps to the first).
   c.pacs.exact_padding_replication = False
