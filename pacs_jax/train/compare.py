@@ -82,7 +82,7 @@ def format_table(table: list[list[str]]) -> str:
 
 
 def plot(runs: dict[str, dict], out_path: str, smoothing: int = 0, title: str = "") -> None:
-  """One row of panels (PANELS), a line per run (trailing mean over `smoothing` steps; 0 = a twentieth of the
+  """A grid of panels (PANELS; the last cell holds the legend), a line per run (trailing mean over `smoothing` steps; 0 = a twentieth of the
   longest run), the raw values faint behind it; written as a PNG (Agg: no display needed)."""
   import matplotlib
   matplotlib.use("Agg")
@@ -90,7 +90,8 @@ def plot(runs: dict[str, dict], out_path: str, smoothing: int = 0, title: str = 
 
   longest = max((len(run["reward/mean"][0]) for run in runs.values()), default=1)
   window = smoothing or max(1, longest // 20)
-  fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4), constrained_layout=True)
+  fig, grid = plt.subplots(2, 3, figsize=(12, 6.4), constrained_layout=True)
+  axes, legend_cell = grid.flat[:len(PANELS)], grid.flat[-1]
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   for (panel, key), ax in zip(PANELS, axes):
     for i, (name, run) in enumerate(runs.items()):
@@ -106,7 +107,11 @@ def plot(runs: dict[str, dict], out_path: str, smoothing: int = 0, title: str = 
     ax.set_title(panel, fontsize=10)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=8)
+    if key == "timing/step_s":
+      ax.set_yscale("log")  # the first step compiles: tens of times the others
+  legend_cell.axis("off")
+  legend_cell.legend(*axes[0].get_legend_handles_labels(), loc="center", fontsize=11,
+                     title=f"trailing mean over {window} steps" if window > 1 else None)
   if title:
     fig.suptitle(title)
   directory = os.path.dirname(out_path)
