@@ -55,7 +55,7 @@ def memory_rows(report, cfg, slots_in_row: bool = True) -> dict[str, str]:
 
 
 def gpu_summary(report, cfg) -> dict[str, str]:
-  """One README column of the GPU table: memory, FLOPs and bytes per GPU (no times: nothing is autotuned)."""
+  """One column of the GPU table (docs/gpu.md): memory, FLOPs and bytes per GPU (no times: nothing is autotuned)."""
   from pacs_jax.train import aot
   out = memory_rows(report, cfg, slots_in_row=False)
   progs = {p.name: p for p in report.programs}
@@ -76,7 +76,7 @@ def gpu_summary(report, cfg) -> dict[str, str]:
 
 
 def summary(report, cfg) -> dict[str, str]:
-  """One README column: the figures a user needs before renting the pod."""
+  """One column of the TPU table (docs/tpu.md): the figures a user needs before renting the pod."""
   from pacs_jax.train import aot
   from pacs_jax.train import programs as programs_lib
   gb = lambda x: f"{x / aot.GB:.1f}"
