@@ -66,11 +66,15 @@ def closing_line(workdir: str, step: int) -> str:
           f"  compare:  python -m pacs_jax.compare {w} OTHER_RUN ...")
 
 
-def response_bar(total: int, description: str, active: bool = True):
-  """A tqdm bar over a step's responses; None where nobody watches (not a terminal, or not process 0)."""
+def watched() -> bool:
+  """Process 0 writing to a terminal: where progress bars are drawn."""
   import sys
 
+  import jax
+  return jax.process_index() == 0 and sys.stderr.isatty()
+
+
+def response_bar(total: int, description: str):
+  """A tqdm bar over a step's responses, cleared when closed (the step's console line follows)."""
   from tqdm.auto import tqdm
-  if not active or not sys.stderr.isatty():
-    return None
   return tqdm(total=total, desc=description, unit="response", leave=False, dynamic_ncols=True)

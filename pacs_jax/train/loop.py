@@ -149,7 +149,6 @@ class Trainer:
 
     instruction = cfg.data.instruction or None
     train_records, self.skipped_rows = load_split(cfg.data.train, cfg, cfg.data.synthetic_train_size, cfg.seed)
-    self.num_train_records = len(train_records)
     self.source_names = sorted({r["data_source"] for r in train_records})
     self.pipeline = pipeline_lib.PromptPipeline(
         train_records, self.tokenizer, batch_size=cfg.train.batch_prompts, seed=cfg.seed,
@@ -229,10 +228,11 @@ class Trainer:
     t0 = time.perf_counter()
     seed = state_lib.rollout_seed(self.state.rng)  # the train step's last update moves the RNG on
     prompts = [ids.tolist() for ids in batch["prompt_ids"]]
-    step = int(self.state.step) + 1
     first = " (the first step compiles its programs)" if not self._stepped else ""
-    bar = console.response_bar(len(prompts) * jax.process_count() * n, f"step {step}: rollout{first}",
-                               active=jax.process_index() == 0)
+    bar = None
+    if console.watched():  # (the step number waits for the previous update: only where someone looks)
+      bar = console.response_bar(len(prompts) * jax.process_count() * n,
+                                 f"step {int(self.state.step) + 1}: rollout{first}")
     with jax.set_mesh(self.mesh):
       params_sample = self.to_sample_params(self.state.params)
       completions = self.rollout(params_sample, prompts, seed, self.sampling, n, self.R,
@@ -240,7 +240,7 @@ class Trainer:
     del params_sample
     t_rollout = time.perf_counter()
     if bar is not None:
-      bar.set_description(f"step {step}: reward and update{first}")
+      bar.set_description(bar.desc.replace(": rollout", ": reward and update"))
 
     texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     answers = [batch["answer"][c.prompt_index] for c in completions]
