@@ -98,3 +98,14 @@ def test_shown_commands_use_real_modules_flags_and_fields():
         config_lib.get_field(config_of(config_argument), name[len("config."):])  # KeyError: no such field
       else:
         assert name in flags, f"{doc}: {module} has no --{name}"
+
+
+def test_compile_tables_are_where_the_benchmark_writes_them():
+  """benchmarks/compile_configs.py rewrites the text between its markers in docs/tpu.md and docs/gpu.md."""
+  spec = importlib.util.spec_from_file_location("compile_configs", os.path.join(ROOT, "benchmarks", "compile_configs.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  for kind, (begin, end) in module.MARKERS.items():
+    text = open(module.DOCS[kind]).read()
+    assert text.count(begin) == 1 and text.count(end) == 1 and text.index(begin) < text.index(end), kind
+    assert begin not in open(DOCS[0]).read()
