@@ -1,12 +1,12 @@
 """Every released config with a TPU topology compiled ahead of time for its pod (`--compile_only`), and the
-figures written to the README's table: per-chip memory per phase, compile time on this host, and the
+figures written to the table in docs/tpu.md: per-chip memory per phase, compile time on this host, and the
 compiler's optimal time per step next to the model FLOPs. Needs libtpu, no TPU. Minutes per config.
-With --gpu, the configs with a GPU target (hardware.gpu_target; jax's CUDA plugin, no GPU) and the README's GPU
-table: memory per GPU, FLOPs and bytes, no times (nothing is autotuned without a GPU).
+With --gpu, the configs with a GPU target (hardware.gpu_target; jax's CUDA plugin, no GPU) and the table in
+docs/gpu.md: memory per GPU, FLOPs and bytes, no times (nothing is autotuned without a GPU).
 
-  python benchmarks/compile_configs.py                     # all TPU configs; rewrites the README table
-  python benchmarks/compile_configs.py --configs configs/qwen3b_v5p.py --no_readme
-  python benchmarks/compile_configs.py --gpu               # all GPU configs; rewrites the README's GPU table
+  python benchmarks/compile_configs.py                     # all TPU configs; rewrites docs/tpu.md's table
+  python benchmarks/compile_configs.py --configs configs/qwen3b_v5p.py --no_docs
+  python benchmarks/compile_configs.py --gpu               # all GPU configs; rewrites docs/gpu.md's table
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKERS = {"tpu": ("<!-- compile_configs: begin -->", "<!-- compile_configs: end -->"),
            "gpu": ("<!-- compile_configs_gpu: begin -->", "<!-- compile_configs_gpu: end -->")}
+DOCS = {"tpu": os.path.join(ROOT, "docs", "tpu.md"), "gpu": os.path.join(ROOT, "docs", "gpu.md")}  # hold the tables
 
 
 def target_configs(kind: str) -> list[str]:
@@ -54,7 +55,7 @@ def memory_rows(report, cfg, slots_in_row: bool = True) -> dict[str, str]:
 
 
 def gpu_summary(report, cfg) -> dict[str, str]:
-  """One README column of the GPU table: memory, FLOPs and bytes per GPU (no times: nothing is autotuned)."""
+  """One column of the GPU table (docs/gpu.md): memory, FLOPs and bytes per GPU (no times: nothing is autotuned)."""
   from pacs_jax.train import aot
   out = memory_rows(report, cfg, slots_in_row=False)
   progs = {p.name: p for p in report.programs}
@@ -75,7 +76,7 @@ def gpu_summary(report, cfg) -> dict[str, str]:
 
 
 def summary(report, cfg) -> dict[str, str]:
-  """One README column: the figures a user needs before renting the pod."""
+  """One column of the TPU table (docs/tpu.md): the figures a user needs before renting the pod."""
   from pacs_jax.train import aot
   from pacs_jax.train import programs as programs_lib
   gb = lambda x: f"{x / aot.GB:.1f}"
@@ -103,7 +104,7 @@ def summary(report, cfg) -> dict[str, str]:
   return out
 
 
-def write_readme(columns: dict[str, dict[str, str]], readme: str, kind: str = "tpu") -> None:
+def write_table(columns: dict[str, dict[str, str]], doc: str, kind: str = "tpu") -> None:
   BEGIN, END = MARKERS[kind]
   rows = list(dict.fromkeys(k for col in columns.values() for k in col))
   names = list(columns)
@@ -112,11 +113,11 @@ def write_readme(columns: dict[str, dict[str, str]], readme: str, kind: str = "t
            "|---|" + "---|" * len(names)]
   lines += [f"| {row} | " + " | ".join(columns[n].get(row, "-") for n in names) + " |" for row in rows]
   lines += ["", END]
-  text = open(readme).read()
+  text = open(doc).read()
   if BEGIN not in text or END not in text:
-    raise SystemExit(f"{readme} has no {BEGIN} ... {END} markers")
+    raise SystemExit(f"{doc} has no {BEGIN} ... {END} markers")
   start, end = text.index(BEGIN), text.index(END) + len(END)
-  with open(readme, "w") as f:
+  with open(doc, "w") as f:
     f.write(text[:start] + "\n".join(lines) + text[end:])
 
 
@@ -124,8 +125,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--configs", nargs="*", default=None,
                       help="config files (default: every one with a TPU topology, or with --gpu a GPU target)")
-  parser.add_argument("--gpu", action="store_true", help="the GPU configs and the README's GPU table")
-  parser.add_argument("--no_readme", action="store_true", help="print only; leave README.md as it is")
+  parser.add_argument("--gpu", action="store_true", help="the GPU configs and docs/gpu.md's table")
+  parser.add_argument("--no_docs", "--no_readme", dest="no_docs", action="store_true",
+                      help="print only; leave docs/tpu.md and docs/gpu.md as they are")
   parser.add_argument("--no_validation", action="store_true", help="skip the validation (greedy) programs")
   args = parser.parse_args()
   from pacs_jax import config as config_lib
@@ -148,9 +150,9 @@ def main():
       columns[f"{name} ({cfg.hardware.gpu_target} {cfg.hardware.gpu_topology})"] = gpu_summary(report, cfg)
     else:
       columns[f"{name} ({cfg.hardware.tpu_topology})"] = summary(report, cfg)
-  if columns and not args.no_readme:
-    write_readme(columns, os.path.join(ROOT, "README.md"), kind)
-    print("README.md table updated")
+  if columns and not args.no_docs:
+    write_table(columns, DOCS[kind], kind)
+    print(f"{os.path.relpath(DOCS[kind], ROOT)} table updated")
   sys.exit(status)
 
 

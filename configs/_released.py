@@ -1,4 +1,4 @@
-"""The released recipe (PACS.md; ritzz-ai/PACS scripts/pacs/pacs_beta_1.0.sh, scripts/baseline/grpo.sh, ppo.sh and
+"""The released recipe (docs/algorithm.md; ritzz-ai/PACS scripts/pacs/pacs_beta_1.0.sh, scripts/baseline/grpo.sh, ppo.sh and
 configs/ppo_trainer.yaml) shared by the full-size configs; each config picks model, mesh and batch split."""
 
 from pacs_jax.config import default_config
@@ -46,7 +46,7 @@ def released_recipe(preset: str, hf_path: str, algorithm: str = "pacs"):
   # The released code's reference is the policy that sampled each step (old_log_prob, computed once before any
   # update; r̂ = 0 on every step's first mini-batch). "frozen" (the initial model) is this project's option.
   c.pacs.reference_policy = "rollout"
-  c.pacs.exact_padding_replication = False  # True adds verl's first-padding-position term to r̂ (README)
+  c.pacs.exact_padding_replication = False  # True adds verl's first-padding-position term to r̂ (docs/differences.md)
   c.grpo.loss_agg_mode = "seq-mean-token-sum-norm"
   c.grpo.use_kl_loss = False
   c.grpo.entropy_coeff = 0.0

@@ -18,12 +18,12 @@ def get_config(algorithm: str = "pacs"):
   c.mesh.tensor = 2  # 16 query / 2 kv heads split over 2 chips: halves attention and KV cache per chip
   c.train.micro_batch_prompts = 8  # 64 rows of 4,608 tokens per micro-batch = 4 rows per fsdp shard; 1 prompt per host
   # Splash attention (attention_impl "auto" on TPU) and no matmul re-run in the backward pass: the compiled
-  # train step does 1.16x the model's 6N FLOPs per token (1.56x before),
-  # 28.8 GB per chip at its peak (README; benchmarks/train_step_compile_tpu.py).
+  # train step does 1.17x (1.56x with XLA attention) the model's 6N FLOPs per token,
+  # 32.9 GB per chip at its peak (docs/benchmarks.md; benchmarks/train_step_compile_tpu.py).
   c.model.remat_policy = "matmuls"
   # The LM head 1,024 positions at a time with its 16-bit logits kept for the backward pass (2.5 GB per chip per
   # micro-batch): no head matmul re-run (train step FLOPs 1.17x 6N, not 1.20x), and 6% less compiler-optimal time
-  # than 128-position chunks recomputed (README, "Against MaxText").
+  # than 128-position chunks recomputed (docs/benchmarks.md, "Against MaxText").
   c.train.logits_chunk = 1024
   c.train.keep_logits = True
   c.rollout.slots = 2048  # concurrent sequences (128 per chip); the rest queue (continuous batching)

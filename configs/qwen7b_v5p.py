@@ -18,12 +18,12 @@ def get_config(algorithm: str = "pacs"):
   c.mesh.tensor = 2  # 28 query / 4 kv heads
   c.train.micro_batch_prompts = 16  # 128 rows per micro-batch = 4 rows per fsdp shard; 1 prompt per host
   # Splash attention (attention_impl "auto" on TPU) and no matmul re-run in the backward pass: the compiled
-  # train step does 1.10x the model's 6N FLOPs per token (1.43x before),
-  # 39.7 GB per chip at its peak (README; benchmarks/train_step_compile_tpu.py).
+  # train step does 1.10x (1.43x with XLA attention) the model's 6N FLOPs per token,
+  # 42.6 GB per chip at its peak (docs/benchmarks.md; benchmarks/train_step_compile_tpu.py).
   c.model.remat_policy = "matmuls"
   # The LM head 1,024 positions at a time with its 16-bit logits kept for the backward pass (2.5 GB per chip per
-  # micro-batch): no head matmul re-run (train step FLOPs 1.17x 6N, not 1.20x), and 6% less compiler-optimal time
-  # than 128-position chunks recomputed (README, "Against MaxText").
+  # micro-batch): no head matmul re-run and less compiler-optimal time
+  # than 128-position chunks recomputed (docs/benchmarks.md, "Against MaxText").
   c.train.logits_chunk = 1024
   c.train.keep_logits = True
   c.rollout.slots = 2048

@@ -72,7 +72,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.rollout.kv_cache = "paged"
   c.rollout.page_size = 64
   c.rollout.kv_pages = 0  # KV memory in pages, all batch shards together; 0 = enough for every slot at full length
-  # Which tokens end a response, and how far the response mask runs (PACS.md "Padding and stopping"):
+  # Which tokens end a response, and how far the response mask runs (docs/algorithm.md "Padding and stopping"):
   #   "released": the tokenizer's EOS plus generation_config.json's eos_token_id (config.json's when there is
   #     none), as verl's vLLM rollout; the mask runs up to and including the first generation-config EOS
   #     (verl's get_response_mask), the rest is padded with the pad token.
@@ -105,7 +105,7 @@ def default_config() -> ml_collections.ConfigDict:
   # mean (before the clip); pacs.exact_padding_replication packs rows in groups of this many.
   c.train.verl_micro_batch_rows = 8
 
-  # PACS (PACS.md): r̂ from log-prob ratios, ψ = advantage of r̂ in the group, BCE(ψ, R) with weights.
+  # PACS (docs/algorithm.md): r̂ from log-prob ratios, ψ = advantage of r̂ in the group, BCE(ψ, R) with weights.
   c.pacs = ml_collections.ConfigDict()
   c.pacs.beta = 1.0
   c.pacs.reward_method = "1"  # "1": β Σ (log π − log π_ref); "2": β Σ log π / |o|
@@ -114,7 +114,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.pacs.use_weight = True
   c.pacs.weight_mode = "question"  # question | only_positive | only_negative
   c.pacs.reference_policy = "frozen"  # frozen (initial model) | rollout (the sampling policy, as released)
-  # Off: r̂ sums the masked response tokens (PACS.md). On: it also sums the term verl's remove-padding forward
+  # Off: r̂ sums the masked response tokens (docs/algorithm.md). On: it also sums the term verl's remove-padding forward
   # leaves at the first padding position of a response that ended early: the log-prob of the next packed row's
   # first token given this row (rows packed in groups of train.verl_micro_batch_rows; the last wraps to the first).
   c.pacs.exact_padding_replication = False
@@ -235,7 +235,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check_enum(p.reference_policy, REFERENCE_POLICIES, "pacs.reference_policy")
   algo.validate(c, _check, num_processes)
   _check(c.grpo.loss_agg_mode in grpo.LOSS_AGG_MODES, "grpo.loss_agg_mode", f"unknown mode {c.grpo.loss_agg_mode!r}")
-  _check(c.model.hf_path or c.model.preset, "model.preset", "set model.preset or model.hf_path")
+  _check(c.model.hf_path or c.model.preset, "model.hf_path",
+         "set it to your model's directory (or a hub id such as Qwen/Qwen2.5-0.5B), or set model.preset")
+  _check(bool(c.data.train.strip(", ")), "data.train",
+         "set it to your problems: .jsonl/.json/.parquet files of {\"problem\", \"answer\"} rows, hf://owner/name, "
+         "or synthetic/<task>")
   _check_enum(c.model.param_dtype, DTYPE_NAMES, "model.param_dtype")
   _check(c.model.attention_chunk >= 0, "model.attention_chunk", "must be >= 0 (0 = all queries at once)")
   from pacs_jax.models import flash, qwen2
@@ -304,6 +308,39 @@ def _check_sampling(c: ml_collections.ConfigDict) -> None:
   _check(isinstance(c.seed, int) and 0 <= c.seed < 2**31, "seed", f"must be an integer in [0, 2**31), got {c.seed!r}")
   _check(c.reward_workers >= 1, "reward_workers", f"must be >= 1 (math-verify worker processes), got {c.reward_workers}")
   _check(c.reward_timeout_s > 0, "reward_timeout_s", f"must be positive (seconds), got {c.reward_timeout_s}")
+
+
+def check_tokenizer_fits_model(c: ml_collections.ConfigDict, tokenizer_size: int, model_vocab: int) -> None:
+  """Raises ConfigError naming config.tokenizer when the tokenizer has ids the model cannot embed, or when a real
+  model (model.hf_path) is paired with a tokenizer of a small fraction of its vocabulary (the 64-token synthetic
+  one beside a 151,936-token Qwen): the model would read and write words it never learnt."""
+  tokenizer = c.tokenizer or c.model.hf_path or "synthetic"
+  model = c.model.hf_path or f"preset {c.model.preset}"
+  mismatch = tokenizer_size > model_vocab or (c.model.hf_path and 2 * tokenizer_size < model_vocab)
+  _check(not mismatch, "tokenizer",
+         f"the tokenizer ({tokenizer!r}, {tokenizer_size} tokens) does not fit the model ({model}, vocabulary "
+         f"{model_vocab}); set --config.tokenizer='' to use the model's own tokenizer (model.hf_path), or the "
+         "directory of the tokenizer it was trained with")
+
+
+def advisories(c: ml_collections.ConfigDict) -> list[str]:
+  """Warnings for a config that runs but is likely not what was meant (a real model on the synthetic task, real
+  problems without an instruction)."""
+  from pacs_jax.rewards import synthetic as synthetic_verifier
+  out = []
+  def synthetic_parts(spec: str) -> list[str]:
+    return [s.strip() for s in spec.split(",") if synthetic_verifier.is_synthetic(s.strip())]
+  if c.model.hf_path:
+    for field in ("data.train", "data.val"):
+      if synthetic_parts(get_field(c, field)):
+        out.append(f"config.{field}={get_field(c, field)!r} is the built-in synthetic task (a 64-token vocabulary) "
+                   f"beside a real model (model.hf_path={c.model.hf_path!r}): set --config.{field} to your own "
+                   f"problems{' or to empty for no validation' if field == 'data.val' else ''}")
+  real = [s for s in c.data.train.split(",") if s.strip() and not synthetic_verifier.is_synthetic(s.strip())]
+  if real and not c.data.instruction:
+    out.append("config.data.instruction is empty: the prompts carry the problems alone, without the released "
+               f"instruction ({prompts.MATH_INSTRUCTION!r}); math-verify reads the final answer")
+  return out
 
 
 def validate_eval(c: ml_collections.ConfigDict) -> None:

@@ -1,6 +1,6 @@
 """`python -m pacs_jax.evaluate --model DIR_OR_WORKDIR --data math500,aime2024 --data_dir DIR --n 32`: pass@k per
 data source, written in the released layouts (`eval_rollout.jsonl`, `eval_metrics.json`) beside the weights, with
-`eval_summary.json` (resumable)."""
+`eval_summary.json` (resumable). `--data synthetic/mod3` alone evaluates the demo's task at the demo's sizes."""
 
 import os
 
@@ -20,7 +20,8 @@ _DATA_DIR = flags.DEFINE_string("data_dir", None, "Folder holding <name>/test.js
 _OUT = flags.DEFINE_string("out", None, "Output directory (default: the evaluated model directory).")
 _CHUNK = flags.DEFINE_integer("chunk_problems", 0, "Problems per generate call and file append (0: ~4x batch_slots "
                               "responses).")
-_LIMIT = flags.DEFINE_integer("limit", None, "Only the first N problems of each data set.")
+_LIMIT = flags.DEFINE_integer("limit", None, "Only the first N problems of each data set (default: all; 64 of a "
+                              "synthetic task).")
 
 # The sampling, length and worker flags set fields of `eval.settings.eval_config()` (the training config's names,
 # defaults and checks): --flag -> (field, help).
@@ -58,11 +59,13 @@ def _define_config_flags() -> None:
 _define_config_flags()
 
 
-def eval_config_from_flags() -> ml_collections.ConfigDict:
-  """The evaluation config the flags describe, validated; a bad value is a usage error naming its flag."""
+def eval_config_from_flags(synthetic_only: bool = False) -> ml_collections.ConfigDict:
+  """The evaluation config the flags describe, validated; a bad value is a usage error naming its flag. With only
+  synthetic data, flags left unset take the demo's sizes (`settings.SYNTHETIC_DEFAULTS`)."""
   cfg = settings_lib.eval_config()
   for name, (field, _) in CONFIG_FLAGS.items():
-    config.set_field(cfg, field, flags.FLAGS[name].value)
+    unset = synthetic_only and not flags.FLAGS[name].present and field in settings_lib.SYNTHETIC_DEFAULTS
+    config.set_field(cfg, field, settings_lib.SYNTHETIC_DEFAULTS[field] if unset else flags.FLAGS[name].value)
   try:
     config.validate_eval(cfg)
   except config.ConfigError as e:
@@ -78,6 +81,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
   import jax
 
+  from pacs_jax.train import runtime
+  runtime.prefer_cpu_without_accelerators()
   if os.environ.get("PACS_JAX_COMPILATION_CACHE"):
     jax.config.update("jax_compilation_cache_dir", os.environ["PACS_JAX_COMPILATION_CACHE"])
   from pacs_jax import sharding
@@ -87,8 +92,10 @@ def main(argv):
     data = problems.resolve_data(_DATA.value, _DATA_DIR.value)
   except (ValueError, FileNotFoundError) as e:
     raise app.UsageError(str(e)) from e
-  cfg = eval_config_from_flags()
-  settings = settings_lib.EvalSettings.from_config(cfg, chunk_problems=_CHUNK.value, limit=_LIMIT.value)
+  synthetic_only = all(problems.is_synthetic(spec) for spec in data)
+  cfg = eval_config_from_flags(synthetic_only)
+  limit = _LIMIT.value or (settings_lib.SYNTHETIC_LIMIT if synthetic_only else None)
+  settings = settings_lib.EvalSettings.from_config(cfg, chunk_problems=_CHUNK.value, limit=limit)
   mesh = None
   if jax.device_count() > 1:
     mesh = sharding.make_mesh(data=-1, fsdp=1, tensor=cfg.mesh.tensor)

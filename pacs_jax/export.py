@@ -20,6 +20,8 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
   from pacs_jax.storage import checkpoint, export as export_lib
+  from pacs_jax.train import runtime
+  runtime.prefer_cpu_without_accelerators()
   try:
     path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
                              max_shard_size=_SHARD.value)

@@ -29,8 +29,7 @@ def test_export_round_trip_through_transformers(tmp_path):
   model, step = export_lib.load_policy(str(tmp_path / "run"))
   assert step == 2
   reloaded = transformers.Qwen2ForCausalLM.from_pretrained(out).eval()
-  # transformers 5's AutoTokenizer re-reads any qwen2 model's tokenizer as Qwen2's byte-level BPE; the demo's
-  # word-level tokenizer is a plain tokenizers model, which hf.load_tokenizer (and PreTrainedTokenizerFast) keep.
+  # This project's loader gives back the demo's word-level tokenizer (the export holds a form AutoTokenizer reads).
   tokenizer = hf.load_tokenizer(str(out))
   assert isinstance(tokenizer, transformers.PreTrainedTokenizerFast)
   ids = tokenizer.apply_chat_template([{"role": "user", "content": "17 mod 3"}], add_generation_prompt=True)
@@ -41,3 +40,17 @@ def test_export_round_trip_through_transformers(tmp_path):
   np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=0)
   # The tokenizer survives the trip unchanged (a word-level tokenizer must not be re-read as BPE).
   assert tokenizer.tokenize("17 mod 3") == ["17", "mod", "3"]
+  # As they are, with no class picked by hand: AutoTokenizer reads the same ids (its own Qwen2Tokenizer form),
+  # AutoModelForCausalLM the same weights, and generation_config.json is there with both stop ids.
+  auto = transformers.AutoTokenizer.from_pretrained(out)
+  demo = [[1, 5, 16, 7, 12, 2, 1, 6], ids[0].tolist()]  # "<|im_start|>user 7 mod 3<|im_end|> ..." and the above
+  for row in demo:
+    assert auto(tokenizer.decode(row))["input_ids"] == row
+    assert auto(auto.decode(row))["input_ids"] == row
+  assert auto.apply_chat_template([{"role": "user", "content": "17 mod 3"}], add_generation_prompt=True,
+                                  tokenize=True)["input_ids"] == ids[0].tolist()
+  with torch.no_grad():
+    auto_logits = transformers.AutoModelForCausalLM.from_pretrained(out)(torch.tensor(ids)).logits.numpy()
+  np.testing.assert_allclose(auto_logits, ref, atol=1e-5, rtol=0)
+  generation = transformers.GenerationConfig.from_pretrained(out)
+  assert sorted(generation.eos_token_id) == sorted(tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))

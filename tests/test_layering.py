@@ -27,6 +27,7 @@ LAYERS = {
     "pacs_jax.train.__main__": 8,
     "pacs_jax.evaluate": 8,
     "pacs_jax.export": 8,
+    "pacs_jax.compare": 8,
 }
 
 # Packages of one layer that may import each other: (importer, imported).

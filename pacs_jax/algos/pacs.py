@@ -1,4 +1,4 @@
-"""The PACS loss (PACS.md): a BCE of the verified reward R on a score ψ built from the policy's own log-probs.
+"""The PACS loss (docs/algorithm.md): a BCE of the verified reward R on a score ψ built from the policy's own log-probs.
 
 Shapes: N responses = G prompt groups × n (`group_size`) contiguous rows; T response positions.
 """

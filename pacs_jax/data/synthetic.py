@@ -51,6 +51,37 @@ def build_tokenizer():
   return tokenizer
 
 
+def portable_tokenizer():
+  """The same 64 ids in a form `transformers.AutoTokenizer` loads as it is beside a qwen2 config.json.
+
+  transformers (5.x) turns any tokenizer of a `model_type: qwen2` directory into a Qwen2Tokenizer, which rebuilds a
+  byte-level BPE from the vocabulary (and splits numbers into digits), garbling the word-level one. Here every word
+  is an added token that eats the whitespace around it, over an empty BPE: encoding gives the demo's ids; decoding
+  joins the words without spaces (this project's loaders use `build_tokenizer()`, see `is_synthetic_vocab`).
+  """
+  from tokenizers import AddedToken, Tokenizer, models
+  from transformers import PreTrainedTokenizerFast
+
+  backend = Tokenizer(models.BPE({tok: i for i, tok in enumerate(VOCAB)}, merges=[]))
+  backend.add_special_tokens([AddedToken(t, special=True, normalized=False, lstrip=True, rstrip=True)
+                              for t in SPECIAL_TOKENS])
+  backend.add_tokens([AddedToken(t, special=False, normalized=False, lstrip=True, rstrip=True)
+                      for t in VOCAB if t not in SPECIAL_TOKENS])
+  return PreTrainedTokenizerFast(
+      tokenizer_object=backend, eos_token=IM_END, pad_token=ENDOFTEXT, unk_token=UNK,
+      extra_special_tokens=[IM_START], model_max_length=2048, padding_side="left", chat_template=CHAT_TEMPLATE)
+
+
+def is_synthetic_vocab(tokenizer) -> bool:
+  """Whether a tokenizer holds exactly this task's 64 ids (either form)."""
+  return tokenizer.get_vocab() == {tok: i for i, tok in enumerate(VOCAB)}
+
+
+def generation_config(tokenizer) -> dict:
+  """generation_config.json's content: both EOS ids (as Qwen2.5's) and the pad id."""
+  return {"eos_token_id": eos_token_ids(tokenizer), "pad_token_id": tokenizer.pad_token_id}
+
+
 def eos_token_ids(tokenizer) -> list[int]:
   """Ids that end a response: <|im_end|> and <|endoftext|> (as Qwen2.5's generation config)."""
   return [tokenizer.convert_tokens_to_ids(t) for t in EOS_TOKENS]
@@ -60,9 +91,8 @@ def save_tokenizer(directory: str):
   """Writes the tokenizer (HF layout) and a `generation_config.json` with both EOS ids; returns it."""
   tokenizer = build_tokenizer()
   tokenizer.save_pretrained(directory)
-  eos = eos_token_ids(tokenizer)
   with open(os.path.join(directory, "generation_config.json"), "w") as f:
-    json.dump({"eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id}, f, indent=2)
+    json.dump(generation_config(tokenizer), f, indent=2)
   return tokenizer
 
 

@@ -31,7 +31,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def ks_up_to(n: int) -> list[int]:
-  """The reported k values: powers of two 1, 2, 4, ... that are <= n (PACS.md)."""
+  """The reported k values: powers of two 1, 2, 4, ... that are <= n (docs/algorithm.md)."""
   if n < 1:
     raise ValueError(f"ks_up_to needs n >= 1, got n={n}")
   return [1 << i for i in range(int(n).bit_length())]

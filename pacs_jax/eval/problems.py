@@ -36,6 +36,11 @@ class Problem:
     return zlib.crc32(f"{self.data_source}/{self.index}".encode()) & 0x7FFFFFFF
 
 
+def is_synthetic(spec: str) -> bool:
+  """A built-in synthetic task (`synthetic/mod3`)."""
+  return synthetic_verifier.is_synthetic(spec)
+
+
 def resolve_data(data: str | Sequence[str], data_dir: str | None = None) -> list[str]:
   """`--data` entries -> load_records specs: known names under `data_dir`, else paths / hf:// / synthetic/."""
   entries = [e.strip() for e in (data.split(",") if isinstance(data, str) else data)]

@@ -118,9 +118,11 @@ def keep_foreign_metrics(out_dir: str) -> None:
 
 def write_released_metrics(out_dir: str) -> dict[str, dict[str, float]]:
   """eval_metrics.json as inference.py computes it from every line of eval_rollout.jsonl (ours and anyone
-  else's): per data source, rollouts merged by prompt text, n = the first problem's count, and
-  pass@k = mean(1 − C(n − c, k) / C(n, k)) with c the samples scoring 1, for k in 1, 2, 4, ..., 256 <= n."""
-  by_source: dict[str, dict[str, list[float]]] = {}
+  else's): per data source and problem, pass@k = mean(1 − C(n − c, k) / C(n, k)) with c the samples scoring 1, for
+  k in 1, 2, 4, ..., 256 <= n. inference.py merges rollouts by prompt text; our lines are grouped by problem
+  (data source, index) instead, so distinct problems that share a prompt (the synthetic task has 10 prompts) are
+  not merged into one with more than n samples. Lines from elsewhere still merge by prompt text."""
+  by_source: dict[str, dict[Any, list[float]]] = {}
   with paths.open(paths.join(out_dir, ROLLOUT_FILE)) as f:
     for line in f:
       try:
@@ -129,14 +131,14 @@ def write_released_metrics(out_dir: str) -> dict[str, dict[str, float]]:
         scores = [r["score"]["score"] for r in row["rollout"]]
       except (json.JSONDecodeError, KeyError, IndexError, TypeError):
         continue  # a line inference.py could not read either
-      by_source.setdefault(source, {}).setdefault(prompt, []).extend(scores)
+      by_source.setdefault(source, {}).setdefault(own_key(row) or prompt, []).extend(scores)
   metrics = {}
   for source, merged in by_source.items():
-    problems = list(merged.values())
-    n = len(problems[0])
+    problems = [s for s in merged.values() if s]
+    n = min(len(s) for s in problems)
     metrics[source] = {}
     for k in (k for k in RELEASED_KS if k <= n):
-      total = sum(1 - math.comb(n - s.count(1), k) / math.comb(n, k) for s in problems)
+      total = sum(1 - math.comb(len(s) - s.count(1), k) / math.comb(len(s), k) for s in problems)
       metrics[source][f"pass@{k}"] = total / len(problems)
   _write_atomic(paths.join(out_dir, METRICS_FILE), json.dumps(metrics) + "\n")
   return metrics

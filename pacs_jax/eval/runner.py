@@ -99,7 +99,8 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
       batch = todo[start:start + chunk]
       completions = scheduler.generate(
           engine, params, [p.prompt_ids for p in batch], n=n, max_new_tokens=settings.max_new_tokens,
-          sampling=sampling, seed=settings.seed, eos_ids=eos, prompt_ids=[p.seed_id for p in batch])
+          sampling=sampling, seed=settings.seed, eos_ids=eos, prompt_ids=[p.seed_id for p in batch],
+          on_finish=lambda: bar.update(1))
       texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
       scores, _ = scorer.score_batch(texts, [batch[c.prompt_index].answer for c in completions],
                                      [batch[c.prompt_index].data_source for c in completions])
@@ -111,7 +112,6 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
       results.append_lines(rollout_path, new)
       lines.update({p.key: line for p, line in zip(batch, new)})
       summary = write_metrics(complete=start + chunk >= len(todo))
-      bar.update(len(batch) * n)
       bar.set_postfix(accuracy=f"{summary['overall']['mean_accuracy'] or 0:.3f}")
   finally:
     bar.close()

@@ -33,6 +33,14 @@ def eval_config() -> ml_collections.ConfigDict:
   return c
 
 
+# With only synthetic data sets (`--data synthetic/mod3`, the demo's task), the flags left unset take the demo's sizes
+# (configs/tiny_cpu.py: 16-token prompts, 4 new tokens, float32) and its validation set's 64 problems, instead of
+# the released math settings (4,096 new tokens; all 4,096 generated problems).
+SYNTHETIC_DEFAULTS = {"rollout.max_new_tokens": 4, "data.max_prompt_length": 16, "model.dtype": "float32",
+                      "rollout.slots": 64}
+SYNTHETIC_LIMIT = 64
+
+
 # EvalSettings field -> the `eval_config()` field it is.
 CONFIG_FIELDS = {
     "n": "rollout.n", "temperature": "rollout.temperature", "top_k": "rollout.top_k", "top_p": "rollout.top_p",

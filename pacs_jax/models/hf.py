@@ -20,6 +20,7 @@ from safetensors.numpy import save_file
 
 from pacs_jax import paths
 from pacs_jax import sharding
+from pacs_jax.data import synthetic
 from pacs_jax.models import hf_layout
 from pacs_jax.models.hf_layout import TensorMap, read_slice, tensor_maps, to_hf
 from pacs_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
@@ -183,8 +184,26 @@ def load_tokenizer(path: str):
   if os.path.isfile(tokenizer_config):
     with open(tokenizer_config) as f:
       if json.load(f).get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend"):
-        return PreTrainedTokenizerFast.from_pretrained(path)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+        # An export's portable form of the synthetic tokenizer decodes without spaces: use the word-level one.
+        return synthetic.build_tokenizer() if synthetic.is_synthetic_vocab(tokenizer) else tokenizer
   return AutoTokenizer.from_pretrained(path)
+
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def default_generation_config(tokenizer, model_dir: str | None = None) -> dict:
+  """generation_config.json for a model directory: the source model's own when it has one (the released stop
+  rule reads its eos_token_id), the synthetic task's EOS pair, else the tokenizer's ids (what transformers derives
+  from config.json)."""
+  if model_dir and os.path.isfile(os.path.join(model_dir, GENERATION_CONFIG_FILE)):
+    with open(os.path.join(model_dir, GENERATION_CONFIG_FILE)) as f:
+      return json.load(f)
+  if synthetic.is_synthetic_vocab(tokenizer):
+    return synthetic.generation_config(tokenizer)
+  return {k: v for k, v in (("bos_token_id", tokenizer.bos_token_id), ("eos_token_id", tokenizer.eos_token_id),
+                            ("pad_token_id", tokenizer.pad_token_id)) if v is not None}
 
 
 def eos_token_ids(tokenizer, model_dir: str | None = None) -> tuple[int, ...]:
@@ -308,8 +327,9 @@ def _plan_shards(maps, flat, dtype, limit) -> list[list[TensorMap]]:
 
 
 def save_pretrained(model: Qwen2ForCausalLM, out_dir: str, tokenizer=None, max_shard_size: int | str | None = "5GB",
-                    dtype=None) -> None:
-  """Writes a directory `transformers.Qwen2ForCausalLM.from_pretrained` loads unchanged.
+                    dtype=None, generation_config: dict | None = None) -> None:
+  """Writes a directory `transformers.Qwen2ForCausalLM.from_pretrained` (and AutoTokenizer) loads unchanged, with
+  `generation_config` (default: `default_generation_config(tokenizer)`) as generation_config.json when there is a tokenizer.
 
   Tensors are gathered to the host one file at a time (all processes take part in the gathers), and
   only process 0 writes. Files are split at `max_shard_size` with a `model.safetensors.index.json`,
@@ -349,4 +369,8 @@ def save_pretrained(model: Qwen2ForCausalLM, out_dir: str, tokenizer=None, max_s
   with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
     json.dump(hf_config, f, indent=2)
   if tokenizer is not None:
-    tokenizer.save_pretrained(out_dir)
+    # AutoTokenizer makes a Qwen2Tokenizer of any qwen2 directory: the synthetic vocabulary goes in the form it reads.
+    (synthetic.portable_tokenizer() if synthetic.is_synthetic_vocab(tokenizer) else tokenizer).save_pretrained(out_dir)
+    with open(os.path.join(out_dir, GENERATION_CONFIG_FILE), "w") as f:
+      json.dump(generation_config if generation_config is not None else default_generation_config(tokenizer),
+                f, indent=2)

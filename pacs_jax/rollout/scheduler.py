@@ -4,7 +4,7 @@ slots (requests queue, take slots as others finish, and share their prompt's pre
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -56,7 +56,8 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
              max_new_tokens: int | Sequence[int] | None = None,
              sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), seed: int = 0,
              eos_ids: Sequence[int] = (), prompt_ids: Sequence[int] | None = None,
-             refill_fraction: float = 0.125, stats: DecodeStats | None = None) -> list[Completion]:
+             refill_fraction: float = 0.125, stats: DecodeStats | None = None,
+             on_finish: Callable[[], None] | None = None) -> list[Completion]:
   """Samples `n` responses for every prompt; returns completions ordered by (prompt, sample).
 
   Requests beyond the slot count wait in a queue and take slots as others finish; samples of one
@@ -71,7 +72,8 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   On a paged cache a request enters a slot only when the slot's batch shard has free pages for its
   prompt and a page of headroom per busy slot (the free counts come back with each decode call); a slot that finds no page for its next
   token waits for others to return theirs. RuntimeError if every busy slot waits (the pool is too small
-  for the tokens in flight). `stats`, if given, accumulates the KV rows decode read and held.
+  for the tokens in flight). `stats`, if given, accumulates the KV rows decode read and held. `on_finish()`, if
+  given, is called as each response finishes (a progress bar's tick).
   """
   max_new_tokens = engine.max_decode_length if max_new_tokens is None else max_new_tokens
   budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -131,6 +133,8 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
     done[req] = Completion(prompt_index=req[0], sample_index=req[1], tokens=toks,
                            logprobs=np.asarray(logprobs.pop(req), np.float32), finish_reason=reason)
     slot_request[slot] = None
+    if on_finish is not None:
+      on_finish()
 
   while queue or any(r is not None for r in slot_request):
     firsts = []

@@ -19,12 +19,15 @@ from pacs_jax.storage import workdir as workdir_lib
 from pacs_jax.storage.workdir import CHECKPOINT_DIR, MODEL_DIR
 
 
-def write_model_card(workdir: str, config: qwen2.Qwen2Config, tokenizer) -> None:
-  """Saves what export needs besides weights (process 0 only)."""
+def write_model_card(workdir: str, config: qwen2.Qwen2Config, tokenizer, source_dir: str | None = None) -> None:
+  """Saves what export needs besides weights (process 0 only); `source_dir`: the model's own directory, whose
+  generation_config.json is kept."""
   if jax.process_index() != 0:
     return
   with paths.staged_dir(workdir_lib.model_dir(workdir), last=(hf.CONFIG_FILE,)) as local:
     tokenizer.save_pretrained(local)
+    with open(f"{local}/{hf.GENERATION_CONFIG_FILE}", "w") as f:
+      json.dump(hf.default_generation_config(tokenizer, source_dir), f, indent=2)
     with open(f"{local}/{hf.CONFIG_FILE}", "w") as f:
       json.dump(config.to_hf_dict(), f, indent=2)
 
@@ -86,10 +89,11 @@ def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | Non
   model, _ = load_policy(workdir, step)
   with paths.local_dir(workdir_lib.model_dir(workdir)) as model_dir:
     tokenizer = hf.load_tokenizer(model_dir)  # read whole: no file of it is needed afterwards
+    generation = hf.default_generation_config(tokenizer, model_dir)
   # config.json goes last: a directory that has it is complete (evaluate relies on this).
   with paths.staged_dir(out_dir, last=(hf.CONFIG_FILE,)) as local:
     hf.save_pretrained(model, local, tokenizer=tokenizer, max_shard_size=max_shard_size,
-                       dtype=config_lib.dtype(dtype) if dtype else None)
+                       dtype=config_lib.dtype(dtype) if dtype else None, generation_config=generation)
   return paths.normalize(out_dir)
 
 

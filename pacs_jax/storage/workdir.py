@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pacs_jax import paths
 
 CHECKPOINT_DIR = "checkpoints"  # Orbax's steps
@@ -17,3 +19,8 @@ def checkpoint_dir(workdir: str) -> str:
 def model_dir(workdir: str) -> str:
   return paths.join(workdir, MODEL_DIR)
 
+
+
+def default_workdir(config_path: str, algorithm: str) -> str:
+  """runs/<config file name>-<algorithm>: the demo and each of its baselines train their own run."""
+  return os.path.join("runs", f"{os.path.splitext(os.path.basename(config_path))[0]}-{algorithm}")

@@ -37,17 +37,27 @@ def main(argv):
     from pacs_jax.train import memory
     print(memory.dry_run(cfg))
     return
-  workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(config_path))[0])
+  from pacs_jax.storage import workdir as workdir_lib
+  workdir = _WORKDIR.value or workdir_lib.default_workdir(config_path, cfg.algorithm)
   from pacs_jax.train import runtime
+  runtime.prefer_cpu_without_accelerators()
   runtime.init(cfg)
+  import jax
   from pacs_jax import config
   from pacs_jax.data import sources
   from pacs_jax.storage import checkpoint, lock as workdir_lock
-  from pacs_jax.train import loop
+  from pacs_jax.train import console, loop
   try:
-    loop.train(cfg, workdir)
+    trainer = loop.Trainer(cfg, workdir)
+    primary = jax.process_index() == 0
+    if primary:
+      name = os.path.relpath(config_path)
+      print(trainer.banner(name if not name.startswith("..") else config_path), flush=True)
+    trainer.run()
   except (config.ConfigError, sources.DataError, workdir_lock.WorkdirLocked, checkpoint.NoRestorableCheckpoint) as e:
     raise SystemExit(f"train: {e}") from None  # a message that says what to fix, not a traceback
+  if primary:
+    print(console.closing_line(trainer.workdir, int(trainer.state.step)), flush=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import export as export_lib
 from pacs_jax.storage import lock as workdir_lock
 from pacs_jax.storage.workdir import CHECKPOINT_DIR
+from pacs_jax.train import console
 from pacs_jax.train import metrics as metrics_lib
 from pacs_jax.train import multihost
 from pacs_jax.train import preemption as preemption_lib
@@ -133,8 +134,13 @@ class Trainer:
 
   def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
     self.algo = registry.of(cfg)
+    self._stepped = False  # no step has run in this process yet (the first one compiles)
     self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     self.tokenizer = load_tokenizer(cfg)
+    model_config = config_lib.model_config(cfg)
+    config_lib.check_tokenizer_fits_model(cfg, len(self.tokenizer), model_config.vocab_size)
+    for warning in config_lib.advisories(cfg):
+      logging.warning("%s", warning)
     # Ids that stop a response, and those whose first occurrence ends its mask (config.rollout.stop_tokens).
     self.eos_ids, self.mask_eos_ids = hf.stop_and_mask_ids(
         self.tokenizer, cfg.model.hf_path and hf.resolve_path(cfg.model.hf_path), cfg.rollout.stop_tokens)
@@ -161,10 +167,14 @@ class Trainer:
     keep = [i for i, ids in enumerate(val_ids) if len(ids) <= self.P]
     self.val_records = [self.val_records[i] for i in keep]
     self.val_prompts = [val_ids[i].tolist() for i in keep]
+    self.descriptions = {"model": console.describe_model(cfg, model_config),
+                         "tokenizer": console.describe_tokenizer(cfg, self.tokenizer),
+                         "data": console.describe_data(cfg, len(train_records), len(self.val_records))}
 
     with jax.set_mesh(self.mesh):
       policy = build_policy(cfg, self.mesh)
-    export_lib.write_model_card(workdir, policy.config, self.tokenizer)
+    export_lib.write_model_card(workdir, policy.config, self.tokenizer,
+                                source_dir=cfg.model.hf_path and hf.resolve_path(cfg.model.hf_path))
     self.graphdef, params = nnx.split(policy, nnx.Param)
     self.optimizer, self.critic_optimizer = programs_lib.make_optimizers(cfg)
     critic_graphdef = critic_params = critic_opt_state = None
@@ -198,12 +208,19 @@ class Trainer:
 
   # -- one step --------------------------------------------------------------------------------
 
-  def rollout(self, params_sample, prompts_local: list[list[int]], seed: int, sampling, n: int, max_new_tokens: int):
-    """This process's completions of a rollout over every process's prompts (all run the same global one)."""
+  def rollout(self, params_sample, prompts_local: list[list[int]], seed: int, sampling, n: int, max_new_tokens: int,
+              on_finish=None):
+    """This process's completions of a rollout over every process's prompts (all run the same global one);
+    `on_finish()` is called as each response finishes."""
     completions = scheduler.generate(self.engine, params_sample, multihost.gather_prompts(prompts_local, self.P),
                                      n=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                                     eos_ids=self.eos_ids)
+                                     eos_ids=self.eos_ids, on_finish=on_finish)
     return multihost.local_share(completions, len(prompts_local))
+
+  def banner(self, config_name: str) -> str:
+    """The start banner: config, algorithm, workdir, model, tokenizer, data, devices."""
+    return console.start_banner(self.cfg, config_name, self.workdir, devices=list(self.mesh.devices.flat),
+                                mesh_shape=dict(self.mesh.shape), **self.descriptions)
 
   def train_one_step(self, batch: dict[str, Any], scorer) -> dict[str, Any]:
     """One step on this process's share of a batch of prompts (a pipeline batch: lists per field)."""
@@ -211,11 +228,19 @@ class Trainer:
     t0 = time.perf_counter()
     seed = state_lib.rollout_seed(self.state.rng)  # the train step's last update moves the RNG on
     prompts = [ids.tolist() for ids in batch["prompt_ids"]]
+    first = " (the first step compiles its programs)" if not self._stepped else ""
+    bar = None
+    if console.watched():  # (the step number waits for the previous update: only where someone looks)
+      bar = console.response_bar(len(prompts) * jax.process_count() * n,
+                                 f"step {int(self.state.step) + 1}: rollout{first}")
     with jax.set_mesh(self.mesh):
       params_sample = self.to_sample_params(self.state.params)
-      completions = self.rollout(params_sample, prompts, seed, self.sampling, n, self.R)
+      completions = self.rollout(params_sample, prompts, seed, self.sampling, n, self.R,
+                                 on_finish=None if bar is None else (lambda: bar.update(1)))
     del params_sample
     t_rollout = time.perf_counter()
+    if bar is not None:
+      bar.set_description(bar.desc.replace(": rollout", ": reward and update"))
 
     texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     answers = [batch["answer"][c.prompt_index] for c in completions]
@@ -231,6 +256,9 @@ class Trainer:
                                extra=self.algo.host_inputs(self.cfg, input_ids, attention_mask, self.R))
     metrics = self.update(rb)
     t_update = time.perf_counter()
+    self._stepped = True
+    if bar is not None:
+      bar.close()
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
       dump_generations(self.cfg.rollout_data_dir, int(self.state.step),
                        self._decode(prompts, [c.prompt_index for c in completions]), texts, scores, data_sources,
@@ -338,13 +366,15 @@ class Trainer:
       self.lock.release()
       raise
     start = restored or 0
+    if start >= cfg.steps:
+      print(console.already_done(start, cfg.steps), flush=True)
     preemption = preemption_lib.Preemption()
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
     updates_per_step = cfg.train.batch_prompts // cfg.train.mini_batch_prompts
     last = {}
     try:
       with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
-        if restored is None and cfg.eval_every:
+        if restored is None and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
           writer.write(0, self.validate(scorer))
         for step in range(start + 1, cfg.steps + 1):
           batch = next(self.data_iter)

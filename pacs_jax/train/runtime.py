@@ -1,13 +1,32 @@
-"""Process-level setup before the first jax computation: multi-host init and persistent compile cache."""
+"""Process-level setup before the first jax computation: the platform on hosts without accelerators, multi-host
+init and persistent compile cache."""
 
 from __future__ import annotations
 
+import glob
 import os
 
 import jax
 import ml_collections
 
 from pacs_jax import sharding
+
+
+def accelerator_present(dev_dir: str = "/dev") -> bool:
+  """A TPU (/dev/accel<n>, or /dev/vfio/<n> on v5p and later) or NVIDIA GPU (/dev/nvidia<n>) device node."""
+  patterns = ("accel[0-9]*", "vfio/[0-9]*", "nvidia[0-9]*")
+  return any(glob.glob(os.path.join(dev_dir, p)) for p in patterns)
+
+
+def prefer_cpu_without_accelerators(environ=os.environ, dev_dir: str = "/dev") -> bool:
+  """With JAX_PLATFORMS unset on a host with no accelerator, runs on the CPU directly (returns True): otherwise jax
+  starts every installed plugin first, and libtpu (the test extra) and the CUDA plugin print their failures, a
+  block of errors on each run. Training, evaluation and export only: --compile_only and --dry_run keep the plugins
+  they compile for."""
+  if environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or accelerator_present(dev_dir):
+    return False
+  jax.config.update("jax_platforms", "cpu")
+  return True
 
 
 def _multi_host_tpu_vm() -> bool:

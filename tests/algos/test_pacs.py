@@ -1,4 +1,4 @@
-"""PACS loss against a PyTorch implementation of PACS.md, its analytic gradient, pinned numbers, padding."""
+"""PACS loss against a PyTorch implementation of docs/algorithm.md, its analytic gradient, pinned numbers, padding."""
 
 import itertools
 
@@ -36,7 +36,7 @@ def make_batch(seed=0, T=10, beta=1.0):
 
 def torch_pacs_loss(logprobs, ref_logprobs, mask, rewards, *, n, beta, reward_method, adv_estimator,
                     norm_adv_by_std, use_weight, weight_mode):
-  """PACS.md written out in float64 torch; returns (loss, grad w.r.t. logprobs)."""
+  """docs/algorithm.md written out in float64 torch; returns (loss, grad w.r.t. logprobs)."""
   logp = torch.tensor(logprobs, dtype=torch.float64, requires_grad=True)
   ref = torch.tensor(ref_logprobs, dtype=torch.float64)
   m = torch.tensor(mask, dtype=torch.float64)

@@ -231,7 +231,7 @@ def test_prepare_writes_the_released_schema(shared_data, tmp_path, name, source,
 
 
 def normalize(answer: str, source: str) -> str:
-  """This project's documented ground-truth normalisation (README, differences): AMC's "27.0" -> "27", GSM8K's
+  """This project's documented ground-truth normalisation (docs/differences.md): AMC's "27.0" -> "27", GSM8K's
   "1,234" -> "1234"."""
   if source == "amc23":
     return sources.normalize_answer(float(answer))

@@ -1,0 +1,80 @@
+"""What a run tells its terminal besides the per-step line: the start banner, the closing line, and a progress
+bar over a step's responses (tqdm; silent when stderr is not a terminal, and on processes other than 0)."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from pacs_jax import paths
+from pacs_jax.storage import workdir as workdir_lib
+
+
+def describe_model(cfg: ml_collections.ConfigDict, model_config) -> str:
+  """`preset tiny (2 layers, width 64, vocabulary 64)` or the checkpoint directory with the same figures."""
+  source = cfg.model.hf_path or f"preset {cfg.model.preset}"
+  return (f"{source} ({model_config.num_hidden_layers} layers, width {model_config.hidden_size}, "
+          f"vocabulary {model_config.vocab_size}, {cfg.model.dtype})")
+
+
+def describe_tokenizer(cfg: ml_collections.ConfigDict, tokenizer) -> str:
+  if cfg.tokenizer == "synthetic" or not (cfg.tokenizer or cfg.model.hf_path):
+    where = "synthetic (built in)"
+  elif cfg.tokenizer:
+    where = cfg.tokenizer
+  else:
+    where = f"the model's ({cfg.model.hf_path})"
+  return f"{where}, {len(tokenizer)} tokens"
+
+
+def describe_data(cfg: ml_collections.ConfigDict, num_train: int, num_val: int) -> str:
+  train = f"train {cfg.data.train} ({num_train} problems)"
+  val_spec = f"{cfg.data.val_dir} (released sets)" if cfg.data.val_dir else cfg.data.val
+  if not (val_spec and cfg.eval_every and num_val):
+    return f"{train}; no validation"
+  return f"{train}; validate on {val_spec} ({num_val} problems) every {cfg.eval_every} steps"
+
+
+def start_banner(cfg: ml_collections.ConfigDict, config_name: str, workdir: str, *, model: str, tokenizer: str,
+                 data: str, devices: list, mesh_shape: dict) -> str:
+  """Which config, algorithm, workdir, model, tokenizer, data and devices this run uses, one line each."""
+  kinds = sorted({d.device_kind for d in devices})
+  mesh = " ".join(f"{axis}={size}" for axis, size in mesh_shape.items())
+  instruction = repr(cfg.data.instruction[:40] + ("..." if len(cfg.data.instruction) > 40 else "")) \
+      if cfg.data.instruction else "none"
+  lines = [f"pacs_jax.train: {config_name}, algorithm {cfg.algorithm}, {cfg.steps} steps",
+           f"  workdir    {paths.normalize(workdir)}",
+           f"  model      {model}",
+           f"  tokenizer  {tokenizer}",
+           f"  data       {data}",
+           f"  prompts    {cfg.train.batch_prompts} x n={cfg.rollout.n} per step, <= {cfg.data.max_prompt_length} "
+           f"prompt and {cfg.rollout.max_new_tokens} new tokens; instruction {instruction}",
+           f"  devices    {len(devices)} x {', '.join(kinds)} (mesh {mesh})"]
+  return "\n".join(lines)
+
+
+def already_done(step: int, steps: int) -> str:
+  return (f"already at step {step} of config.steps={steps}: nothing to train (raise --config.steps to go on, or "
+          "give another --workdir)")
+
+
+def closing_line(workdir: str, step: int) -> str:
+  """Where the results of a run that reached `step` went, and the next commands."""
+  w = paths.normalize(workdir)
+  return (f"done at step {step}: metrics {paths.join(w, 'metrics.jsonl')}, TensorBoard {paths.join(w, 'tensorboard')}, "
+          f"checkpoints {workdir_lib.checkpoint_dir(w)}\n"
+          f"  export:   python -m pacs_jax.export --workdir {w} --out {paths.join(w, 'export')}\n"
+          f"  compare:  python -m pacs_jax.compare {w} OTHER_RUN ...")
+
+
+def watched() -> bool:
+  """Process 0 writing to a terminal: where progress bars are drawn."""
+  import sys
+
+  import jax
+  return jax.process_index() == 0 and sys.stderr.isatty()
+
+
+def response_bar(total: int, description: str):
+  """A tqdm bar over a step's responses, cleared when closed (the step's console line follows)."""
+  from tqdm.auto import tqdm
+  return tqdm(total=total, desc=description, unit="response", leave=False, dynamic_ncols=True)

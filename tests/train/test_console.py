@@ -1,0 +1,31 @@
+"""The console of a run: the banner names what the run uses, and in a terminal a bar counts each step's
+responses (then clears, so the step's line follows as before)."""
+
+import os
+
+import jax
+
+from pacs_jax import config as config_lib
+from pacs_jax.train import console, loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_banner_and_a_progress_bar_in_a_terminal(tmp_path, monkeypatch, capsys):
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "tiny_cpu.py"), {
+      "steps": 2, "eval_every": 0, "train.batch_prompts": 8, "train.mini_batch_prompts": 8,
+      "checkpoint.async_save": False})
+  trainer = loop.Trainer(cfg, str(tmp_path / "run"), devices=jax.devices()[:1])
+  banner = trainer.banner("configs/tiny_cpu.py")
+  for line in ("pacs_jax.train: configs/tiny_cpu.py, algorithm pacs, 2 steps", f"workdir    {tmp_path / 'run'}",
+               "model      preset tiny (2 layers, width 64, vocabulary 64, float32)",
+               "tokenizer  synthetic (built in), 64 tokens", "data       train synthetic/mod3 (4096 problems); "
+               "no validation", "prompts    8 x n=8 per step, <= 16 prompt and 4 new tokens; instruction none",
+               "devices    1 x cpu (mesh data=1 fsdp=1 tensor=1)"):
+    assert line in banner, banner
+  monkeypatch.setattr(console, "watched", lambda: True)
+  trainer.run()
+  err = capsys.readouterr().err
+  assert "step 1: rollout (the first step compiles its programs)" in err and "64/64" in err
+  assert "step 2: rollout: " in err and "step 2: reward and update: " in err and ": :" not in err
+  assert console.closing_line(trainer.workdir, 2).startswith(f"done at step 2: metrics {tmp_path / 'run'}")
