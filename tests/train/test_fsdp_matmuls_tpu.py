@@ -15,6 +15,7 @@ from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.train import aot
+from pacs_jax.train import aot_measure
 from pacs_jax.train import programs as programs_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,7 +40,7 @@ def compiled():
     mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
     state, _, _, progs = aot.abstract_run(c, mesh)
     batch = programs_lib.minibatch_shapes(c, mesh)
-    with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+    with jax.set_mesh(mesh), jax.default_matmul_precision("default"), aot_measure.persistent_cache_off():
       yield {"train_step": progs.train_step.lower(state, batch).compile().as_text(),
              "logprobs": progs.logprob_fn.lower(state.params, batch).compile().as_text(),
              "values": progs.value_fn.lower(state.critic_params, batch).compile().as_text()}
