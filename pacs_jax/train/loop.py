@@ -32,6 +32,7 @@ from pacs_jax.train import batching
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import export as export_lib
 from pacs_jax.storage import lock as workdir_lock
+from pacs_jax.storage import resume as resume_lib
 from pacs_jax.storage.workdir import CHECKPOINT_DIR
 from pacs_jax.train import metrics as metrics_lib
 from pacs_jax.train import multihost
@@ -122,6 +123,9 @@ class Trainer:
     devices = jax.devices() if devices is None else list(devices)
     config_lib.validate(cfg, num_processes=jax.process_count(), devices=devices)
     self.cfg, self.workdir = cfg, paths.normalize(workdir)
+    # Every input is read before anything is created: a missing or malformed file leaves no workdir behind.
+    self._read_inputs(cfg)
+    created = not paths.exists(self.workdir)
     # Before anything is written to the workdir: a second trainer must not touch the first one's files
     # (Orbax deletes unfinished saves it finds, which may be the other trainer's save in flight).
     self.lock = multihost.lock_workdir(self.workdir, cfg.checkpoint.lock_stale_after_s)
@@ -129,11 +133,12 @@ class Trainer:
       self._build(cfg, workdir, devices)
     except BaseException:
       self.lock.release()
+      if created and jax.process_index() == 0:
+        paths.remove_empty_dirs(self.workdir)  # what this failed start created, and nothing else
       raise
 
-  def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
-    self.algo = registry.of(cfg)
-    self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+  def _read_inputs(self, cfg: ml_collections.ConfigDict) -> None:
+    """The tokenizer, the training prompts and the validation set: everything the run reads."""
     self.tokenizer = load_tokenizer(cfg)
     # Ids that stop a response, and those whose first occurrence ends its mask (config.rollout.stop_tokens).
     self.eos_ids, self.mask_eos_ids = hf.stop_and_mask_ids(
@@ -144,10 +149,14 @@ class Trainer:
     instruction = cfg.data.instruction or None
     train_records, self.skipped_rows = load_split(cfg.data.train, cfg, cfg.data.synthetic_train_size, cfg.seed)
     self.source_names = sorted({r["data_source"] for r in train_records})
-    self.pipeline = pipeline_lib.PromptPipeline(
-        train_records, self.tokenizer, batch_size=cfg.train.batch_prompts, seed=cfg.seed,
-        max_prompt_length=self.P, instruction=instruction,
-        process_index=jax.process_index(), process_count=jax.process_count())
+    try:
+      self.pipeline = pipeline_lib.PromptPipeline(
+          train_records, self.tokenizer, batch_size=cfg.train.batch_prompts, seed=cfg.seed,
+          max_prompt_length=self.P, instruction=instruction,
+          process_index=jax.process_index(), process_count=jax.process_count())
+    except pipeline_lib.TooFewPrompts as e:
+      raise config_lib.ConfigError(f"config.data.max_prompt_length={self.P}, config.train.batch_prompts="
+                                   f"{cfg.train.batch_prompts}: {e} (data.train={cfg.data.train!r})") from e
     self.data_iter = self.pipeline.iterator()
     self.val_records = []
     # data.val_dir: the released runs' five validation sets, in place of data.val.
@@ -162,9 +171,13 @@ class Trainer:
     self.val_records = [self.val_records[i] for i in keep]
     self.val_prompts = [val_ids[i].tolist() for i in keep]
 
+  def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
+    self.algo = registry.of(cfg)
+    self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     with jax.set_mesh(self.mesh):
       policy = build_policy(cfg, self.mesh)
     export_lib.write_model_card(workdir, policy.config, self.tokenizer)
+    self.record = resume_lib.make_record(cfg, policy.config.to_hf_dict(), self.tokenizer)
     self.graphdef, params = nnx.split(policy, nnx.Param)
     self.optimizer, self.critic_optimizer = programs_lib.make_optimizers(cfg)
     critic_graphdef = critic_params = critic_opt_state = None
@@ -300,7 +313,7 @@ class Trainer:
   # -- checkpoints -----------------------------------------------------------------------------
 
   def save(self, step: int):
-    self.checkpointer.save(step, self.state, self.data_iter.get_state(), self.cfg)
+    self.checkpointer.save(step, self.state, self.data_iter.get_state(), self.cfg, record=self.record)
 
   def maybe_restore(self) -> int | None:
     """The step of the checkpoint restored (the newest that restores), or None for a fresh start."""
@@ -319,12 +332,38 @@ class Trainer:
     return step
 
   def _restore(self, step: int):
-    """One attempt: raises if anything of the checkpoint (config, state, data position) is unreadable."""
-    for field, (old, new) in changed_data_fields(self.checkpointer.restore_config(step), self.cfg).items():
+    """One attempt: raises if anything of the checkpoint (config, state, data position) is unreadable, and
+    CheckpointMismatch if it is another run's (algorithm, model shape, tokenizer, objective)."""
+    saved_config = self.checkpointer.restore_config(step)
+    self.check_resume(step, saved_config, self.checkpointer.read_record(step))
+    for field, (old, new) in changed_data_fields(saved_config, self.cfg).items():
       logging.warning("config.%s changed since the checkpoint (%r -> %r): the restored data position refers "
                       "to the old prompt order", field, old, new)
     state, data_state = self.checkpointer.restore(step, checkpoint_lib.abstract_like(self.state))
     return state, self.pipeline.iterator(data_state)
+
+  def check_resume(self, step: int, saved_config: dict, record: dict | None) -> None:
+    """Refuses (CheckpointMismatch) a checkpoint whose state means something else under this config; warns
+    about the other config fields that changed."""
+    where = self.checkpointer.directory
+    if record is None:
+      logging.warning("%s: checkpoint step %d predates resume records: only its saved config is compared", where,
+                      step)
+      saved, current = resume_lib.legacy_record(saved_config), resume_lib.legacy_record_of(self.cfg)
+    else:
+      saved, current = record, self.record
+    allowed = tuple(filter(None, (s.strip() for s in self.cfg.checkpoint.allow_changes.split(","))))
+    diffs = resume_lib.differences(saved, current)
+    refusal = resume_lib.refusal(step, where, diffs, allowed)
+    if refusal:
+      raise checkpoint_lib.CheckpointMismatch(refusal)
+    for section in diffs:
+      logging.warning("resuming step %d with another %s, as checkpoint.allow_changes permits: %s", step, section,
+                      "; ".join(diffs[section]))
+    skip = ("algorithm", "tokenizer", "pacs", "grpo", "ppo", *DATA_ORDER_FIELDS)
+    others = resume_lib.other_changes(saved_config, self.cfg, skip)
+    if others:
+      logging.warning("config changed since checkpoint step %d: %s", step, "; ".join(others))
 
   # -- the loop --------------------------------------------------------------------------------
 
@@ -347,6 +386,7 @@ class Trainer:
         if restored is None and cfg.eval_every:
           writer.write(0, self.validate(scorer))
         for step in range(start + 1, cfg.steps + 1):
+          self.checkpointer.check_for_errors()  # a failed async save stops the run before it trains further
           batch = next(self.data_iter)
           last = self.train_one_step(batch, scorer)
           last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
