@@ -84,8 +84,30 @@ def classify(e: BaseException) -> Failure | None:
   if isinstance(root, OSError) and root.errno in _DISK_ERRNOS:
     where = root.filename or ""
     return Failure(EXIT_STORAGE, f"{where + ': ' if where else ''}{os.strerror(root.errno)}")
+  unreachable = _unreachable_storage(e)
+  if unreachable:
+    return Failure(EXIT_STORAGE, unreachable)
   if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)):
     return Failure(EXIT_INPUT, first_line(e) if not e.filename else f"{e.filename}: {e.strerror or first_line(e)}")
+  return None
+
+
+def _unreachable_storage(e: BaseException) -> str | None:
+  """`gs://bucket: storage unreachable (<cause>)` when a connection to a remote workdir's store failed."""
+  from pacs_jax import paths
+  chain, seen = [], e
+  while seen is not None and seen not in chain:
+    chain.append(seen)
+    seen = seen.__cause__ or seen.__context__
+  for link in chain:
+    text = first_line(link)
+    if isinstance(link, ConnectionError) or type(link).__name__.startswith("ClientConnector") or (
+        "UNAVAILABLE" in text or "Cannot connect to host" in text):
+      if _log_dir and paths.is_remote(_log_dir):
+        bucket = "/".join(_log_dir.split("/")[:3])
+        return f"{bucket}: storage unreachable ({type(link).__name__}: {text}); the run resumes from its last " \
+               "checkpoint once it is back"
+      return f"storage unreachable ({type(link).__name__}: {text})"
   return None
 
 

@@ -290,3 +290,24 @@ def test_a_full_disk_stops_the_run_in_a_few_lines_and_a_restart_resumes(tmp_path
   for a, b in zip(final_params(tmp_path / "run", 4), final_params(tmp_path / "reference", 4)):
     np.testing.assert_array_equal(a, b)
   assert errno.ENOSPC  # (the simulated cause)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. (part) A storage outage surfaces as one line naming the bucket and the cause, whatever wraps it.
+
+def test_an_unreachable_bucket_is_named_with_its_cause(monkeypatch):
+  monkeypatch.setattr(errors, "_log_dir", "gs://bucket/runs/r1")
+  refused = ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 4443)")
+  try:
+    try:
+      raise refused
+    except OSError as e:
+      raise OSError("handle is closed") from e  # what the run ended with: a side effect
+  except OSError as e:
+    failure = errors.classify(e)
+  assert failure.status == errors.EXIT_STORAGE
+  assert failure.message.startswith("gs://bucket: storage unreachable (ConnectionRefusedError: [Errno 111] Connect "
+                                    "call failed"), failure.message
+  disk_full = OSError(errno.ENOSPC, "No space left on device", "/w/checkpoints/3")
+  assert errors.classify(disk_full) == errors.Failure(errors.EXIT_STORAGE, "/w/checkpoints/3: No space left on device")
+  assert errors.classify(ValueError("a bug")) is None  # a bug keeps its whole traceback
