@@ -25,7 +25,7 @@ EXIT_CONFIG = 3  # a config file that fails, an unknown field, a value out of ra
 EXIT_DATA = 4  # a data file that cannot be read, rows that are malformed, no prompt that fits
 EXIT_CHECKPOINT = 5  # no checkpoint restores, or it belongs to another run (algorithm, model, tokenizer)
 EXIT_LOCKED = 6  # another trainer holds the workdir
-EXIT_STORAGE = 7  # a save or write failed: disk full, storage unreachable, permission denied
+EXIT_STORAGE = 7  # a save or write failed: a full or read-only disk, an unreachable store
 
 LOG_FILE = "errors.log"  # in the workdir: the traceback of each failure, appended
 

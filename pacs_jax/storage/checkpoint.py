@@ -85,11 +85,14 @@ class Checkpointer:
     with self._storage_errors(step):
       self.manager.save(step, args=ocp.args.Composite(**items), force=force)
 
-  def check_for_errors(self) -> None:
-    """Raises paths.StorageError, naming the step, path and cause, if an async save has failed (between steps:
-    a failed save stops the run before it trains further)."""
-    with self._storage_errors(self._pending_step):
-      self.manager.check_for_errors()
+  def poll_failure(self) -> str | None:
+    """The failure of an async save as one line naming the step, path and cause, or None (it does not wait for
+    a save in flight)."""
+    if not self.failed_save:
+      with contextlib.suppress(paths.StorageError):
+        with self._storage_errors(self._pending_step):
+          self.manager.check_for_errors()
+    return self.failed_save
 
   @contextlib.contextmanager
   def _storage_errors(self, step: int | None):
@@ -179,6 +182,11 @@ class Checkpointer:
         logging.warning("moved checkpoint step %d to %s", step, dst)
     _barrier("pacs_jax_checkpoint_set_aside")
     self.manager.reload()
+
+  def abandon(self) -> None:
+    """Lets go without waiting for a save in flight (after a storage failure): like a kill, it leaves at most an
+    uncommitted step, which the next run's Orbax deletes."""
+    self.failed_save = self.failed_save or "abandoned"
 
   def close(self) -> None:
     """Waits for a save in flight; raises paths.StorageError if it failed (once: a failure already reported

@@ -176,7 +176,7 @@ class Trainer:
     self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     with jax.set_mesh(self.mesh):
       policy = build_policy(cfg, self.mesh)
-    export_lib.write_model_card(workdir, policy.config, self.tokenizer)
+    self.policy_config = policy.config  # the model card (model/) is written once a resume is known to be this run's
     self.record = resume_lib.make_record(cfg, policy.config.to_hf_dict(), self.tokenizer)
     self.graphdef, params = nnx.split(policy, nnx.Param)
     self.optimizer, self.critic_optimizer = programs_lib.make_optimizers(cfg)
@@ -371,6 +371,8 @@ class Trainer:
     cfg = self.cfg
     try:
       restored = self.maybe_restore()
+      # After the resume check: a refused resume must not leave another model's card beside the checkpoints.
+      export_lib.write_model_card(self.workdir, self.policy_config, self.tokenizer)
       writer = metrics_lib.MetricsWriter(self.workdir, resume_step=restored)
     except BaseException:
       self.checkpointer.close()
@@ -381,12 +383,16 @@ class Trainer:
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
     updates_per_step = cfg.train.batch_prompts // cfg.train.mini_batch_prompts
     last = {}
+    failure = None
     try:
       with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
         if restored is None and cfg.eval_every:
           writer.write(0, self.validate(scorer))
         for step in range(start + 1, cfg.steps + 1):
-          self.checkpointer.check_for_errors()  # a failed async save stops the run before it trains further
+          # A failed async save stops the run (every process) before it trains further.
+          failed = self.checkpointer.poll_failure()
+          if multihost.any_process([failed is not None])[0]:
+            raise paths.StorageError(failed or "a checkpoint save failed on another process")
           batch = next(self.data_iter)
           last = self.train_one_step(batch, scorer)
           last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
@@ -406,9 +412,15 @@ class Trainer:
           if stop:
             logging.warning("preempted: saved step %d, exiting", step)
             break
+    except BaseException as e:
+      failure = e
+      raise
     finally:
       try:
-        self.checkpointer.close()
+        if isinstance(failure, OSError):  # a full disk, an unreachable store: a save in flight cannot finish
+          self.checkpointer.abandon()  # (waiting would retry for minutes; a restart resumes from the last one)
+        else:
+          self.checkpointer.close()
       finally:
         writer.close()
         preemption.restore()
