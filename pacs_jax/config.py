@@ -148,6 +148,9 @@ def default_config() -> ml_collections.ConfigDict:
   # warning); exit with an error if checkpoints exist but none restores. never: start from scratch, the
   # existing checkpoints moved to checkpoints_set_aside/.
   c.checkpoint.restore = "latest"
+  # A resume refuses a checkpoint trained with another algorithm, tokenizer or objective settings
+  # (storage/resume.py); a comma-separated list of those it may change anyway ("algorithm,tokenizer,objective").
+  c.checkpoint.allow_changes = ""
   # One trainer per workdir: a lock whose holder runs on another host is taken over after this long
   # without a heartbeat (on the same host: as soon as its process is gone).
   c.checkpoint.lock_stale_after_s = 300.0
@@ -248,6 +251,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
   _check(c.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0 (0 = keep every checkpoint)")
   _check_enum(c.checkpoint.restore, RESTORE_MODES, "checkpoint.restore")
+  allowable = ("algorithm", "tokenizer", "objective")  # (storage/resume.py ALLOWABLE; storage is a layer above)
+  unknown = [s for s in c.checkpoint.allow_changes.split(",") if s.strip() and s.strip() not in allowable]
+  _check(not unknown, "checkpoint.allow_changes", f"{unknown} are not among {allowable} (comma-separated)")
   _check(c.checkpoint.lock_stale_after_s > 0, "checkpoint.lock_stale_after_s", "must be positive (seconds)")
   _check(c.log_every >= 1, "log_every", f"must be >= 1 (the last step is always logged), got {c.log_every}")
   _check(c.eval_every >= 0, "eval_every", f"must be >= 0 (0 = no validation), got {c.eval_every}")

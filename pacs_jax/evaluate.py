@@ -113,4 +113,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from pacs_jax import errors
+  errors.run("evaluate", main)

@@ -1,4 +1,4 @@
-"""`python -m pacs_jax.export --workdir W [--step S] --out DIR`: a training checkpoint -> a Hugging Face directory.
+"""`python -m pacs_jax.export --workdir W [--step S] --out DIR [--overwrite]`: a training checkpoint -> a Hugging Face directory.
 
 The result (weights, config.json, tokenizer files) loads unchanged in transformers, and so in vLLM.
 """
@@ -12,6 +12,8 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest
 _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 _DTYPE = flags.DEFINE_enum("dtype", None, config.DTYPE_NAMES, "Convert weights (default: as trained).")
 _SHARD = flags.DEFINE_string("max_shard_size", "5GB", "Split weight files at this size.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a previous export in --out (only the files it wrote; "
+                               "a folder holding other files is refused).")
 
 
 def main(argv):
@@ -19,16 +21,14 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
-  from pacs_jax.storage import checkpoint, export as export_lib
+  from pacs_jax.storage import export as export_lib
   from pacs_jax.train import runtime
   runtime.prefer_cpu_without_accelerators()
-  try:
-    path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
-                             max_shard_size=_SHARD.value)
-  except (FileNotFoundError, checkpoint.NoRestorableCheckpoint) as e:
-    raise SystemExit(f"export: {e}") from None  # one message, no traceback
+  path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
+                           max_shard_size=_SHARD.value, overwrite=_OVERWRITE.value)
   print(f"wrote {path}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from pacs_jax import errors
+  errors.run("export", main)

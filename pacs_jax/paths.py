@@ -23,6 +23,10 @@ fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
 PathLike = str | os.PathLike
 
 
+class StorageError(OSError):
+  """A write to a workdir failed (a full disk, an unreachable bucket); the message names the path and cause."""
+
+
 def is_remote(path: PathLike) -> bool:
   """A URI (`gs://bucket/dir`), as opposed to a local path."""
   return "://" in os.fspath(path)
@@ -136,6 +140,15 @@ def append(p: PathLike, data: str | bytes) -> None:
 def remove(p: PathLike) -> None:
   with contextlib.suppress(FileNotFoundError):
     path(p).unlink()
+
+
+def remove_empty_dirs(p: PathLike) -> None:
+  """Removes a local directory tree that holds no file (folders only); anything with a file in it stays."""
+  if is_remote(p) or not os.path.isdir(normalize(p)):
+    return
+  for root, _, _ in sorted(os.walk(normalize(p)), key=lambda entry: -len(entry[0])):
+    with contextlib.suppress(OSError):  # not empty: a file is there
+      os.rmdir(root)
 
 
 def rename(src: PathLike, dst: PathLike) -> None:

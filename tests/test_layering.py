@@ -23,6 +23,7 @@ LAYERS = {
     "pacs_jax.storage": 6,  # workdir layout, checkpoints, lock, export: shared by train and eval
     "pacs_jax.train": 7,
     "pacs_jax.eval": 7,
+    "pacs_jax.errors": 7,  # expected failures -> one line and an exit status, for the command lines
     # The command lines, at the top.
     "pacs_jax.train.__main__": 8,
     "pacs_jax.evaluate": 8,

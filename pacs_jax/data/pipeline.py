@@ -31,6 +31,10 @@ def pad_prompts(prompt_ids: Sequence[np.ndarray], pad_id: int, length: int | Non
   return ids, mask
 
 
+class TooFewPrompts(ValueError):
+  """Fewer prompts fit max_prompt_length than one batch needs."""
+
+
 class PromptPipeline:
   """Batches of prompts for one JAX process.
 
@@ -77,8 +81,8 @@ class PromptPipeline:
                      len(records), max_prompt_length)
     self.num_prompts = len(keep)
     if self.num_prompts == 0 or (drop_remainder and self.num_prompts < batch_size):
-      raise ValueError(f"only {self.num_prompts} of {len(records)} prompts fit max_prompt_length="
-                       f"{max_prompt_length}: fewer than one batch of {batch_size}")
+      raise TooFewPrompts(f"only {self.num_prompts} of {len(records)} prompts fit max_prompt_length="
+                          f"{max_prompt_length}: fewer than one batch of {batch_size}")
     self._prompt_ids = [prompt_ids[i] for i in keep]
     self._answers = [records[i]["answer"] for i in keep]
     self._data_sources = [records[i]["data_source"] for i in keep]

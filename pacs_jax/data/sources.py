@@ -233,8 +233,14 @@ def read_parquet(path: str, data_source: str | None = None, skip_bad_rows: bool 
   """The released preprocessed parquet (or any parquet with problem/answer columns)."""
   import pyarrow.parquet as pq
 
+  import pyarrow as pa
+
   with paths.open(path, "rb") as f:
-    rows = pq.read_table(f).to_pylist()
+    try:
+      rows = pq.read_table(f).to_pylist()
+    except pa.ArrowException as e:  # pyarrow names the file '<Buffer>'
+      cause = str(e).replace("Could not open Parquet input source '<Buffer>': ", "")
+      raise DataError(f"{path}: not a readable parquet file ({cause})") from e
   return _collect(((f"row {i}", row) for i, row in enumerate(rows)), path, data_source, skip_bad_rows,
                   with_solution=with_solution)
 
@@ -266,8 +272,8 @@ def load_records(spec: str, *, data_source: str | None = None, skip_bad_rows: bo
   if spec.startswith(HUB_PREFIX):
     return read_hub(spec, data_source, skip_bad_rows, with_solution)
   if not paths.isfile(spec):
-    raise FileNotFoundError(f"no data file at {spec!r} (expected a .json/.jsonl/.parquet file, "
-                            f"hf://owner/name or synthetic/<task>)")
+    what = "is a directory, not" if paths.isdir(spec) else "no such file: expected"
+    raise DataError(f"{spec}: {what} a .json/.jsonl/.parquet file (or hf://owner/name, synthetic/<task>)")
   extension = os.path.splitext(spec)[1].lower()
   readers = {".json": read_json, ".jsonl": read_jsonl, ".parquet": read_parquet}
   if extension not in readers:

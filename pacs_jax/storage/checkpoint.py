@@ -9,6 +9,7 @@ empty step folder): `restore_newest` then falls back to the next older step and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -28,6 +29,13 @@ T = TypeVar("T")
 
 class NoRestorableCheckpoint(RuntimeError):
   """Checkpoints exist but none could be restored; the message lists each step and why."""
+
+
+class CheckpointMismatch(RuntimeError):
+  """The checkpoint belongs to another run (algorithm, model shape, tokenizer, objective): not restored."""
+
+
+RECORD_ITEM = "record"  # what gives the state its meaning (storage/resume.py); absent in older checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +58,9 @@ class Checkpointer:
       options = ocp.CheckpointManagerOptions(max_to_keep=keep or None, enable_async_checkpointing=async_save,
                                              create=True, cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=("state", "data", "config"))
+                                         item_names=("state", "data", "config", RECORD_ITEM))
+    self.failed_save: str | None = None  # the first failed async save, as one line
+    self._pending_step: int | None = None  # the last save started
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -60,14 +70,46 @@ class Checkpointer:
     return sorted(self.manager.all_steps(), reverse=True)
 
   def save(self, step: int, state: Any, data_state: dict, config: ml_collections.ConfigDict,
-           force: bool = True) -> None:
-    """Starts an (async) save of `state` (a pytree of arrays) with the data iterator's JSON state."""
+           force: bool = True, record: dict | None = None) -> None:
+    """Starts an (async) save of `state` (a pytree of arrays) with the data iterator's JSON state; raises
+    paths.StorageError if this save, or an earlier one still finishing, fails."""
     if self.read_only:
       raise ValueError(f"{self.directory} was opened read-only")
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeSave(state),
-        data=ocp.args.JsonSave(data_state),
-        config=ocp.args.JsonSave(json.loads(config.to_json_best_effort()))), force=force)
+    items = dict(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
+                 config=ocp.args.JsonSave(json.loads(config.to_json_best_effort())))
+    if record is not None:
+      items[RECORD_ITEM] = ocp.args.JsonSave(record)
+    with self._storage_errors(self._pending_step):
+      self.manager.wait_until_finished()  # (Orbax's save waits for the previous one too): its failure named as its
+    self._pending_step = step
+    with self._storage_errors(step):
+      self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+  def poll_failure(self) -> str | None:
+    """The failure of an async save as one line naming the step, path and cause, or None (it does not wait for
+    a save in flight)."""
+    if not self.failed_save:
+      with contextlib.suppress(paths.StorageError):
+        with self._storage_errors(self._pending_step):
+          self.manager.check_for_errors()
+    return self.failed_save
+
+  @contextlib.contextmanager
+  def _storage_errors(self, step: int | None):
+    if self.failed_save:
+      raise paths.StorageError(self.failed_save)
+    try:
+      yield
+    except Exception as e:  # noqa: BLE001 (tensorstore, OS, HTTP client errors: any means the save is lost)
+      self.failed_save = (f"saving checkpoint step {step} to {paths.join(self.directory, str(step))} failed: "
+                          f"{_describe(e)}")
+      raise paths.StorageError(self.failed_save) from e
+
+  def read_record(self, step: int) -> dict | None:
+    """The step's resume record, or None for a checkpoint saved before records existed."""
+    if not paths.exists(paths.join(self.directory, str(step), RECORD_ITEM)):
+      return None
+    return self.manager.restore(step, args=ocp.args.Composite(**{RECORD_ITEM: ocp.args.JsonRestore()}))[RECORD_ITEM]
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """Restores into the shardings/dtypes of `abstract_state` (a tree of jax.ShapeDtypeStruct with shardings)."""
@@ -100,6 +142,8 @@ class Checkpointer:
       try:
         result = restore_fn(step)
         ok = True
+      except CheckpointMismatch:
+        raise  # another run's checkpoint, not a damaged one: an older step would not be this run's either
       except Exception as e:  # noqa: BLE001 (damage shows as tensorstore, JSON, KeyError, OS errors ...)
         failures.append(Failure(step, _describe(e)))
         ok = False
@@ -139,9 +183,24 @@ class Checkpointer:
     _barrier("pacs_jax_checkpoint_set_aside")
     self.manager.reload()
 
+  def abandon(self) -> None:
+    """Lets go without waiting for a save in flight (after a storage failure): like a kill, it leaves at most an
+    uncommitted step, which the next run's Orbax deletes."""
+    self.failed_save = self.failed_save or "abandoned"
+
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Waits for a save in flight; raises paths.StorageError if it failed (once: a failure already reported
+    is not raised again)."""
+    try:
+      if not self.failed_save:
+        with self._storage_errors(self._pending_step):
+          self.manager.wait_until_finished()
+    finally:
+      try:
+        self.manager.close()
+      except Exception:  # noqa: BLE001 (closing after a failed save re-raises its error)
+        if not self.failed_save:
+          raise
 
 
 def _describe(e: BaseException) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 
 import jax
 from flax import nnx
@@ -83,18 +85,86 @@ def load_policy(workdir: str, step: int | None = None) -> tuple[qwen2.Qwen2ForCa
     ckpt.close()
 
 
+EXPORT_MARKER = ".pacs_jax_export.json"  # in an export: the files it wrote, so --overwrite replaces only those
+
+
+class OutputNotEmpty(FileExistsError):
+  """An export's --out holds files, and --overwrite was not given (or they are not a previous export's)."""
+
+
 def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | None = None,
-           max_shard_size: str | int | None = "5GB") -> str:
-  """Writes the checkpoint's policy as a Hugging Face directory (weights, config.json, tokenizer)."""
-  model, _ = load_policy(workdir, step)
+           max_shard_size: str | int | None = "5GB", overwrite: bool = False) -> str:
+  """Writes the checkpoint's policy as a Hugging Face directory (weights, config.json, tokenizer).
+
+  The files are written into a fresh temporary folder and moved into place. An `out_dir` that holds files is
+  refused unless `overwrite`, which replaces only the files a previous export wrote there (listed in its
+  `.pacs_jax_export.json`); any other file there is left alone, and with one the export is refused.
+  """
+  previous = _previous_export(out_dir, overwrite)  # before the checkpoint is read: refuse early
+  model, step = load_policy(workdir, step)
   with paths.local_dir(workdir_lib.model_dir(workdir)) as model_dir:
     tokenizer = hf.load_tokenizer(model_dir)  # read whole: no file of it is needed afterwards
     generation = hf.default_generation_config(tokenizer, model_dir)
-  # config.json goes last: a directory that has it is complete (evaluate relies on this).
-  with paths.staged_dir(out_dir, last=(hf.CONFIG_FILE,)) as local:
-    hf.save_pretrained(model, local, tokenizer=tokenizer, max_shard_size=max_shard_size,
+  local_parent = None if paths.is_remote(out_dir) else paths.parent(out_dir)
+  if local_parent:
+    os.makedirs(local_parent, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=f".{os.path.basename(paths.normalize(out_dir))}.partial-", dir=local_parent)
+  try:
+    hf.save_pretrained(model, staging, tokenizer=tokenizer, max_shard_size=max_shard_size,
                        dtype=config_lib.dtype(dtype) if dtype else None, generation_config=generation)
+    if jax.process_index() == 0:
+      files = sorted(os.path.relpath(os.path.join(root, name), staging)
+                     for root, _, names in os.walk(staging) for name in names)
+      with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
+        json.dump({"workdir": paths.normalize(workdir), "step": step, "files": files}, f, indent=1)
+      _move_into_place(staging, out_dir, files, previous)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
   return paths.normalize(out_dir)
+
+
+def _previous_export(out_dir: str, overwrite: bool) -> list[str]:
+  """The files of the previous export in `out_dir` that `overwrite` replaces ([] for a missing or empty
+  folder); OutputNotEmpty when the folder holds files that may not be replaced."""
+  names = paths.listdir(out_dir)
+  if not names:
+    if paths.isfile(out_dir):
+      raise OutputNotEmpty(f"--out {paths.normalize(out_dir)}: is a file, not a folder")
+    return []
+  marker = paths.join(out_dir, EXPORT_MARKER)
+  previous = json.loads(paths.read_text(marker))["files"] if paths.isfile(marker) else None
+  if previous is None:
+    raise OutputNotEmpty(f"--out {paths.normalize(out_dir)}: holds files that no pacs_jax export wrote "
+                         f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); choose an empty or new folder")
+  if not overwrite:
+    raise OutputNotEmpty(f"--out {paths.normalize(out_dir)}: holds the export of step "
+                         f"{json.loads(paths.read_text(marker)).get('step')}; pass --overwrite to replace it "
+                         "(only its files: others there stay)")
+  return previous
+
+
+def _move_into_place(staging: str, out_dir: str, files: list[str], previous: list[str]) -> None:
+  """A new folder is renamed into place whole; over a previous export, its files are replaced by the new ones
+  (config.json first out and last in: a folder that has it is complete) and nothing else is touched."""
+  if not paths.is_remote(out_dir) and not previous:
+    target = paths.normalize(out_dir)
+    if os.path.isdir(target):
+      os.rmdir(target)  # empty (checked): a directory rename may not replace it on every system
+    os.replace(staging, target)
+    return
+  marker = paths.join(out_dir, EXPORT_MARKER)
+  # While files move, the marker claims both sets: an interrupted export or overwrite can be redone.
+  paths.write_atomic(marker, json.dumps({"files": sorted(set(previous) | set(files))}, indent=1))
+  for name in sorted(previous, key=lambda n: n != hf.CONFIG_FILE):
+    if name != EXPORT_MARKER:
+      paths.remove(paths.join(out_dir, name))
+  last = (hf.CONFIG_FILE, EXPORT_MARKER)
+  for name in sorted(files, key=lambda n: (n in last, n)) + [EXPORT_MARKER]:
+    source, target = os.path.join(staging, name), paths.join(out_dir, name)
+    if paths.is_remote(out_dir):
+      paths.path(target).write_bytes(open(source, "rb").read())
+    else:
+      paths.rename(source, target)
 
 
 def is_workdir(path: str) -> bool:
@@ -115,10 +185,7 @@ def model_to_evaluate(path: str, step: int | None = None) -> str:
     step = latest_step(path)
   out = paths.join(path, f"export_step_{step}")
   if not paths.isfile(paths.join(out, hf.CONFIG_FILE)):
-    if paths.is_remote(out):  # config.json is uploaded last: a directory without it is incomplete
-      export(path, out, step=step)
-    else:  # exported beside, then renamed: a crash mid-export leaves no directory that looks complete
-      partial = f"{out}.partial-{os.getpid()}"
-      export(path, partial, step=step)
-      os.replace(partial, out)
+    # Written beside and moved into place (config.json last on Cloud Storage): never a folder that looks complete
+    # but is not; an earlier attempt's files are replaced.
+    export(path, out, step=step, overwrite=True)
   return out

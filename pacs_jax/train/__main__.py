@@ -10,12 +10,13 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from pacs_jax import errors
+
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
                                "tiny_cpu.py")
 
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Training config file (a get_config() module).",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and logs go (default: runs/<config name>).")
+_CONFIG = errors.define_config_file("train", "config", _DEFAULT_CONFIG, "Training config file (a get_config() module).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints and logs go (default: runs/<config name>-<algorithm>).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build everything abstractly on a mesh of config.hardware.num_devices "
                              "devices and print an estimate of per-device memory; train nothing.")
 _COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Compile every program of the run ahead of time for the "
@@ -28,7 +29,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
-  cfg = _CONFIG.value
+  cfg = errors.config_value(_CONFIG)
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   if _COMPILE_ONLY.value:
     from pacs_jax.train import aot
@@ -39,26 +40,22 @@ def main(argv):
     return
   from pacs_jax.storage import workdir as workdir_lib
   workdir = _WORKDIR.value or workdir_lib.default_workdir(config_path, cfg.algorithm)
+  errors.log_to(workdir)  # a failure's traceback goes to WORKDIR/errors.log once the workdir exists
   from pacs_jax.train import runtime
   runtime.prefer_cpu_without_accelerators()
   runtime.init(cfg)
   import jax
-  from pacs_jax import config
-  from pacs_jax.data import sources
-  from pacs_jax.storage import checkpoint, lock as workdir_lock
   from pacs_jax.train import console, loop
-  try:
-    trainer = loop.Trainer(cfg, workdir)
-    primary = jax.process_index() == 0
-    if primary:
-      name = os.path.relpath(config_path)
-      print(trainer.banner(name if not name.startswith("..") else config_path), flush=True)
-    trainer.run()
-  except (config.ConfigError, sources.DataError, workdir_lock.WorkdirLocked, checkpoint.NoRestorableCheckpoint) as e:
-    raise SystemExit(f"train: {e}") from None  # a message that says what to fix, not a traceback
+  # An expected failure (config, data, lock, checkpoint, storage) ends in one line (pacs_jax.errors).
+  trainer = loop.Trainer(cfg, workdir)
+  primary = jax.process_index() == 0
+  if primary:
+    name = os.path.relpath(config_path)
+    print(trainer.banner(name if not name.startswith("..") else config_path), flush=True)
+  trainer.run()
   if primary:
     print(console.closing_line(trainer.workdir, int(trainer.state.step)), flush=True)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  errors.run("train", main)

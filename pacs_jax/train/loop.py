@@ -32,6 +32,7 @@ from pacs_jax.train import batching
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import export as export_lib
 from pacs_jax.storage import lock as workdir_lock
+from pacs_jax.storage import resume as resume_lib
 from pacs_jax.storage.workdir import CHECKPOINT_DIR
 from pacs_jax.train import console
 from pacs_jax.train import metrics as metrics_lib
@@ -123,6 +124,9 @@ class Trainer:
     devices = jax.devices() if devices is None else list(devices)
     config_lib.validate(cfg, num_processes=jax.process_count(), devices=devices)
     self.cfg, self.workdir = cfg, paths.normalize(workdir)
+    # Every input is read before anything is created: a missing or malformed file leaves no workdir behind.
+    self._read_inputs(cfg)
+    created = not paths.exists(self.workdir)
     # Before anything is written to the workdir: a second trainer must not touch the first one's files
     # (Orbax deletes unfinished saves it finds, which may be the other trainer's save in flight).
     self.lock = multihost.lock_workdir(self.workdir, cfg.checkpoint.lock_stale_after_s)
@@ -130,12 +134,12 @@ class Trainer:
       self._build(cfg, workdir, devices)
     except BaseException:
       self.lock.release()
+      if created and jax.process_index() == 0:
+        paths.remove_empty_dirs(self.workdir)  # what this failed start created, and nothing else
       raise
 
-  def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
-    self.algo = registry.of(cfg)
-    self._stepped = False  # no step has run in this process yet (the first one compiles)
-    self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+  def _read_inputs(self, cfg: ml_collections.ConfigDict) -> None:
+    """The tokenizer, the training prompts and the validation set: everything the run reads."""
     self.tokenizer = load_tokenizer(cfg)
     model_config = config_lib.model_config(cfg)
     config_lib.check_tokenizer_fits_model(cfg, len(self.tokenizer), model_config.vocab_size)
@@ -150,10 +154,14 @@ class Trainer:
     instruction = cfg.data.instruction or None
     train_records, self.skipped_rows = load_split(cfg.data.train, cfg, cfg.data.synthetic_train_size, cfg.seed)
     self.source_names = sorted({r["data_source"] for r in train_records})
-    self.pipeline = pipeline_lib.PromptPipeline(
-        train_records, self.tokenizer, batch_size=cfg.train.batch_prompts, seed=cfg.seed,
-        max_prompt_length=self.P, instruction=instruction,
-        process_index=jax.process_index(), process_count=jax.process_count())
+    try:
+      self.pipeline = pipeline_lib.PromptPipeline(
+          train_records, self.tokenizer, batch_size=cfg.train.batch_prompts, seed=cfg.seed,
+          max_prompt_length=self.P, instruction=instruction,
+          process_index=jax.process_index(), process_count=jax.process_count())
+    except pipeline_lib.TooFewPrompts as e:
+      raise config_lib.ConfigError(f"config.data.max_prompt_length={self.P}, config.train.batch_prompts="
+                                   f"{cfg.train.batch_prompts}: {e} (data.train={cfg.data.train!r})") from e
     self.data_iter = self.pipeline.iterator()
     self.val_records = []
     # data.val_dir: the released runs' five validation sets, in place of data.val.
@@ -171,10 +179,14 @@ class Trainer:
                          "tokenizer": console.describe_tokenizer(cfg, self.tokenizer),
                          "data": console.describe_data(cfg, len(train_records), len(self.val_records))}
 
+  def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
+    self.algo = registry.of(cfg)
+    self._stepped = False  # no step has run in this process yet (the first one compiles)
+    self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     with jax.set_mesh(self.mesh):
       policy = build_policy(cfg, self.mesh)
-    export_lib.write_model_card(workdir, policy.config, self.tokenizer,
-                                source_dir=cfg.model.hf_path and hf.resolve_path(cfg.model.hf_path))
+    self.policy_config = policy.config  # the model card (model/) is written once a resume is known to be this run's
+    self.record = resume_lib.make_record(cfg, policy.config.to_hf_dict(), self.tokenizer)
     self.graphdef, params = nnx.split(policy, nnx.Param)
     self.optimizer, self.critic_optimizer = programs_lib.make_optimizers(cfg)
     critic_graphdef = critic_params = critic_opt_state = None
@@ -328,7 +340,7 @@ class Trainer:
   # -- checkpoints -----------------------------------------------------------------------------
 
   def save(self, step: int):
-    self.checkpointer.save(step, self.state, self.data_iter.get_state(), self.cfg)
+    self.checkpointer.save(step, self.state, self.data_iter.get_state(), self.cfg, record=self.record)
 
   def maybe_restore(self) -> int | None:
     """The step of the checkpoint restored (the newest that restores), or None for a fresh start."""
@@ -347,12 +359,38 @@ class Trainer:
     return step
 
   def _restore(self, step: int):
-    """One attempt: raises if anything of the checkpoint (config, state, data position) is unreadable."""
-    for field, (old, new) in changed_data_fields(self.checkpointer.restore_config(step), self.cfg).items():
+    """One attempt: raises if anything of the checkpoint (config, state, data position) is unreadable, and
+    CheckpointMismatch if it is another run's (algorithm, model shape, tokenizer, objective)."""
+    saved_config = self.checkpointer.restore_config(step)
+    self.check_resume(step, saved_config, self.checkpointer.read_record(step))
+    for field, (old, new) in changed_data_fields(saved_config, self.cfg).items():
       logging.warning("config.%s changed since the checkpoint (%r -> %r): the restored data position refers "
                       "to the old prompt order", field, old, new)
     state, data_state = self.checkpointer.restore(step, checkpoint_lib.abstract_like(self.state))
     return state, self.pipeline.iterator(data_state)
+
+  def check_resume(self, step: int, saved_config: dict, record: dict | None) -> None:
+    """Refuses (CheckpointMismatch) a checkpoint whose state means something else under this config; warns
+    about the other config fields that changed."""
+    where = self.checkpointer.directory
+    if record is None:
+      logging.warning("%s: checkpoint step %d predates resume records: only its saved config is compared", where,
+                      step)
+      saved, current = resume_lib.legacy_record(saved_config), resume_lib.legacy_record_of(self.cfg)
+    else:
+      saved, current = record, self.record
+    allowed = tuple(filter(None, (s.strip() for s in self.cfg.checkpoint.allow_changes.split(","))))
+    diffs = resume_lib.differences(saved, current)
+    refusal = resume_lib.refusal(step, where, diffs, allowed)
+    if refusal:
+      raise checkpoint_lib.CheckpointMismatch(refusal)
+    for section in diffs:
+      logging.warning("resuming step %d with another %s, as checkpoint.allow_changes permits: %s", step, section,
+                      "; ".join(diffs[section]))
+    skip = ("algorithm", "tokenizer", "pacs", "grpo", "ppo", *DATA_ORDER_FIELDS)
+    others = resume_lib.other_changes(saved_config, self.cfg, skip)
+    if others:
+      logging.warning("config changed since checkpoint step %d: %s", step, "; ".join(others))
 
   # -- the loop --------------------------------------------------------------------------------
 
@@ -360,6 +398,9 @@ class Trainer:
     cfg = self.cfg
     try:
       restored = self.maybe_restore()
+      # After the resume check: a refused resume must not leave another model's card beside the checkpoints.
+      export_lib.write_model_card(self.workdir, self.policy_config, self.tokenizer,
+                                  source_dir=self.cfg.model.hf_path and hf.resolve_path(self.cfg.model.hf_path))
       writer = metrics_lib.MetricsWriter(self.workdir, resume_step=restored)
     except BaseException:
       self.checkpointer.close()
@@ -372,11 +413,16 @@ class Trainer:
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
     updates_per_step = cfg.train.batch_prompts // cfg.train.mini_batch_prompts
     last = {}
+    failure = None
     try:
       with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
         if restored is None and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
           writer.write(0, self.validate(scorer))
         for step in range(start + 1, cfg.steps + 1):
+          # A failed async save stops the run (every process) before it trains further.
+          failed = self.checkpointer.poll_failure()
+          if multihost.any_process([failed is not None])[0]:
+            raise paths.StorageError(failed or "a checkpoint save failed on another process")
           batch = next(self.data_iter)
           last = self.train_one_step(batch, scorer)
           last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
@@ -396,9 +442,15 @@ class Trainer:
           if stop:
             logging.warning("preempted: saved step %d, exiting", step)
             break
+    except BaseException as e:
+      failure = e
+      raise
     finally:
       try:
-        self.checkpointer.close()
+        if isinstance(failure, OSError):  # a full disk, an unreachable store: a save in flight cannot finish
+          self.checkpointer.abandon()  # (waiting would retry for minutes; a restart resumes from the last one)
+        else:
+          self.checkpointer.close()
       finally:
         writer.close()
         preemption.restore()

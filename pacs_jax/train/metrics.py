@@ -118,12 +118,23 @@ class _ObjectRecordWriter:
 
   def __init__(self, path: str):
     self.path, self.buffer = path, bytearray()
+    self.failing = False
 
   def write(self, data: bytes) -> None:
     self.buffer += data
 
   def flush(self) -> None:
-    paths.write_atomic(self.path, bytes(self.buffer))
+    """Uploads the whole file; a failure (tensorboardX flushes from its own thread, where an exception would print
+    a traceback and stop the thread) is one warning, and the next flush uploads everything again."""
+    try:
+      paths.write_atomic(self.path, bytes(self.buffer))
+    except Exception as e:  # noqa: BLE001 (an unreachable store: the main thread's writes report it)
+      if not self.failing:
+        logging.warning("%s: TensorBoard events not uploaded (%s: %s); retrying at the next flush", self.path,
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+      self.failing = True
+    else:
+      self.failing = False
 
   def close(self) -> None:
     self.flush()

@@ -111,8 +111,12 @@ def test_malformed_json_array_rows(tmp_path):
 
 
 def test_dispatch_errors(tmp_path):
-  with pytest.raises(FileNotFoundError, match="no data file"):
+  with pytest.raises(sources.DataError, match=r"missing\.json: no such file: expected a \.json/\.jsonl/\.parquet"):
     sources.load_records(str(tmp_path / "missing.json"))
+  with pytest.raises(sources.DataError, match=rf"{tmp_path}: is a directory, not a \.json/\.jsonl/\.parquet file"):
+    sources.load_records(str(tmp_path))
+  with pytest.raises(sources.DataError, match=r"fake\.parquet: not a readable parquet file \(Parquet magic bytes"):
+    sources.load_records(_write(tmp_path / "fake.parquet", "not parquet"))
   with pytest.raises(sources.DataError, match="unsupported file type '.csv'"):
     sources.load_records(_write(tmp_path / "x.csv", "a,b\n"))
   records, skipped = sources.load_records("synthetic/mod3", synthetic_size=10, seed=1)

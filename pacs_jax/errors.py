@@ -1,0 +1,263 @@
+"""The one place that turns an expected failure (config, data, checkpoint, lock, disk, storage) into one line on
+stderr naming the thing, its path and the cause, with an exit status per kind; the traceback goes to a log file.
+
+The command lines run through `run(prog, main)`. A failure that is not one of the expected kinds is a bug: its
+traceback is printed whole, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging as std_logging
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import Callable
+
+from absl import app, flags, logging
+
+# Exit statuses, one per kind of failure (1 stays absl's for a usage error, and Python's for a bug).
+EXIT_INPUT = 2  # a missing or unreadable file or directory given on the command line, an occupied --out
+EXIT_CONFIG = 3  # a config file that fails, an unknown field, a value out of range
+EXIT_DATA = 4  # a data file that cannot be read, rows that are malformed, no prompt that fits
+EXIT_CHECKPOINT = 5  # no checkpoint restores, or it belongs to another run (algorithm, model, tokenizer)
+EXIT_LOCKED = 6  # another trainer holds the workdir
+EXIT_STORAGE = 7  # a save or write failed: a full or read-only disk, an unreachable store
+
+LOG_FILE = "errors.log"  # in the workdir: the traceback of each failure, appended
+
+_VERBOSE = flags.DEFINE_bool("verbose", False, "On an expected failure print the whole traceback, not one line.")
+
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+  status: int
+  message: str
+
+
+_log_dir: str | None = None
+_held_records: list[std_logging.LogRecord] = []
+
+
+def log_to(directory: str) -> None:
+  """Where the traceback of a failure goes (a workdir, once it exists; else a temporary file)."""
+  global _log_dir
+  from pacs_jax import paths
+  _log_dir = paths.normalize(directory)
+
+
+def root_cause(e: BaseException) -> BaseException:
+  """The innermost exception of an explicit `raise ... from` chain (libraries wrap the precise error)."""
+  seen = [e]
+  while seen[-1].__cause__ is not None and seen[-1].__cause__ not in seen:
+    seen.append(seen[-1].__cause__)
+  return seen[-1]
+
+
+def first_line(e: BaseException) -> str:
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  return lines[0] if lines else type(e).__name__
+
+
+def classify(e: BaseException) -> Failure | None:
+  """The exit status and the line to print for an expected failure; None for a bug."""
+  from pacs_jax import config, paths
+  from pacs_jax.data import sources
+  from pacs_jax.storage import checkpoint, lock
+
+  if isinstance(e, config.ConfigError):
+    return Failure(EXIT_CONFIG, str(e))
+  if isinstance(e, sources.DataError):
+    return Failure(EXIT_DATA, str(e))
+  if isinstance(e, lock.WorkdirLocked):
+    return Failure(EXIT_LOCKED, str(e))
+  if isinstance(e, (checkpoint.NoRestorableCheckpoint, checkpoint.CheckpointMismatch)):
+    return Failure(EXIT_CHECKPOINT, str(e))
+  if isinstance(e, paths.StorageError):
+    return Failure(EXIT_STORAGE, str(e))
+  root = root_cause(e)
+  if isinstance(root, OSError) and root.errno in _DISK_ERRNOS:
+    where = root.filename or ""
+    return Failure(EXIT_STORAGE, f"{where + ': ' if where else ''}{os.strerror(root.errno)}")
+  unreachable = _unreachable_storage(e)
+  if unreachable:
+    return Failure(EXIT_STORAGE, unreachable)
+  if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)):
+    return Failure(EXIT_INPUT, first_line(e) if not e.filename else f"{e.filename}: {e.strerror or first_line(e)}")
+  return None
+
+
+def _unreachable_storage(e: BaseException) -> str | None:
+  """`gs://bucket: storage unreachable (<cause>)` when a connection to a remote workdir's store failed."""
+  from pacs_jax import paths
+  chain, seen = [], e
+  while seen is not None and seen not in chain:
+    chain.append(seen)
+    seen = seen.__cause__ or seen.__context__
+  for link in chain:
+    text = first_line(link)
+    if isinstance(link, ConnectionError) or type(link).__name__.startswith("ClientConnector") or (
+        "UNAVAILABLE" in text or "Cannot connect to host" in text):
+      if _log_dir and paths.is_remote(_log_dir):
+        bucket = "/".join(_log_dir.split("/")[:3])
+        return f"{bucket}: storage unreachable ({type(link).__name__}: {text}); the run resumes from its last " \
+               "checkpoint once it is back"
+      return f"storage unreachable ({type(link).__name__}: {text})"
+  return None
+
+
+def _write_log(prog: str, text: str) -> str | None:
+  """Appends `text` to the workdir's log file (a temporary file if the workdir is missing or unwritable)."""
+  from pacs_jax import paths
+  stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+  entry = f"--- {prog} failed at {stamp} (pid {os.getpid()}) ---\n{text}\n"
+  if _log_dir and not paths.is_remote(_log_dir) and os.path.isdir(_log_dir):
+    target = os.path.join(_log_dir, LOG_FILE)
+    try:
+      with open(target, "a", encoding="utf-8") as f:
+        f.write(entry)
+      return target
+    except OSError:
+      pass  # a full disk is a reason to be here: fall back to the temporary folder
+  try:
+    fd, target = tempfile.mkstemp(prefix=f"pacs_jax_{prog}_", suffix=".log")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(entry)
+    return target
+  except OSError:
+    return None
+
+
+class _HoldLibraryErrors(std_logging.Filter):
+  """Keeps libraries' error records off stderr until the program ends (Orbax logs several, with tracebacks, for
+  one failed save): after a failure they go to the log file with its traceback; after a success each is shown
+  as its first line."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    path = record.pathname.replace(os.sep, "/")
+    if _VERBOSE.value or record.levelno < std_logging.ERROR or ("/pacs_jax/" in path and "-packages/" not in path):
+      return True
+    if record not in _held_records:
+      _held_records.append(record)
+    return False
+
+
+def _show_held_records() -> None:
+  for record in _held_records:
+    lines = [line for line in record.getMessage().splitlines() if line.strip()]
+    sys.stderr.write(f"{record.name} error (at exit): {lines[0] if lines else ''}\n")
+
+
+def _flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
+  """absl's flag parsing, with a config file that fails or an unknown `--config.field` as one line."""
+
+  def parse(argv: list[str]) -> list[str]:
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as e:
+      print(f"{prog}: {first_line(e)}", file=sys.stderr)
+      print("Pass --helpshort or --helpfull to see help on flags.", file=sys.stderr)
+      sys.exit(1)
+    except Exception as e:  # noqa: BLE001 (a config file's get_config() may raise anything)
+      print(f"{prog}: {_config_message(e, argv)}", file=sys.stderr)
+      sys.exit(EXIT_CONFIG)
+
+  return parse
+
+
+def _config_message(e: BaseException, argv: list[str]) -> str:
+  """`config file <path>: <cause>`, or `config: <unknown field>` for a mistyped `--config.<field>`."""
+  if isinstance(e, KeyError):  # ml_collections: "'trian'\nDid you mean "train" instead of "trian"?"
+    text = str(e.args[0]) if e.args else str(e)
+    field = next((a.split("=")[0].removeprefix("--") for a in argv if a.startswith("--config.")
+                  and f"'{text.splitlines()[0].strip(chr(39))}'" in repr(a.split("=")[0].split("."))), None)
+    hint = " ".join(line.strip() for line in text.splitlines()[1:])
+    return f"--{field or 'config'}: no such config field{'; ' + hint if hint else ''}"
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  name = _config_file(argv)
+  if lines and "failure to load" in lines[0]:  # config_flags' wrapper: the cause is its last line
+    return f"config file {name}: {lines[-1]}"
+  return f"config file {name}: {type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def _config_file(argv: list[str]) -> str:
+  """The config file named last on the command line (as absl takes the last value)."""
+  name = "(the default config)"
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      name = arg.split("=", 1)[1]
+    elif arg == "--config" and i + 1 < len(argv):
+      name = argv[i + 1]
+  return name
+
+
+def define_config_file(prog: str, name: str, default: str, help_: str):
+  """`config_flags.DEFINE_config_file`, which runs the config file and applies `--config.*` overrides as it is
+  defined: a file that fails or an unknown field ends the program in one line."""
+  from ml_collections import config_flags
+  try:
+    return config_flags.DEFINE_config_file(name, default, help_, lock_config=True)
+  except Exception as e:  # noqa: BLE001 (a config file's get_config() may raise anything)
+    print(f"{prog}: {_config_message(e, sys.argv)}", file=sys.stderr)
+    sys.exit(EXIT_CONFIG)
+
+
+def config_value(flag):
+  """`flag.value` of a `config_flags` flag, a config file that fails to load turned into one line."""
+  try:
+    return flag.value
+  except Exception as e:  # noqa: BLE001 (the config file's own exception, wrapped by ml_collections)
+    raise _ConfigFileError(_config_message(e, sys.argv)) from e
+
+
+class _ConfigFileError(Exception):
+  pass
+
+
+def run(prog: str, main: Callable[[list[str]], object]) -> None:
+  """`app.run(main)` with expected failures as one line `<prog>: <what>: <cause>` and their exit status."""
+
+  def guarded(argv):
+    for handler in {*std_logging.getLogger().handlers, logging.get_absl_handler()}:
+      handler.addFilter(_HoldLibraryErrors())
+    try:
+      result = main(argv)
+      _show_held_records()
+      return result
+    except (SystemExit, KeyboardInterrupt, app.UsageError):
+      raise
+    except _ConfigFileError as e:
+      _exit(prog, Failure(EXIT_CONFIG, str(e)), e)
+    except Exception as e:  # noqa: BLE001 (classified below; a bug is re-raised whole)
+      failure = classify(e)
+      if failure is None:
+        raise
+      _exit(prog, failure, e)
+
+  app.run(guarded, flags_parser=_flags_parser(prog))
+
+
+def _exit(prog: str, failure: Failure, e: BaseException) -> None:
+  text = "".join(traceback.format_exception(e))
+  for record in _held_records:
+    text += f"\n(logged by {record.name} at {record.pathname}:{record.lineno})\n{record.getMessage()}\n"
+    if record.exc_info:
+      text += "".join(traceback.format_exception(*record.exc_info))
+  if _VERBOSE.value:
+    sys.stderr.write(text)
+    where = ""
+  else:
+    log = _write_log(prog, text)
+    where = f" (traceback: {log})" if log else ""
+  sys.stderr.write(f"{prog}: {failure.message}{where}\n")
+  sys.stdout.flush()
+  sys.stderr.flush()
+  # Not a normal exit: Orbax's and gcsfs's event loops would print hundreds of lines of "Exception ignored
+  # in coroutine" / "Event loop is closed" as the interpreter tears them down half-way through an operation.
+  # Everything that must be on disk (metrics, the lock's release, a finished checkpoint) already is.
+  os._exit(failure.status)

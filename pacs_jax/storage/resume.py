@@ -1,0 +1,104 @@
+"""What gives a checkpoint's state its meaning (algorithm, model shape, tokenizer, the objective's settings),
+saved with each checkpoint and compared on resume: a change refuses the resume, other config changes warn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import ml_collections
+
+# The model fields that decide the parameters' shapes and what they compute.
+MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta",
+                "rms_norm_eps")
+# Record sections a resume may be allowed to change (`checkpoint.allow_changes`); the model's shape never can.
+ALLOWABLE = ("algorithm", "tokenizer", "objective")
+# Config fields a resume changes as a matter of course: never warned about.
+EXPECTED_CHANGES = ("steps", "checkpoint.restore", "checkpoint.allow_changes")
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+  """The tokenizer's size and a hash of its vocabulary (the same text must map to the same ids)."""
+  vocab = sorted(tokenizer.get_vocab().items())
+  digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+  return {"vocab_size": len(vocab), "vocab_sha256": digest}
+
+
+def make_record(cfg: ml_collections.ConfigDict, hf_config: dict, tokenizer) -> dict:
+  algorithm = cfg.algorithm
+  objective = cfg[algorithm].to_dict() if algorithm in cfg else {}
+  return {
+      "algorithm": algorithm,
+      "model": {k: hf_config.get(k) for k in MODEL_FIELDS},
+      "tokenizer": {"name": cfg.tokenizer or cfg.model.hf_path, **tokenizer_fingerprint(tokenizer)},
+      "objective": {f"{algorithm}.{k}": v for k, v in sorted(objective.items())},
+  }
+
+
+def legacy_record(saved_config: dict) -> dict:
+  """The part of a record that a checkpoint saved before records existed still tells (its config)."""
+  algorithm = saved_config.get("algorithm")
+  model = saved_config.get("model", {})
+  return {
+      "algorithm": algorithm,
+      "model": {k: model.get(k) for k in ("preset", "hf_path", "vocab_size")},
+      "tokenizer": {"name": saved_config.get("tokenizer") or model.get("hf_path")},
+      "objective": {f"{algorithm}.{k}": v for k, v in sorted(saved_config.get(algorithm, {}).items())},
+  }
+
+
+def legacy_record_of(cfg: ml_collections.ConfigDict) -> dict:
+  return legacy_record(json.loads(cfg.to_json_best_effort()))
+
+
+def differences(saved: dict, current: dict) -> dict[str, list[str]]:
+  """{section: ["field: saved -> current", ...]} for each record section that differs."""
+  out = {}
+  for section in ("algorithm", "model", "tokenizer", "objective"):
+    old, new = saved.get(section), current.get(section)
+    if old == new or section == "objective" and "algorithm" in out:  # another algorithm has other settings
+      continue
+    if isinstance(old, dict) and isinstance(new, dict):
+      keys = sorted(set(old) | set(new))
+      out[section] = [f"{k if section == 'objective' else f'{section}.{k}'}: {old.get(k)!r} -> {new.get(k)!r}"
+                      for k in keys if old.get(k) != new.get(k)]
+    else:
+      out[section] = [f"{section}: {old!r} -> {new!r}"]
+  return out
+
+
+def refusal(step: int, directory: str, diffs: dict[str, list[str]], allowed: tuple[str, ...]) -> str | None:
+  """The one-line refusal for the differences not allowed, or None when the resume may go on."""
+  blocking = {k: v for k, v in diffs.items() if k not in allowed}
+  if not blocking:
+    return None
+  changes = "; ".join(line for lines in blocking.values() for line in lines)
+  allowable = [k for k in blocking if k in ALLOWABLE]
+  if "model" in blocking:
+    fix = ("the parameters cannot be restored into another shape: use another --workdir, or "
+           "--config.checkpoint.restore=never to start from scratch here")
+  else:
+    fix = (f"use another --workdir, or --config.checkpoint.allow_changes={','.join(allowable)} to resume this "
+           "state anyway")
+  return f"{directory}: checkpoint step {step} was trained with another {'/'.join(blocking)} ({changes}); {fix}"
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  out = {}
+  for k, v in tree.items():
+    out.update(flatten(v, f"{prefix}.{k}" if prefix else k))
+  return out
+
+
+def other_changes(saved_config: dict, cfg: ml_collections.ConfigDict, skip: tuple[str, ...]) -> list[str]:
+  """Config fields changed since the checkpoint, beyond the record's and those in `skip`: "field: old -> new"."""
+  old, new = flatten(saved_config), flatten(json.loads(cfg.to_json_best_effort()))
+  prefixes = tuple(f"{s}." for s in skip)
+  return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
+          if old.get(k) != new.get(k) and k not in skip and not k.startswith(prefixes)
+          and k not in EXPECTED_CHANGES]

@@ -1,0 +1,313 @@
+"""Failures a long job meets (issue 23): each ends in one line on stderr naming the thing, its path and the
+cause, with a non-zero exit status of its kind, creates nothing before its inputs are read, and loses nothing
+(exports never mix two steps nor touch foreign files; a resume under another run's settings is refused)."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from pacs_jax import config as config_lib
+from pacs_jax import errors
+from pacs_jax.data import synthetic
+from pacs_jax.models import qwen2
+from pacs_jax.storage import checkpoint as checkpoint_lib
+from pacs_jax.storage import export as export_lib
+from pacs_jax.train import loop
+from pacs_jax.train.metrics import read_rows
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
+RUN = ["--config", TINY, "--config.eval_every=0", "--config.train.batch_prompts=8",
+       "--config.train.mini_batch_prompts=4", "--config.checkpoint.every=1"]
+# Lines the C++ side of jax's CUDA plugin prints at import where it finds no driver (`pip install -e
+# ".[gpu-compile]"`), in every process: not the program's output.
+PLATFORM_NOISE = ("All log messages before absl::InitializeLog() is called", "cudart_stub.cc")
+
+
+def tiny(**overrides):
+  base = {"steps": 2, "eval_every": 0, "train.batch_prompts": 8, "train.mini_batch_prompts": 4,
+          "checkpoint.async_save": False, "checkpoint.every": 1, "checkpoint.keep": 0}
+  return config_lib.load_config_file(TINY, {**base, **overrides})
+
+
+def env(**extra):
+  return {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+          "PACS_JAX_COMPILATION_CACHE": os.path.join(ROOT, ".jax_cache", "trainer"), **extra}
+
+
+def cli(module, *args, cwd, environ=None, prelude=None):
+  """`python -m module args`; `prelude`: Python run first in the same process (a simulated fault)."""
+  if prelude:
+    command = [sys.executable, "-c", f"{prelude}\nimport runpy, sys\nsys.argv = ['{module}', *sys.argv[1:]]\n"
+               f"runpy.run_module('{module}', run_name='__main__', alter_sys=True)", *args]
+  else:
+    command = [sys.executable, "-m", module, *args]
+  return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd, env=environ or env())
+
+
+def stderr_lines(result) -> list[str]:
+  return [line for line in result.stderr.splitlines()
+          if line.strip() and not any(noise in line for noise in PLATFORM_NOISE)]
+
+
+def assert_failed_in_lines(result, most: int, status: int, *expected: str):
+  lines = stderr_lines(result)
+  assert result.returncode == status, result.stderr
+  assert len(lines) <= most, "\n".join(lines)
+  for text in expected:
+    assert text in lines[-1], lines[-1]
+  assert "Traceback" not in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. Bad paths and names: <= 3 lines naming the field or file, non-zero exit, no workdir created.
+
+@pytest.mark.parametrize("case", ["missing", "directory", "not_parquet", "prompts_too_long", "config_raises",
+                                  "config_missing", "unknown_field"])
+def test_a_bad_path_or_name_is_one_line_and_creates_nothing(case, tmp_path):
+  (tmp_path / "adir").mkdir()
+  (tmp_path / "fake.parquet").write_text("not parquet")
+  (tmp_path / "raising.py").write_text("def get_config():\n  raise RuntimeError('boom')\n")
+  args, status, expected = {
+      "missing": (["--config.data.train=missing.jsonl"], errors.EXIT_DATA, ["missing.jsonl: no such file"]),
+      "directory": (["--config.data.train=adir"], errors.EXIT_DATA, ["adir: is a directory"]),
+      "not_parquet": (["--config.data.train=fake.parquet"], errors.EXIT_DATA,
+                      ["fake.parquet: not a readable parquet file", "magic bytes"]),
+      "prompts_too_long": (["--config.data.max_prompt_length=2"], errors.EXIT_CONFIG,
+                           ["config.data.max_prompt_length=2", "config.train.batch_prompts=8", "only 0 of 4096"]),
+      "config_raises": (["--config", "raising.py"], errors.EXIT_CONFIG,
+                        ["config file raising.py: RuntimeError: boom"]),
+      "config_missing": (["--config", "nonexistent.py"], errors.EXIT_CONFIG,
+                         ["config file nonexistent.py: [Errno 2] No such file or directory"]),
+      "unknown_field": (["--config.trian.lr=1"], errors.EXIT_CONFIG,
+                        ["--config.trian.lr: no such config field", 'Did you mean "train"']),
+  }[case]
+  result = cli("pacs_jax.train", *RUN, "--workdir", "run", "--config.steps=1", *args, cwd=tmp_path)
+  assert_failed_in_lines(result, 3, status, "train: ", *expected)
+  assert sorted(os.listdir(tmp_path)) == ["adir", "fake.parquet", "raising.py"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. Exports: written beside and moved into place; a used --out refused unless --overwrite, which replaces
+# only a previous export's files.
+
+def weights(directory):
+  from safetensors.numpy import load_file
+  out = {}
+  for name in sorted(os.listdir(directory)):
+    if name.endswith(".safetensors"):
+      out.update(load_file(os.path.join(directory, name)))
+  return out
+
+
+def test_export_twice_into_one_folder(tmp_path):
+  import transformers
+
+  workdir = tmp_path / "run"
+  loop.train(tiny(), str(workdir), devices=jax.devices()[:1])
+  out = tmp_path / "hf"
+  result = cli("pacs_jax.export", "--workdir", str(workdir), "--step", "2", "--out", str(out), cwd=tmp_path)
+  assert result.returncode == 0, result.stderr
+  assert sorted(os.listdir(tmp_path)) == ["hf", "run"]  # the temporary folder is gone
+  (out / "notes.txt").write_text("mine")  # e.g. what evaluate writes beside the weights
+
+  second = ["--workdir", str(workdir), "--step", "1", "--out", str(out), "--max_shard_size=100KB"]
+  before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+  refused = cli("pacs_jax.export", *second, cwd=tmp_path)
+  assert_failed_in_lines(refused, 1, errors.EXIT_INPUT, f"export: --out {out}: holds the export of step 2",
+                         "--overwrite")
+  assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before  # untouched
+
+  result = cli("pacs_jax.export", *second, "--overwrite", cwd=tmp_path)
+  assert result.returncode == 0, result.stderr
+  names = os.listdir(out)
+  assert "model.safetensors" not in names and "model.safetensors.index.json" in names  # no stale step-2 file
+  assert (out / "notes.txt").read_text() == "mine"
+  model, step = export_lib.load_policy(str(workdir), 1)
+  assert step == 1
+  expected = {k: np.asarray(v) for k, v in weights_of(model).items()}
+  reloaded = transformers.Qwen2ForCausalLM.from_pretrained(out)
+  state = {k: v.detach().numpy() for k, v in reloaded.state_dict().items()}
+  for name, value in expected.items():
+    np.testing.assert_array_equal(state[name], value, err_msg=name)  # exactly step 1's weights
+  assert not np.array_equal(expected["model.embed_tokens.weight"], step2_embedding(workdir))
+
+  # A folder no export wrote is never touched, --overwrite or not.
+  foreign = tmp_path / "foreign"
+  foreign.mkdir()
+  (foreign / "config.json").write_text("{}")
+  refused = cli("pacs_jax.export", "--workdir", str(workdir), "--out", str(foreign), "--overwrite", cwd=tmp_path)
+  assert_failed_in_lines(refused, 1, errors.EXIT_INPUT, f"--out {foreign}: holds files that no pacs_jax export wrote")
+  assert os.listdir(foreign) == ["config.json"] and (foreign / "config.json").read_text() == "{}"
+
+
+def weights_of(model) -> dict:
+  """HF name -> array of a model's parameters, as save_pretrained writes them."""
+  import tempfile
+
+  from pacs_jax.models import hf
+  with tempfile.TemporaryDirectory() as d:
+    hf.save_pretrained(model, d)
+    return weights(d)
+
+
+def step2_embedding(workdir):
+  model, _ = export_lib.load_policy(str(workdir), 2)
+  return np.asarray(weights_of(model)["model.embed_tokens.weight"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2 and 6. A resume under another algorithm, model size (layer count) or tokenizer: refused in one line.
+
+@pytest.fixture(scope="module")
+def one_layer_run(tmp_path_factory):
+  """A 1-step PACS run of a 1-layer tiny model (the tiny preset has 2)."""
+  workdir = tmp_path_factory.mktemp("one_layer") / "run"
+  saved = qwen2.PRESETS["tiny"]
+  qwen2.PRESETS["tiny"] = saved.replace(num_hidden_layers=1)
+  try:
+    loop.train(tiny(steps=1), str(workdir), devices=jax.devices()[:1])
+  finally:
+    qwen2.PRESETS["tiny"] = saved
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def two_layer_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("two_layer") / "run"
+  loop.train(tiny(steps=1), str(workdir), devices=jax.devices()[:1])
+  return workdir
+
+
+def other_tokenizer(directory) -> str:
+  """The synthetic tokenizer with two words' ids swapped: same size, other ids."""
+  tokenizer = synthetic.build_tokenizer()
+  tokenizer.save_pretrained(directory)
+  path = os.path.join(directory, "tokenizer.json")
+  with open(path) as f:
+    spec = json.load(f)
+  vocab = spec["model"]["vocab"]
+  vocab["1"], vocab["2"] = vocab["2"], vocab["1"]
+  with open(path, "w") as f:
+    json.dump(spec, f)
+  return str(directory)
+
+
+@pytest.mark.parametrize("change", ["algorithm", "layers", "tokenizer"])
+def test_a_resume_under_another_run_is_refused_in_one_line(change, one_layer_run, two_layer_run, tmp_path):
+  workdir, args, expected = {
+      "algorithm": (two_layer_run, ["--config.algorithm=grpo"], ["another algorithm (algorithm: 'pacs' -> 'grpo')",
+                                                                  "--config.checkpoint.allow_changes=algorithm"]),
+      "layers": (one_layer_run, [], ["another model (model.num_hidden_layers: 1 -> 2)",
+                                     "--config.checkpoint.restore=never"]),
+      "tokenizer": (two_layer_run, [f"--config.tokenizer={other_tokenizer(tmp_path / 'tok')}"],
+                    ["another tokenizer (tokenizer.name: 'synthetic' ->", "tokenizer.vocab_sha256",
+                     "--config.checkpoint.allow_changes=tokenizer"]),
+  }[change]
+  before = sorted(os.listdir(workdir / "checkpoints"))
+  result = cli("pacs_jax.train", *RUN, "--workdir", str(workdir), "--config.steps=3", *args, cwd=tmp_path)
+  assert_failed_in_lines(result, 1, errors.EXIT_CHECKPOINT, f"train: {workdir}/checkpoints: checkpoint step 1 was "
+                         "trained with", *expected)
+  assert sorted(os.listdir(workdir / "checkpoints")) == before  # nothing set aside, nothing saved
+  assert [r["step"] for r in read_rows(str(workdir / "metrics.jsonl"))] == [1]
+  log = (workdir / errors.LOG_FILE).read_text()
+  assert "Traceback" in log and "CheckpointMismatch" in log
+
+
+def test_allowed_changes_resume_and_other_changes_warn(two_layer_run, tmp_path, caplog):
+  workdir = tmp_path / "run"
+  import shutil
+  shutil.copytree(two_layer_run, workdir)
+  cfg = tiny(steps=1, **{"pacs.beta": 2.0, "train.lr": 1e-3, "checkpoint.allow_changes": "objective"})
+  trainer = loop.Trainer(cfg, str(workdir), devices=jax.devices()[:1])
+  with caplog.at_level("WARNING"):
+    trainer.run()
+  messages = [r.getMessage() for r in caplog.records]
+  assert any("resuming step 1 with another objective" in m and "pacs.beta: 1.0 -> 2.0" in m for m in messages)
+  assert any("config changed since checkpoint step 1: train.lr: 0.003 -> 0.001" in m for m in messages), messages
+
+
+def test_a_checkpoint_without_a_record_still_resumes(two_layer_run, tmp_path, caplog):
+  import shutil
+  workdir = tmp_path / "run"
+  shutil.copytree(two_layer_run, workdir)
+  shutil.rmtree(workdir / "checkpoints" / "1" / checkpoint_lib.RECORD_ITEM)  # as saved before records existed
+  trainer = loop.Trainer(tiny(steps=2), str(workdir), devices=jax.devices()[:1])
+  with caplog.at_level("WARNING"):
+    trainer.run()
+  assert any("checkpoint step 1 predates resume records" in r.getMessage() for r in caplog.records)
+  assert [r["step"] for r in read_rows(str(workdir / "metrics.jsonl"))] == [1, 2]
+  # ... and one under another algorithm is refused on what its saved config tells.
+  with pytest.raises(checkpoint_lib.CheckpointMismatch, match="another algorithm"):
+    shutil.rmtree(workdir / "checkpoints" / "2" / checkpoint_lib.RECORD_ITEM)
+    loop.Trainer(tiny(steps=3, algorithm="grpo"), str(workdir), devices=jax.devices()[:1]).run()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. A full disk during an (async) save: the run stops at the next step boundary in a few lines naming the
+# step, path and cause; a restart resumes from the last complete checkpoint, bitwise.
+
+DISK_FULL_AT_STEP_2 = f"""
+import errno
+from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+save = handler.JsonCheckpointHandler._save_fn
+async def full_disk(self, x, directory):
+  if '/2.orbax-checkpoint-tmp' in str(directory):
+    raise OSError(errno.ENOSPC, 'No space left on device', str(directory / 'metadata'))
+  return await save(self, x, directory)
+handler.JsonCheckpointHandler._save_fn = full_disk
+"""
+
+
+def final_params(workdir, step):
+  model, restored = export_lib.load_policy(str(workdir), step)
+  assert restored == step
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def test_a_full_disk_stops_the_run_in_a_few_lines_and_a_restart_resumes(tmp_path):
+  args = [*RUN, "--config.steps=4"]
+  failed = cli("pacs_jax.train", *args, "--workdir", "run", cwd=tmp_path, prelude=DISK_FULL_AT_STEP_2)
+  assert_failed_in_lines(failed, 5, errors.EXIT_STORAGE, "train: saving checkpoint step 2 to",
+                         f"{tmp_path}/run/checkpoints/2", "No space left on device")
+  logged = [r["step"] for r in read_rows(str(tmp_path / "run" / "metrics.jsonl"))]
+  assert logged in ([1, 2], [1, 2, 3]), logged  # stopped at the boundary after the failure came in
+  assert sorted(int(s) for s in os.listdir(tmp_path / "run" / "checkpoints") if s.isdigit()) == [1]
+
+  resumed = cli("pacs_jax.train", *args, "--workdir", "run", cwd=tmp_path)
+  assert resumed.returncode == 0, resumed.stderr
+  assert "resumed from step 1" in resumed.stdout
+  assert [r["step"] for r in read_rows(str(tmp_path / "run" / "metrics.jsonl"))] == [1, 2, 3, 4]
+  reference = cli("pacs_jax.train", *args, "--workdir", "reference", cwd=tmp_path)
+  assert reference.returncode == 0, reference.stderr
+  for a, b in zip(final_params(tmp_path / "run", 4), final_params(tmp_path / "reference", 4)):
+    np.testing.assert_array_equal(a, b)
+  assert errno.ENOSPC  # (the simulated cause)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. (part) A storage outage surfaces as one line naming the bucket and the cause, whatever wraps it.
+
+def test_an_unreachable_bucket_is_named_with_its_cause(monkeypatch):
+  monkeypatch.setattr(errors, "_log_dir", "gs://bucket/runs/r1")
+  refused = ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 4443)")
+  try:
+    try:
+      raise refused
+    except OSError as e:
+      raise OSError("handle is closed") from e  # what the issue's run ended with: a side effect
+  except OSError as e:
+    failure = errors.classify(e)
+  assert failure.status == errors.EXIT_STORAGE
+  assert failure.message.startswith("gs://bucket: storage unreachable (ConnectionRefusedError: [Errno 111] Connect "
+                                    "call failed"), failure.message
+  disk_full = OSError(errno.ENOSPC, "No space left on device", "/w/checkpoints/3")
+  assert errors.classify(disk_full) == errors.Failure(errors.EXIT_STORAGE, "/w/checkpoints/3: No space left on device")
+  assert errors.classify(ValueError("a bug")) is None  # a bug keeps its whole traceback
