@@ -63,6 +63,7 @@ def defined_flags(module: str) -> set[str]:
     path = os.path.join(os.path.dirname(path), "__main__.py")
   source = open(path).read()
   names = set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", source))
+  names |= set(re.findall(r"define_config_file\(\s*\"\w+\",\s*\"(\w+)\"", source))  # pacs_jax.errors' wrapper
   if module == "pacs_jax.evaluate":
     from pacs_jax import evaluate
     names |= set(evaluate.CONFIG_FLAGS)
