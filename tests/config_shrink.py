@@ -24,7 +24,7 @@ KEEP = (
     "train.b2", "train.eps", "train.grad_clip", "train.verl_micro_batch_rows", "train.keep_logits",
     "pacs.*", "grpo.*", "ppo.*",
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.restore",
-    "checkpoint.lock_stale_after_s",
+    "checkpoint.lock_stale_after_s", "checkpoint.allow_changes",
     "eval_every", "log_every", "reward_timeout_s",
     "hardware.*", "distributed.*",
 )

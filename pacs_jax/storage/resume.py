@@ -29,7 +29,8 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 def make_record(cfg: ml_collections.ConfigDict, hf_config: dict, tokenizer) -> dict:
   algorithm = cfg.algorithm
-  objective = cfg[algorithm].to_dict() if algorithm in cfg else {}
+  block = cfg.get(algorithm)  # the algorithm's own settings block (pacs, grpo, ppo), if it has one
+  objective = block.to_dict() if block is not None else {}
   return {
       "algorithm": algorithm,
       "model": {k: hf_config.get(k) for k in MODEL_FIELDS},

@@ -15,6 +15,7 @@ from pacs_jax import config as config_lib
 from pacs_jax.train import aot
 from pacs_jax.train import batching, loop
 from pacs_jax.train import programs as programs_lib
+from tests.compile_report import assert_every_program_compiled, by_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,26 +53,12 @@ def report(tiny_tpu_config):
     return aot.compile_run(cfg), cfg
 
 
-def by_name(report, prefix):
-  found = [p for p in report.programs if p.name.startswith(prefix)]
-  assert found, [p.name for p in report.programs]
-  return found
-
-
 def test_every_program_compiles_with_positive_consistent_figures(report):
   report, cfg = report
-  assert not report.failed, [(p.name, p.error) for p in report.failed]
-  names = [p.name for p in report.programs]
-  for prefix in ("to_sample_params", "init_decode_state", "prefill[B=8,T=16]", "prefill[B=8,T=32]", "insert[",
-                 "decode[pages=", "logprobs", "train_step"):
-    by_name(report, prefix)
-  assert names[-1] == "train_step"
+  assert_every_program_compiled(report)
   for p in report.programs:
-    assert p.compile_s > 0 and p.output > 0 and p.temp >= 0, p
-    assert p.argument > 0 or p.name == "init_decode_state", p  # it takes no arguments: it allocates the cache
-    assert p.peak >= p.argument and p.peak >= p.output - p.alias, p
     assert 0 <= p.resident <= p.peak + 1e6, p  # resident arguments/outputs are part of what it holds
-    assert p.bytes_accessed > 0 and p.optimal_s > 0, p
+    assert p.optimal_s > 0, p
   for p in by_name(report, "prefill") + by_name(report, "decode") + by_name(report, "logprobs") + \
       by_name(report, "train_step"):
     # Loops applied: never below the compiler's count-once figure; at least the model's matmul FLOPs.
