@@ -110,3 +110,19 @@ def test_compile_tables_are_where_the_benchmark_writes_them():
     text = open(module.DOCS[kind]).read()
     assert text.count(begin) == 1 and text.count(end) == 1 and text.index(begin) < text.index(end), kind
     assert begin not in open(DOCS[0]).read()
+
+
+def test_every_gpu_marked_test_is_listed_with_the_command_to_run_it():
+  """The tests that need a real GPU (skipped here) are named in docs/gpu.md beside the command that runs them."""
+  gpu_doc = open(os.path.join(ROOT, "docs", "gpu.md")).read()
+  assert "-m gpu" in gpu_doc and "JAX_PLATFORMS=cuda" in gpu_doc
+  marked = []
+  for path in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True):
+    lines = open(path).read().splitlines()
+    for i, line in enumerate(lines):
+      if line.strip() == "@pytest.mark.gpu":
+        name = next(re.match(r"def (\w+)", l).group(1) for l in lines[i + 1:] if l.startswith("def "))
+        marked.append(f"{os.path.relpath(path, ROOT)}::{name}")
+  assert marked
+  missing = [t for t in marked if t not in gpu_doc.replace("\n", "")]
+  assert not missing, f"gpu-marked tests not listed in docs/gpu.md: {missing}"
