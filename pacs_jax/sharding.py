@@ -228,11 +228,15 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 
   With 8 simulated CPU devices the constraint is real: the compiled program's layouts follow it.
   """
+  return _constrain_by(x, logical_axes, ACTIVATION_RULES)
+
+
+def _constrain_by(x: jax.Array, logical_axes: Sequence[str | None], rules: dict[str, Any]) -> jax.Array:
+  """`x` laid out by a rules table under the current mesh; identity without one (or on one device)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or math.prod(mesh.shape.values()) == 1:
     return x
-  spec = spec_for(logical_axes, ACTIVATION_RULES, dict(mesh.shape), x.shape)
-  return jax.lax.with_sharding_constraint(x, spec)
+  return jax.lax.with_sharding_constraint(x, spec_for(logical_axes, rules, dict(mesh.shape), x.shape))
 
 
 def matmul_weight(w: jax.Array, logical_axes: Sequence[str | None], dtype) -> jax.Array:
@@ -245,11 +249,7 @@ def matmul_weight(w: jax.Array, logical_axes: Sequence[str | None], dtype) -> ja
   of the 3B train step's cycles before this). Under a mesh without fsdp, or in sample mode, this is the
   layout the weight already has. Identity without a mesh (or on one device), as `constrain`.
   """
-  w = w.astype(dtype)
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or math.prod(mesh.shape.values()) == 1:
-    return w
-  return jax.lax.with_sharding_constraint(w, spec_for(logical_axes, PARAM_RULES["sample"], dict(mesh.shape), w.shape))
+  return _constrain_by(w.astype(dtype), logical_axes, PARAM_RULES["sample"])
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
