@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from pacs_jax.models.token_logprobs import token_stats
+from pacs_jax.models.token_logprobs import token_stats, token_stats_and_normaliser
 
 # 128 positions per chunk: one fp32 chunk is 256/T of the bf16 logits (1/16 at T = 4096, 1/2 at T = 512).
 DEFAULT_CHUNK_SIZE = 128
@@ -131,8 +131,45 @@ def _as_head(lm_head) -> Callable[[jax.Array], jax.Array]:
   return lambda h: jnp.einsum("BCD,DV->BCV", h, weight.astype(h.dtype))
 
 
-# `jax.checkpoint` name of a chunk's logits, saved for the backward pass with `keep_logits`.
+# `jax.checkpoint` names of a chunk's logits and of its per-row statistics (lse, entropy), saved for the backward
+# pass with `keep_logits`.
 CHUNK_LOGITS = "chunk_logits"
+CHUNK_STATS = "chunk_stats"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _kept_chunk_stats(logits, tokens, temperature: float, with_entropy: bool):
+  """`_chunk_stats` whose backward reads the forward's per-row max, sum of exp (and entropy) instead of
+  recomputing them.
+
+  With the logits kept, autodiff's backward would redo logsumexp's max and sum over V (two passes over
+  [B, C, V]); here it is one elementwise pass, fused into the head's transposed matmul. x = logits / T,
+  p = softmax(x) = exp(x − m) / s, lse = m + log s and H as in `token_stats`:
+    d logp / dx_v = [v = token] − p_v,     d H / dx_v = p_v · (lse − x_v − H).
+  """
+  return _chunk_stats(logits, tokens, temperature, with_entropy)
+
+
+def _kept_chunk_stats_fwd(logits, tokens, temperature, with_entropy):
+  outs, (m, s) = token_stats_and_normaliser(logits, tokens, temperature, with_entropy)  # m, s: [B, C]
+  saved = checkpoint_name((m, s, outs[1] if with_entropy else None), CHUNK_STATS)
+  return outs, (logits, tokens, saved)
+
+
+def _kept_chunk_stats_bwd(temperature, with_entropy, residuals, cotangents):
+  logits, tokens, (m, s, entropy) = residuals
+  x = logits.astype(jnp.promote_types(logits.dtype, jnp.float32)) / temperature  # [B, C, V]
+  p = jnp.exp(x - m[..., None]) / s[..., None]
+  vocab_ids = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  picked = (vocab_ids == tokens[..., None].astype(jnp.int32)).astype(x.dtype)
+  dx = cotangents[0][..., None] * (picked - p)
+  if with_entropy:
+    neg_logp_all = (jnp.log(s) + m)[..., None] - x  # lse − x
+    dx = dx + cotangents[1][..., None] * p * (neg_logp_all - entropy[..., None])
+  return (dx / temperature).astype(logits.dtype), None
+
+
+_kept_chunk_stats.defvjp(_kept_chunk_stats_fwd, _kept_chunk_stats_bwd)
 
 
 def token_logprobs_from_hidden(hidden: jax.Array, lm_head, tokens: jax.Array, temperature: float = 1.0,
@@ -149,13 +186,14 @@ def token_logprobs_from_hidden(hidden: jax.Array, lm_head, tokens: jax.Array, te
   """
   B, T, _ = hidden.shape
   head = _as_head(lm_head)
-  policy = jax.checkpoint_policies.save_only_these_names(CHUNK_LOGITS) if keep_logits else None
+  policy = jax.checkpoint_policies.save_only_these_names(CHUNK_LOGITS, CHUNK_STATS) if keep_logits else None
+  stats = _kept_chunk_stats if keep_logits else _chunk_stats
 
   @functools.partial(jax.checkpoint, static_argnums=(2,), policy=policy)
   def chunk_fn(_, start, size):
     h = lax.dynamic_slice_in_dim(hidden, start, size, axis=1)  # [B, C, D]
     logits = checkpoint_name(head(h), CHUNK_LOGITS)  # [B, C, V]
-    return _chunk_stats(logits, lax.dynamic_slice_in_dim(tokens, start, size, axis=1), temperature, with_entropy)
+    return stats(logits, lax.dynamic_slice_in_dim(tokens, start, size, axis=1), temperature, with_entropy)
 
   outs = _scan_chunks(chunk_fn, B, T, chunk_size, 2 if with_entropy else 1,
                       dtype=jnp.promote_types(hidden.dtype, jnp.float32))
