@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gzip
+import json
 import os
+import re
 
 import jax
 
@@ -24,6 +27,9 @@ from pacs_jax.train import hlo_cost
 from pacs_jax.train import programs as programs_lib
 
 GB = 1e9
+# MaxText 0.2.5's train step for the shapes of configs/qwen3b_v5p.py (benchmarks/reference/maxtext_train_step.sh).
+REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference",
+                         "maxtext-0.2.5_qwen2.5-3b_v5p-2x4x4.hlo.gz")
 
 
 def _literal(text: str):
@@ -68,15 +74,42 @@ def compile_logprob_pass(cfg, topology: str = ""):
                   lambda: progs.logprob_fn.lower(state.params, batch))
 
 
+def timings(loops: hlo_cost.LoopCosts, raw_optimal_s: float) -> dict[str, float]:
+  """A program's time figures, loop trip counts applied: XLA's optimal_seconds scaled by the roofline (the
+  figure this benchmark bounds), the compiler's estimated cycles, and optimal_seconds scaled by the cycles
+  (what hlo_cost did before: not monotone in work, see its docstring)."""
+  return {"optimal_s": aot_measure.loops_applied_seconds(loops, raw_optimal_s),
+          "cycles": loops.total("cycles"),
+          "scaled_by_cycles_s": aot_measure.loops_applied_seconds(loops, raw_optimal_s, "cycles")}
+
+
+def describe_timings(name: str, t: dict[str, float]) -> str:
+  return (f"{name}: optimal_seconds {t['optimal_s']:.2f} (scaled by the roofline; by the cycles: "
+          f"{t['scaled_by_cycles_s']:.2f}), estimated cycles {t['cycles'] / 1e9:.2f} G")
+
+
 def describe(report, compiled, hbm_gb) -> str:
   """Per chip: compiler-optimal seconds, bytes accessed, FLOPs against the model's, peak; then the hotspots."""
-  kernel_tflop = hlo_cost.analyse(compiled.as_text()).total("kernel_flops") / 1e12
+  loops = hlo_cost.analyse(compiled.as_text(), aot_measure.compiler_rates(compiled))
   return (f"{report.name} per chip, loop trip counts applied: optimal_seconds {report.optimal_s:.2f} (Pallas kernels "
           f"get no time in the compiler's cost model), bytes accessed {report.bytes_accessed / 1e12:.2f} TB, "
-          f"{report.flops / 1e12:.0f} TFLOP compiled ({kernel_tflop:.0f} in Pallas kernels) / "
+          f"{report.flops / 1e12:.0f} TFLOP compiled ({loops.total('kernel_flops') / 1e12:.0f} in Pallas kernels) / "
           f"{report.model_flops / 1e12:.0f} model = {report.flops / report.model_flops:.3f}x, peak "
           f"{report.peak / GB:.2f} GB" + (f" of {hbm_gb:g}" if hbm_gb else "") + f"; compile {report.compile_s:.0f} s\n"
+          + f"  {describe_timings('time', timings(loops, report.raw_optimal_s))}\n"
           + hlo_cost.format_hotspots(compiled.as_text()))
+
+
+def reference_timings(path: str, rates) -> dict[str, float]:
+  """The time figures of a reference program's compiled HLO (`.hlo` or `.hlo.gz`) beside its cost analysis
+  (`<path without .hlo[.gz]>.json`: XLA's optimal_seconds, flops, bytes accessed, memory), at our chip's rates."""
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rt") as f:
+    loops = hlo_cost.analyse(f.read(), rates)
+  with open(re.sub(r"\.hlo(\.gz)?$", ".json", path)) as f:
+    cost = json.load(f)
+  return timings(loops, cost["optimal_seconds"]) | {"bytes": cost["bytes accessed"] + loops.total("bytes")
+                                                   - loops.total("bytes", weighted=False)}
 
 
 def main():
@@ -91,6 +124,11 @@ def main():
                       help="also compile the log-prob pass and compare its optimal_seconds with the train step's")
   parser.add_argument("--max_logprob_ratio", type=float, default=0.4,
                       help="exit 1 when the log-prob pass takes more than this share of the train step")
+  parser.add_argument("--reference", default="",
+                      help="a peer's compiled train step for the same shapes (.hlo[.gz] beside its cost analysis "
+                           f".json) to print side by side, e.g. {os.path.relpath(REFERENCE)} for configs/qwen3b_v5p.py")
+  parser.add_argument("--max_reference_ratio", type=float, default=0.0,
+                      help="exit 1 when the train step's optimal_seconds exceed this many times the reference's")
   parser.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. model.remat_policy=nothing")
   args = parser.parse_args()
   cfg = config_lib.load_config_file(args.config, {k: _literal(v) for k, v in (a.split("=", 1) for a in args.set)})
@@ -112,6 +150,17 @@ def main():
                     f"{args.max_ratio}")
   if args.max_seconds and report.optimal_s > args.max_seconds:
     failures.append(f"train step optimal_seconds {report.optimal_s:.2f} above --max_seconds {args.max_seconds}")
+  if args.reference:
+    ours = timings(hlo_cost.analyse(compiled.as_text(), aot_measure.compiler_rates(compiled)), report.raw_optimal_s)
+    ref = reference_timings(args.reference, aot_measure.compiler_rates(compiled))
+    print(f"reference {os.path.basename(args.reference)} (same chip rates): {describe_timings('time', ref)}, "
+          f"bytes accessed {ref['bytes'] / 1e12:.2f} TB\n  train step / reference: optimal_seconds "
+          f"{ours['optimal_s'] / ref['optimal_s']:.3f}, estimated cycles {ours['cycles'] / ref['cycles']:.3f}, "
+          f"scaled by cycles {ours['scaled_by_cycles_s'] / ref['scaled_by_cycles_s']:.3f}, bytes "
+          f"{report.bytes_accessed / ref['bytes']:.3f}")
+    if args.max_reference_ratio and ours["optimal_s"] > args.max_reference_ratio * ref["optimal_s"]:
+      failures.append(f"train step optimal_seconds {ours['optimal_s']:.2f} above --max_reference_ratio "
+                      f"{args.max_reference_ratio} x the reference's {ref['optimal_s']:.2f}")
   if args.logprobs:
     lp, lp_compiled = compile_logprob_pass(cfg, topology)
     if lp_compiled is None:

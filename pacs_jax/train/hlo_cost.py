@@ -11,9 +11,15 @@ computation's own cost is counted:
             kernels' causal blocks (`flash.splash_kernel_flops`);
   bytes     operands read and results written by each top-level instruction, counting a dynamic slice as
             the slice and an in-place dynamic update as the update (as XLA does);
-  cycles    the TPU compiler's per-instruction `estimated_cycles` (its cost model behind `optimal_seconds`).
+  cycles    the TPU compiler's per-instruction `estimated_cycles` (its detailed cost model);
+  roofline  each top-level instruction's max(flops / FLOP rate, bytes / byte rate) at the rates behind XLA's
+            `optimal_seconds` (`aot_measure.compiler_rates`), Pallas kernels (custom calls) left out as XLA
+            leaves them: the per-instruction quantity that `optimal_seconds` sums.
 Totals with loops applied are XLA's figure plus (multiplier - 1) x the loop bodies' own counts, and
-`optimal_seconds` scaled by the cycles with and without the multipliers.
+`optimal_seconds` scaled by the roofline with and without the multipliers (by the cycles where the rates are
+unknown). Scaling by the cycles instead weighs each loop body by the whole program's average cycles per roofline
+second, which is not monotone in work: removing two passes over a [B, C, V] loop body (fewer cycles, fewer
+bytes, same FLOPs) raised that figure by 4% while every per-instruction measure fell.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pacs_jax.models import flash
 from pacs_jax.train.hlo_parse import Computation, Instruction, parse
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 # Instructions that move no data of their own.
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id", "replica-id",
@@ -279,9 +286,35 @@ class Own:
   kernel_flops: float = 0.0
   bytes: float = 0.0
   cycles: float = 0.0
+  roofline: float = 0.0  # seconds (0 without the chip's rates)
 
 
-def own_costs(computations: dict[str, Computation]) -> dict[str, Own]:
+def _instruction_bytes(computations, comp: Computation, instr: Instruction) -> float:
+  if instr.opcode in _FREE:
+    return 0.0
+  if instr.opcode.endswith("-start"):  # an asynchronous pair reads at its start and writes at its done
+    return _operand_bytes_read(computations, comp, instr)
+  if instr.opcode.endswith("-done"):
+    return instr.nbytes
+  if instr.opcode in _UPDATING:
+    update = comp.instructions.get(instr.operands[1 if instr.opcode == "dynamic-update-slice" else 2])
+    return _operand_bytes_read(computations, comp, instr) + (update.nbytes if update is not None else 0.0)
+  return _operand_bytes_read(computations, comp, instr) + _written_bytes(computations, instr)
+
+
+def _instruction_flops(computations, comp: Computation, instr: Instruction) -> float:
+  """Dot / convolution flops of an instruction, a fusion's fused dots included (Pallas kernels: none)."""
+  if instr.opcode in ("dot", "convolution"):
+    return _dot_flops(comp, instr)
+  if instr.opcode != "fusion":
+    return 0.0
+  return sum(_instruction_flops(computations, fused, i)
+             for _, name in instr.called() if (fused := computations.get(name)) is not None
+             for i in fused.instructions.values())
+
+
+def own_costs(computations: dict[str, Computation], rates: tuple[float, float] | None = None) -> dict[str, Own]:
+  """Each computation's own costs; `rates` (FLOP/s, bytes/s) adds the per-instruction roofline."""
   out = {}
   for comp in computations.values():
     own = Own()
@@ -293,17 +326,10 @@ def own_costs(computations: dict[str, Computation]) -> dict[str, Own]:
       m = _CYCLES.search(instr.attrs)
       if m:
         own.cycles += float(m.group(1))
-      if instr.opcode in _FREE:
-        continue
-      if instr.opcode.endswith("-start"):  # an asynchronous pair reads at its start and writes at its done
-        own.bytes += _operand_bytes_read(computations, comp, instr)
-      elif instr.opcode.endswith("-done"):
-        own.bytes += instr.nbytes
-      elif instr.opcode in _UPDATING:
-        update = comp.instructions.get(instr.operands[1 if instr.opcode == "dynamic-update-slice" else 2])
-        own.bytes += _operand_bytes_read(computations, comp, instr) + (update.nbytes if update is not None else 0.0)
-      else:
-        own.bytes += _operand_bytes_read(computations, comp, instr) + _written_bytes(computations, instr)
+      nbytes = _instruction_bytes(computations, comp, instr)
+      own.bytes += nbytes
+      if rates is not None and instr.opcode not in _FREE and instr.opcode != "custom-call":
+        own.roofline += max(_instruction_flops(computations, comp, instr) / rates[0], nbytes / rates[1])
     out[comp.name] = own
   return out
 
@@ -325,7 +351,7 @@ class LoopCosts:
   def total(self, field: str, weighted: bool = True) -> float:
     """A cost summed over computations, each counted `multiplier` times (or once); bytes and cycles are
     counted in top-level computations only (a fusion's traffic is its instruction's operands and result)."""
-    names = self.top_level if field in ("bytes", "cycles") else self.multipliers
+    names = self.top_level if field in ("bytes", "cycles", "roofline") else self.multipliers
     return sum(getattr(self.own[c], field) * (self.multipliers[c] if weighted else 1) for c in names if c in self.own)
 
   @property
@@ -333,7 +359,8 @@ class LoopCosts:
     return sum(loop.trip_count is None for loop in self.loops)
 
 
-def analyse(hlo_text: str) -> LoopCosts:
+def analyse(hlo_text: str, rates: tuple[float, float] | None = None) -> LoopCosts:
+  """Loop-aware costs of a compiled program; `rates` (FLOP/s, bytes/s per chip) adds the roofline."""
   computations, entry = parse(hlo_text)
   multipliers: dict[str, int] = {}
   top_level: set[str] = set()
@@ -363,7 +390,7 @@ def analyse(hlo_text: str) -> LoopCosts:
       # Reducers / comparators (to_apply) are per-element scalar functions: no dots, no traffic of their own.
 
   visit(entry, 1, True)
-  return LoopCosts(loops=loops, multipliers=multipliers, own=own_costs(computations), top_level=top_level)
+  return LoopCosts(loops=loops, multipliers=multipliers, own=own_costs(computations, rates), top_level=top_level)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,9 @@
 """Loop trip counts and loop-aware costs read from compiled HLO (TPU programs compiled on this host, and CPU ones)."""
 
+import gzip
+import json
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,9 +11,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pacs_jax import sharding
-from pacs_jax.train import aot, hlo_cost
+from pacs_jax.train import aot, aot_measure, hlo_cost
 
 D = 512
+REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "reference"
 
 
 def compile_for(target: str, fn, *shapes):
@@ -73,3 +78,36 @@ def test_batched_matmuls_written_as_convolutions_count_their_real_flops():
   expected = 2.0 * 32 * 8 * 256 * 256 * 128
   assert loops.total("flops") == pytest.approx(expected, rel=1e-6)
   assert cost["flops"] == pytest.approx(expected, rel=0.01)
+
+
+def test_the_roofline_tracks_xla_optimal_seconds_and_scales_with_the_trip_count():
+  """The per-instruction roofline, at the rates behind XLA's `optimal_seconds` (read from the compiler), sums
+  close to XLA's own figure for the program (each loop body once); with the trip count applied, a 12-layer
+  scan costs most of 12 bodies (the rest is outside the loop)."""
+  devices = sharding.tpu_topology_devices("v5p:2x2x1")[:1]
+  flops_rate, bytes_rate = aot_measure.device_rates(devices[0])
+  assert 300e12 < flops_rate < 500e12 and 2e12 < bytes_rate < 3e12, (flops_rate, bytes_rate)  # v5p's
+  layer = lambda x, w: jnp.tanh(x @ w) * jax.nn.sigmoid(jnp.sum(x, axis=-1, keepdims=True))
+  layers = lambda x, ws: jax.lax.scan(lambda x, w: (layer(x, w), None), x, ws)[0]
+  where = NamedSharding(Mesh(np.array(devices), ("x",)), P())
+  args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=where) for s in ((8192, 1024), (12, 1024, 1024))]
+  with aot.persistent_cache_off():
+    compiled = jax.jit(layers).lower(*args).compile()
+  cost = compiled.cost_analysis()
+  raw = (cost[0] if isinstance(cost, list) else cost)["optimal_seconds"]
+  loops = hlo_cost.analyse(compiled.as_text(), aot_measure.compiler_rates(compiled))
+  assert loops.total("roofline", weighted=False) == pytest.approx(raw, rel=0.15)
+  assert 6 * raw < aot_measure.loops_applied_seconds(loops, raw) < 12 * raw
+
+
+def test_maxtexts_reference_train_step_figures():
+  """The peer program the train-step benchmark compares against (benchmarks/reference): read with the same
+  trip counts and rates, MaxText's 3B train step is 18.6 s (roofline) / 14.40 s (cycles), 38.7 G cycles."""
+  path = REFERENCE / "maxtext-0.2.5_qwen2.5-3b_v5p-2x4x4.hlo.gz"
+  with gzip.open(path, "rt") as f:
+    loops = hlo_cost.analyse(f.read(), aot_measure.device_rates(sharding.tpu_topology_devices("v5p:2x2x1")[0]))
+  raw = json.loads(path.with_name(path.name.replace(".hlo.gz", ".json")).read_text())["optimal_seconds"]
+  assert sorted({loop.trip_count for loop in loops.loops}) == [4, 32, 36]
+  assert loops.total("cycles") == pytest.approx(3.8685e10, rel=1e-3)
+  assert aot_measure.loops_applied_seconds(loops, raw, "cycles") == pytest.approx(14.40, abs=0.01)
+  assert aot_measure.loops_applied_seconds(loops, raw) == pytest.approx(18.58, abs=0.05)
