@@ -34,7 +34,7 @@ def target_configs(kind: str) -> list[str]:
 
 def memory_rows(report, cfg, slots_in_row: bool = True) -> dict[str, str]:
   """Resident parts and phase peaks per chip / GPU (the slot count in the KV cache's row name, or in its value)."""
-  from pacs_jax.train import aot
+  from pacs_jax.compile import aot
   gb = lambda x: f"{x / aot.GB:.1f}"
   out = {}
   for part in ("policy params", "optimizer state", "frozen reference"):
@@ -56,7 +56,7 @@ def memory_rows(report, cfg, slots_in_row: bool = True) -> dict[str, str]:
 
 def gpu_summary(report, cfg) -> dict[str, str]:
   """One column of the GPU table (docs/gpu.md): memory, FLOPs and bytes per GPU (no times: nothing is autotuned)."""
-  from pacs_jax.train import aot
+  from pacs_jax.compile import aot
   out = memory_rows(report, cfg, slots_in_row=False)
   progs = {p.name: p for p in report.programs}
   train, logprobs = progs["train_step"], progs["logprobs"]
@@ -77,7 +77,7 @@ def gpu_summary(report, cfg) -> dict[str, str]:
 
 def summary(report, cfg) -> dict[str, str]:
   """One column of the TPU table (docs/tpu.md): the figures a user needs before renting the pod."""
-  from pacs_jax.train import aot
+  from pacs_jax.compile import aot
   from pacs_jax.train import programs as programs_lib
   gb = lambda x: f"{x / aot.GB:.1f}"
   out = memory_rows(report, cfg, slots_in_row=False)
@@ -131,7 +131,7 @@ def main():
   parser.add_argument("--no_validation", action="store_true", help="skip the validation (greedy) programs")
   args = parser.parse_args()
   from pacs_jax import config as config_lib
-  from pacs_jax.train import aot
+  from pacs_jax.compile import aot
   columns, status = {}, 0
   kind = "gpu" if args.gpu else "tpu"
   for path in args.configs or target_configs(kind):

@@ -18,9 +18,9 @@ import jax
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.models import flash
-from pacs_jax.train import aot
-from pacs_jax.train import aot_measure
-from pacs_jax.train import hlo_cost
+from pacs_jax.compile import aot
+from pacs_jax.compile import aot_measure
+from pacs_jax.compile import hlo_cost
 from pacs_jax.train import programs as programs_lib
 
 GB = 1e9

@@ -24,11 +24,12 @@ LAYERS = {
     "pacs_jax.train": 7,
     "pacs_jax.eval": 7,
     "pacs_jax.errors": 7,  # expected failures -> one line and an exit status, for the command lines
+    "pacs_jax.compile": 8,  # --compile_only / --dry_run: compiles the trainer's programs, so above train
     # The command lines, at the top.
-    "pacs_jax.train.__main__": 8,
-    "pacs_jax.evaluate": 8,
-    "pacs_jax.export": 8,
-    "pacs_jax.compare": 8,
+    "pacs_jax.train.__main__": 9,
+    "pacs_jax.evaluate": 9,
+    "pacs_jax.export": 9,
+    "pacs_jax.compare": 9,
 }
 
 # Packages of one layer that may import each other: (importer, imported).
@@ -110,6 +111,8 @@ def test_allow_list_holds_only_real_imports():
     ("pacs_jax.data.pipeline", "import pacs_jax.models.qwen2", True),
     ("pacs_jax.models.hf", "from pacs_jax import config", True),
     ("pacs_jax.train.loop", "from pacs_jax.train import __main__", True),
+    ("pacs_jax.train.loop", "from pacs_jax.compile import aot", True),  # the trainer never needs compile analysis
+    ("pacs_jax.compile.aot", "from pacs_jax.train import programs", False),
     ("pacs_jax.eval.runner", "from pacs_jax.storage import export", False),
     ("pacs_jax.train.loop", "from pacs_jax.models import qwen2\nfrom pacs_jax import paths", False),
 ])

@@ -32,10 +32,10 @@ def main(argv):
   cfg = errors.config_value(_CONFIG)
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   if _COMPILE_ONLY.value:
-    from pacs_jax.train import aot
+    from pacs_jax.compile import aot
     sys.exit(aot.main(cfg, config_path))
   if _DRY_RUN.value:
-    from pacs_jax.train import memory
+    from pacs_jax.compile import memory
     print(memory.dry_run(cfg))
     return
   from pacs_jax.storage import workdir as workdir_lib

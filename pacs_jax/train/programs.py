@@ -1,5 +1,5 @@
 """The jitted programs a training run executes, their shardings and argument shapes: built by the same
-functions for the trainer (`loop.Trainer`) and for compiling ahead of time (`aot`), so the two cannot drift.
+functions for the trainer (`loop.Trainer`) and for compiling ahead of time (`pacs_jax.compile.aot`), so the two cannot drift.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pacs_jax import sharding
-from pacs_jax.train import aot, hlo_cost
+from pacs_jax.compile import aot, hlo_cost
 
 D = 512
 

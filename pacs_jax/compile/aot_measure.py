@@ -14,7 +14,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from pacs_jax.train import hlo_cost
+from pacs_jax.compile import hlo_cost
 
 GB = 1e9
 

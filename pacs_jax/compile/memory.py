@@ -3,7 +3,7 @@ an estimate of per-device memory (params, optimizer state, reference model, roll
 
 Weights and optimizer state are exact (their shapes and PartitionSpecs are the ones training uses);
 activations are a formula's estimate of the train step's peak with per-layer remat. The compiler's own
-figures come from `--compile_only` (`pacs_jax.train.aot`).
+figures come from `--compile_only` (`pacs_jax.compile.aot`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import re
 import numpy as np
 
 from pacs_jax.models import flash
-from pacs_jax.train.hlo_parse import Computation, Instruction, parse
+from pacs_jax.compile.hlo_parse import Computation, Instruction, parse
 
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')

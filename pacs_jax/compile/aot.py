@@ -29,7 +29,7 @@ from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.train.aot_measure import (GB, ProgramReport, measure, outputs_of, per_chip_bytes,
+from pacs_jax.compile.aot_measure import (GB, ProgramReport, measure, outputs_of, per_chip_bytes,
                                         persistent_cache_off)
 from pacs_jax.train import programs as programs_lib
 
