@@ -15,7 +15,6 @@ from pacs_jax import paths
 from pacs_jax.algos import registry as algo_registry
 from pacs_jax.data import prompts
 
-ALGORITHMS = ("pacs", "grpo", "ppo")
 DTYPE_NAMES = ("float32", "bfloat16")  # model.dtype, model.param_dtype, evaluate --dtype, export --dtype
 LR_SCHEDULES = ("constant", "cosine")
 RESTORE_MODES = ("latest", "never")
