@@ -21,6 +21,7 @@ from pacs_jax.models import flash
 from pacs_jax.compile import aot
 from pacs_jax.compile import aot_measure
 from pacs_jax.compile import hlo_cost
+from pacs_jax.compile import hotspots
 from pacs_jax.train import programs as programs_lib
 
 GB = 1e9
@@ -76,7 +77,7 @@ def describe(report, compiled, hbm_gb) -> str:
           f"{report.flops / 1e12:.0f} TFLOP compiled ({kernel_tflop:.0f} in Pallas kernels) / "
           f"{report.model_flops / 1e12:.0f} model = {report.flops / report.model_flops:.3f}x, peak "
           f"{report.peak / GB:.2f} GB" + (f" of {hbm_gb:g}" if hbm_gb else "") + f"; compile {report.compile_s:.0f} s\n"
-          + hlo_cost.format_hotspots(compiled.as_text()))
+          + hotspots.format_hotspots(compiled.as_text()))
 
 
 def main():
