@@ -2,6 +2,8 @@
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -10,7 +12,11 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "pacs_jax"
 # The layer of each top-level module or package of pacs_jax (the longest matching prefix wins). A module may
 # import its own package and any lower layer; never a higher layer, nor another package of its own layer.
 LAYERS = {
-    "pacs_jax": 0,  # the package's __init__
+    # The package's __init__: it imports nothing of the package. The public API it offers (`pacs_jax.train`,
+    # `pacs_jax.load_pretrained`...) names modules of every layer in a table and imports each on first use (module
+    # __getattr__): every module imports `pacs_jax` first, which must not pull in the layers above it
+    # (test_the_public_api_is_imported_on_first_use).
+    "pacs_jax": 0,
     "pacs_jax.paths": 0,  # local / gs:// files
     "pacs_jax.sharding": 1,  # meshes and partition rules
     "pacs_jax.gpu_targets": 1,  # GPU target descriptions and their abstract devices
@@ -25,6 +31,7 @@ LAYERS = {
     "pacs_jax.eval": 7,
     "pacs_jax.errors": 7,  # expected failures -> one line and an exit status, for the command lines
     "pacs_jax.compile": 8,  # --compile_only / --dry_run: compiles the trainer's programs, so above train
+    "pacs_jax.api": 8,  # the public API's own functions (load_config, load_pretrained, generate) over the library
     # The command lines, at the top.
     "pacs_jax.train.__main__": 9,
     "pacs_jax.evaluate": 9,
@@ -132,3 +139,13 @@ def test_no_module_is_over_400_lines():
   assert not long, f"split these modules (at most {MAX_LINES} lines each): {long}"
   stale = [path for path in LONG if lengths.get(path, 0) <= MAX_LINES]
   assert not stale, f"these modules are short now: remove them from LONG: {stale}"
+
+
+def test_the_public_api_is_imported_on_first_use():
+  """`pacs_jax/__init__.py` imports no module of the package, and importing it loads neither jax nor the trainer;
+  every public name resolves."""
+  assert import_graph()["pacs_jax"] == set()
+  probe = ("import sys, pacs_jax; heavy = [m for m in ('jax', 'pacs_jax.train.loop', 'pacs_jax.models') "
+           "if m in sys.modules]; assert not heavy, heavy; import pacs_jax.paths; "
+           "assert all(getattr(pacs_jax, name) is not None for name in pacs_jax.__all__)")
+  subprocess.run([sys.executable, "-c", probe], check=True, cwd=PACKAGE.parent)

@@ -78,6 +78,8 @@ def build_critic(cfg: ml_collections.ConfigDict, policy: qwen2.Qwen2ForCausalLM,
 
 
 class Trainer:
+  """One training run: built from a config and a workdir (every input read, the state on its mesh); `run()` trains."""
+
   def __init__(self, cfg: ml_collections.ConfigDict, workdir: str, devices=None):
     """`devices`: the mesh's devices (default: all of them)."""
     devices = jax.devices() if devices is None else list(devices)
