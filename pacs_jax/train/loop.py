@@ -234,9 +234,9 @@ class Trainer:
     if bar is not None:
       bar.close()
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
-      metrics_lib.dump_generations(self.cfg.rollout_data_dir, int(self.state.step),
-                       self._decode(prompts, [c.prompt_index for c in completions]), texts, scores, data_sources,
-                       answers)
+      inputs = metrics_lib.prompt_texts(self.tokenizer, prompts, [c.prompt_index for c in completions])
+      metrics_lib.dump_generations(self.cfg.rollout_data_dir, int(self.state.step), inputs, texts, scores,
+                                   data_sources, answers)
 
     metrics.update(batching.rollout_metrics(rb, reward_stats, self.source_names))
     tokens = float(np.sum(attention_mask)) * jax.process_count()
@@ -289,15 +289,10 @@ class Trainer:
     answers, data_sources = [r["answer"] for r in self.val_records], [r["data_source"] for r in self.val_records]
     scores, _ = scorer.score_batch(texts, answers, data_sources)
     if cfg.validation_data_dir and jax.process_index() == 0:  # every process ran the same validation
-      inputs = self._decode(self.val_prompts, [c.prompt_index for c in completions])
-      metrics_lib.dump_generations(cfg.validation_data_dir, int(self.state.step), inputs, texts, scores, data_sources, answers,
-                       extra={"reward": [float(x) for x in scores]})
+      inputs = metrics_lib.prompt_texts(self.tokenizer, self.val_prompts, [c.prompt_index for c in completions])
+      metrics_lib.dump_generations(cfg.validation_data_dir, int(self.state.step), inputs, texts, scores,
+                                   data_sources, answers, extra={"reward": [float(x) for x in scores]})
     return batching.per_source_mean(scores, data_sources, "val/accuracy")
-
-  def _decode(self, prompts: list[list[int]], indices: list[int]) -> list[str]:
-    """Prompt texts as the released dumps show them (special tokens dropped), one per row."""
-    texts = {i: self.tokenizer.decode(prompts[i], skip_special_tokens=True) for i in set(indices)}
-    return [texts[i] for i in indices]
 
   # -- checkpoints -----------------------------------------------------------------------------
 

@@ -163,6 +163,12 @@ def warn_skipped_updates(step: int, skipped_total: float, skipped_before: int, u
   return int(skipped_total)
 
 
+def prompt_texts(tokenizer, prompts: list[list[int]], indices: list[int]) -> list[str]:
+  """Prompt texts as the released dumps show them (special tokens dropped), one per row of `indices`."""
+  texts = {i: tokenizer.decode(prompts[i], skip_special_tokens=True) for i in set(indices)}
+  return [texts[i] for i in indices]
+
+
 def dump_generations(directory: str, step: int, inputs: list[str], outputs: list[str], scores, data_sources,
                      ground_truths, extra: dict[str, list] | None = None) -> str:
   """Writes `directory/<step>.jsonl`, one line per response, as the released RayPPOTrainer._dump_generations:
