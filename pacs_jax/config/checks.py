@@ -3,7 +3,6 @@ message (ConfigError); `validate_eval` checks evaluation's config, `advisories` 
 
 from __future__ import annotations
 
-import math
 import os
 
 import ml_collections
@@ -16,8 +15,6 @@ from pacs_jax.data import prompts
 DTYPE_NAMES = ("float32", "bfloat16")  # model.dtype, model.param_dtype, evaluate --dtype, export --dtype
 LR_SCHEDULES = ("constant", "cosine")
 RESTORE_MODES = ("latest", "never")
-REFERENCE_POLICIES = ("frozen", "rollout")
-REWARD_METHODS = ("1", "2")
 
 
 class ConfigError(ValueError):
@@ -30,7 +27,7 @@ def _check(ok: bool, field: str, msg: str):
 
 
 def _check_enum(value, choices: tuple, field: str) -> None:
-  _check(value in choices, field, f"{' | '.join(choices)}, got {value!r}")
+  algo_registry.check_choice(_check, value, choices, field)
 
 
 def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_processes: int = 1,
@@ -41,7 +38,6 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   `check_paths=False` (--dry_run, --compile_only: nothing is loaded) skips checking that local paths exist.
   """
   from pacs_jax import sharding
-  from pacs_jax.algos import grpo, pacs  # the enum lists of their options
   if devices is not None:
     num_devices = len(devices)
   _check(algo_registry.is_registered(c.algorithm), "algorithm",
@@ -65,13 +61,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = no clipping), got {t.grad_clip}")
   _check(t.verl_micro_batch_rows >= 1, "train.verl_micro_batch_rows", f"must be >= 1, got {t.verl_micro_batch_rows}")
   _check_sampling(c)
-  p = c.pacs
-  _check(p.reward_method in REWARD_METHODS, "pacs.reward_method", f'"1" | "2", got {p.reward_method!r}')
-  _check_enum(p.adv_estimator, pacs.ADV_ESTIMATORS, "pacs.adv_estimator")
-  _check_enum(p.weight_mode, pacs.WEIGHT_MODES, "pacs.weight_mode")
-  _check_enum(p.reference_policy, REFERENCE_POLICIES, "pacs.reference_policy")
+  for name in algo_registry.names():  # every algorithm's settings block, the configured one or not
+    algo_registry.get(name).validate_settings(c, _check)
   algo.validate(c, _check, num_processes)
-  _check(c.grpo.loss_agg_mode in grpo.LOSS_AGG_MODES, "grpo.loss_agg_mode", f"unknown mode {c.grpo.loss_agg_mode!r}")
   _check(c.model.hf_path or c.model.preset, "model.hf_path",
          "set it to your model's directory (or a hub id such as Qwen/Qwen2.5-0.5B), or set model.preset")
   _check(bool(c.data.train.strip(", ")), "data.train",
@@ -102,7 +94,6 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(c.data.synthetic_val_size > 0, "data.synthetic_val_size", "must be positive")
   _check(t.warmup_steps >= 0, "train.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
   _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
-  _check(math.isfinite(p.beta), "pacs.beta", f"must be finite, got {p.beta}")
   for field in ("model.hf_path", "tokenizer"):
     spec = c.model.hf_path if field == "model.hf_path" else c.tokenizer
     if check_paths and spec and spec != "synthetic" and paths.looks_local(spec) and not os.path.isdir(spec):

@@ -257,7 +257,7 @@ class Trainer:
           mb["old_logprobs"] = self.logprob_fn(self.state.params, mb)
         if self.ref_params is not None:
           mb["ref_logprobs"] = self.logprob_fn(self.ref_params, mb)
-        elif self.algo.ref_is_old(cfg):
+        elif self.algo.reference(cfg) is registry.Reference.ROLLOUT:
           mb["ref_logprobs"] = mb["old_logprobs"]  # e.g. PACS "rollout": the policy that sampled this step
         if self.algo.has_critic:
           mb["old_values"] = self.value_fn(self.state.critic_params, mb)
