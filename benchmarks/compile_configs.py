@@ -34,8 +34,8 @@ def target_configs(kind: str) -> list[str]:
 
 def memory_rows(report, cfg, slots_in_row: bool = True) -> dict[str, str]:
   """Resident parts and phase peaks per chip / GPU (the slot count in the KV cache's row name, or in its value)."""
-  from pacs_jax.train import aot
-  gb = lambda x: f"{x / aot.GB:.1f}"
+  from pacs_jax.compile.aot_measure import GB
+  gb = lambda x: f"{x / GB:.1f}"
   out = {}
   for part in ("policy params", "optimizer state", "frozen reference"):
     if part in report.resident["update"]:
@@ -50,13 +50,13 @@ def memory_rows(report, cfg, slots_in_row: bool = True) -> dict[str, str]:
   for phase in ("rollout", "update"):
     total, largest = report.phase_total(phase)
     out[f"+ largest {phase} program (its temporaries etc.)"] = f"{gb(largest.extra)} ({largest.name})"
-    out[f"**{phase} phase peak** (of {report.target.hbm_bytes / aot.GB:g} GB)"] = f"**{gb(total)}**"
+    out[f"**{phase} phase peak** (of {report.target.hbm_bytes / GB:g} GB)"] = f"**{gb(total)}**"
   return out
 
 
 def gpu_summary(report, cfg) -> dict[str, str]:
   """One column of the GPU table (docs/gpu.md): memory, FLOPs and bytes per GPU (no times: nothing is autotuned)."""
-  from pacs_jax.train import aot
+  from pacs_jax.compile.aot_measure import GB
   out = memory_rows(report, cfg, slots_in_row=False)
   progs = {p.name: p for p in report.programs}
   train, logprobs = progs["train_step"], progs["logprobs"]
@@ -65,11 +65,11 @@ def gpu_summary(report, cfg) -> dict[str, str]:
       f"{train.flops / 1e12:.0f} / {train.model_flops / 1e12:.0f}")
   out["log-prob pass TFLOP per GPU: compiled / model (2N per token)"] = (
       f"{logprobs.flops / 1e12:.0f} / {logprobs.model_flops / 1e12:.0f}")
-  out["train step GB read + written per GPU (loops applied)"] = f"{train.bytes_accessed / aot.GB:.0f}"
+  out["train step GB read + written per GPU (loops applied)"] = f"{train.bytes_accessed / GB:.0f}"
   decode = [p for p in report.programs if p.name.startswith("decode[")]
   full = max(decode, key=lambda p: int(re.search(r"(?:W|pages)=(\d+)", p.name).group(1)))
   out["decode call (16 steps) at the full budget: temporaries / GB read + written"] = (
-      f"{full.temp / aot.GB:.2f} / {full.bytes_accessed / aot.GB:.0f}")
+      f"{full.temp / GB:.2f} / {full.bytes_accessed / GB:.0f}")
   cudnn = [c for c in train.custom_calls if c.startswith("__cudnn$fmha")]
   out["train step attention"] = "cuDNN (" + ", ".join(c.removeprefix("__cudnn$") for c in cudnn) + ")" if cudnn else "XLA"
   return out
@@ -77,9 +77,9 @@ def gpu_summary(report, cfg) -> dict[str, str]:
 
 def summary(report, cfg) -> dict[str, str]:
   """One column of the TPU table (docs/tpu.md): the figures a user needs before renting the pod."""
-  from pacs_jax.train import aot
+  from pacs_jax.compile.aot_measure import GB
   from pacs_jax.train import programs as programs_lib
-  gb = lambda x: f"{x / aot.GB:.1f}"
+  gb = lambda x: f"{x / GB:.1f}"
   out = memory_rows(report, cfg, slots_in_row=False)
   progs = {p.name: p for p in report.programs}
   train, logprobs = progs["train_step"], progs["logprobs"]
@@ -131,7 +131,7 @@ def main():
   parser.add_argument("--no_validation", action="store_true", help="skip the validation (greedy) programs")
   args = parser.parse_args()
   from pacs_jax import config as config_lib
-  from pacs_jax.train import aot
+  from pacs_jax.compile import aot
   columns, status = {}, 0
   kind = "gpu" if args.gpu else "tpu"
   for path in args.configs or target_configs(kind):

@@ -21,7 +21,7 @@ from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.train import aot_measure
+from pacs_jax.compile import aot_measure
 
 GB = 1e9
 

@@ -21,9 +21,10 @@ import jax
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.models import flash
-from pacs_jax.train import aot
-from pacs_jax.train import aot_measure
-from pacs_jax.train import hlo_cost
+from pacs_jax.compile import aot
+from pacs_jax.compile import aot_measure
+from pacs_jax.compile import hlo_cost
+from pacs_jax.compile import hotspots
 from pacs_jax.train import programs as programs_lib
 
 GB = 1e9
@@ -97,7 +98,7 @@ def describe(report, compiled, hbm_gb) -> str:
           f"{report.model_flops / 1e12:.0f} model = {report.flops / report.model_flops:.3f}x, peak "
           f"{report.peak / GB:.2f} GB" + (f" of {hbm_gb:g}" if hbm_gb else "") + f"; compile {report.compile_s:.0f} s\n"
           + f"  {describe_timings('time', timings(loops, report.raw_optimal_s))}\n"
-          + hlo_cost.format_hotspots(compiled.as_text()))
+          + hotspots.format_hotspots(compiled.as_text()))
 
 
 def reference_timings(path: str, rates) -> dict[str, float]:

@@ -219,6 +219,15 @@ class _ConfigFileError(Exception):
   pass
 
 
+def no_arguments_quiet_logs(argv: list[str]) -> None:
+  """The command lines' common start: no positional arguments, and absl logging at WARNING unless --verbosity is
+  given (Orbax logs every file it reads or writes at INFO)."""
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
+
+
 def run(prog: str, main: Callable[[list[str]], object]) -> None:
   """`app.run(main)` with expected failures as one line `<prog>: <what>: <cause>` and their exit status."""
 

@@ -5,9 +5,10 @@ data source, written in the released layouts (`eval_rollout.jsonl`, `eval_metric
 import os
 
 import ml_collections
-from absl import app, flags, logging
+from absl import app, flags
 
 from pacs_jax import config
+from pacs_jax import errors
 from pacs_jax.eval import settings as settings_lib
 
 _MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory, or a training workdir (its checkpoint "
@@ -75,10 +76,7 @@ def eval_config_from_flags(synthetic_only: bool = False) -> ml_collections.Confi
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
+  errors.no_arguments_quiet_logs(argv)
   import jax
 
   from pacs_jax.train import runtime
@@ -113,5 +111,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from pacs_jax import errors
   errors.run("evaluate", main)

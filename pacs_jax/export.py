@@ -3,9 +3,10 @@
 The result (weights, config.json, tokenizer files) loads unchanged in transformers, and so in vLLM.
 """
 
-from absl import app, flags, logging
+from absl import flags
 
 from pacs_jax import config
+from pacs_jax import errors
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds checkpoints/ and model/).", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -17,10 +18,7 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a previous export in
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
+  errors.no_arguments_quiet_logs(argv)
   from pacs_jax.storage import export as export_lib
   from pacs_jax.train import runtime
   runtime.prefer_cpu_without_accelerators()
@@ -30,5 +28,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from pacs_jax import errors
   errors.run("export", main)

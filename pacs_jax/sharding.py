@@ -214,11 +214,6 @@ def reshard(tree: Any, shardings: Any) -> Any:
   return jax.device_put(tree, shardings)
 
 
-def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-  """Leading axis over (data, fsdp), the rest replicated."""
-  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 

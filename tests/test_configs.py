@@ -13,7 +13,7 @@ import pytest
 from pacs_jax import config as config_lib
 from pacs_jax import gpu_targets
 from pacs_jax import sharding
-from pacs_jax.train import memory
+from pacs_jax.compile import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py")) if not os.path.basename(p).startswith("_"))

@@ -66,7 +66,7 @@ def test_quickstart_notebook(kernel_env):
              for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs)
 
 
-@pytest.mark.parametrize("name", ["pacs_gradient.ipynb", "quickstart.ipynb"])
+@pytest.mark.parametrize("name", ["pacs_gradient.ipynb", "quickstart.ipynb", "public_api.ipynb"])
 def test_notebook_is_stored_without_outputs(name):
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)
   nbformat.validate(nb)

@@ -62,8 +62,8 @@ def test_sharded_forward_equals_single_device(mesh_name):
     assert len(var[...].addressable_shards) == 8
     assert var[...].addressable_shards[0].data.size < var[...].size
   with jax.set_mesh(mesh):
-    ids_s = jax.device_put(ids, sharding.batch_sharding(mesh, 2))
-    mask_s = jax.device_put(mask, sharding.batch_sharding(mesh, 2))
+    ids_s = jax.device_put(ids, NamedSharding(mesh, P(sharding.BATCH_AXES, None)))
+    mask_s = jax.device_put(mask, NamedSharding(mesh, P(sharding.BATCH_AXES, None)))
     got = nnx.jit(forward)(model, ids_s, mask_s)
   np.testing.assert_allclose(np.asarray(got), expected, atol=1e-5, rtol=0)
 

@@ -167,8 +167,11 @@ class Grpo(ClippedRatio):
 
   min_group_size = 2
 
-  def needs_frozen_ref(self, cfg):
-    return bool(cfg.grpo.use_kl_loss)
+  def validate_settings(self, cfg, check):  # (PPO's actor reads this block too)
+    check(cfg.grpo.loss_agg_mode in LOSS_AGG_MODES, "grpo.loss_agg_mode", f"unknown mode {cfg.grpo.loss_agg_mode!r}")
+
+  def reference(self, cfg):
+    return registry.Reference.FROZEN if cfg.grpo.use_kl_loss else registry.Reference.NONE
 
   def loss(self, cfg, logprobs, entropy, micro):
     g = cfg.grpo

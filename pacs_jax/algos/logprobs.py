@@ -118,12 +118,6 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.
   return _logits_stats(logits, tokens, float(temperature), int(chunk_size), False)[0]
 
 
-def token_entropy(logits: jax.Array, temperature: float = 1.0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> jax.Array:
-  """H[b, t] = −Σ_v p_v log p_v with p = softmax(logits[b, t] / temperature): [B, T] fp32."""
-  B, T, _ = logits.shape
-  return token_logprobs_and_entropy(logits, jnp.zeros((B, T), jnp.int32), temperature, chunk_size)[1]
-
-
 def _as_head(lm_head) -> Callable[[jax.Array], jax.Array]:
   if callable(lm_head):
     return lm_head

@@ -5,6 +5,8 @@ Shapes: N responses = G prompt groups × n (`group_size`) contiguous rows; T res
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -16,6 +18,8 @@ from pacs_jax.algos.logprobs import masked_sum
 REWARD_METHODS = ("1", "2")
 ADV_ESTIMATORS = ("rloo", "grpo", "naive")
 WEIGHT_MODES = ("question", "only_positive", "only_negative")
+REWARD_METHODS = ("1", "2")  # "1": β Σ (log π − log π_ref); "2": β Σ log π / |o|
+REFERENCE_POLICIES = (registry.Reference.FROZEN.value, registry.Reference.ROLLOUT.value)
 GRPO_EPS = groups_lib.GRPO_EPS
 
 
@@ -178,6 +182,14 @@ class Pacs(registry.Algorithm):
 
   min_group_size = 2
 
+  def validate_settings(self, cfg, check):
+    p = cfg.pacs
+    check(p.reward_method in REWARD_METHODS, "pacs.reward_method", f'"1" | "2", got {p.reward_method!r}')
+    registry.check_choice(check, p.adv_estimator, ADV_ESTIMATORS, "pacs.adv_estimator")
+    registry.check_choice(check, p.weight_mode, WEIGHT_MODES, "pacs.weight_mode")
+    registry.check_choice(check, p.reference_policy, REFERENCE_POLICIES, "pacs.reference_policy")
+    check(math.isfinite(p.beta), "pacs.beta", f"must be finite, got {p.beta}")
+
   def validate(self, cfg, check, num_processes):
     t = cfg.train
     if cfg.pacs.exact_padding_replication:
@@ -186,14 +198,8 @@ class Pacs(registry.Algorithm):
             f"pacs.exact_padding_replication packs each process's {local_rows} rows in groups of "
             f"{t.verl_micro_batch_rows}, which must divide them")
 
-  def needs_frozen_ref(self, cfg):
-    return cfg.pacs.reference_policy == "frozen"
-
-  def needs_old_logprobs(self, cfg):
-    return cfg.pacs.reference_policy == "rollout"
-
-  def ref_is_old(self, cfg):
-    return cfg.pacs.reference_policy == "rollout"
+  def reference(self, cfg):
+    return registry.Reference(cfg.pacs.reference_policy)  # "frozen" | "rollout"
 
   def extra_fields(self, cfg):
     return {"logprob_targets": np.int32, "proxy_mask": np.float32} if cfg.pacs.exact_padding_replication else {}

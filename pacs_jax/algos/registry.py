@@ -6,6 +6,7 @@ module that subclasses `Algorithm` and calls `register` (as tunix's algo_core re
 
 from __future__ import annotations
 
+import enum
 import importlib
 from typing import Callable
 
@@ -23,6 +24,13 @@ _BUILTIN_MODULES = {"pacs": "pacs_jax.algos.pacs", "grpo": "pacs_jax.algos.grpo"
 _REGISTRY: dict[str, "Algorithm"] = {}
 
 
+class Reference(enum.Enum):
+  """Whose log-probs a micro-batch's `ref_logprobs` are (docs/algorithm.md, "The reference policy")."""
+  NONE = "none"  # no reference term
+  FROZEN = "frozen"  # a frozen copy of the initial policy, kept beside the trained one
+  ROLLOUT = "rollout"  # the policy that sampled this step: its old log-probs, computed before the first update
+
+
 class Algorithm:
   """An objective on the shared loop. Subclasses override what differs; the defaults are a critic-free,
   reference-free policy loss averaged over rows.
@@ -36,23 +44,21 @@ class Algorithm:
   has_critic: bool = False  # a value model trained beside the policy (old_values come with each mini-batch)
   has_step_inputs: bool = False  # `step_inputs` adds fields computed over the whole step's batch
 
-  def validate(self, cfg: ml_collections.ConfigDict, check: Check, num_processes: int) -> None:
-    """Algorithm-specific config checks (the shared ones are config.validate's)."""
+  def validate_settings(self, cfg: ml_collections.ConfigDict, check: Check) -> None:
+    """Checks the algorithm's own settings block (`cfg.<name>`). Run for every registered algorithm, the
+    configured one or not: a bad value in any block fails before anything is built."""
 
-  def needs_frozen_ref(self, cfg: ml_collections.ConfigDict) -> bool:
-    """A frozen copy of the initial policy is kept, and `ref_logprobs` computed under it."""
-    return False
+  def validate(self, cfg: ml_collections.ConfigDict, check: Check, num_processes: int) -> None:
+    """Checks a run of this algorithm needs beyond its settings (the shared ones are config.validate's)."""
+
+  def reference(self, cfg: ml_collections.ConfigDict) -> Reference:
+    """The reference policy the loss compares against, if any (`ref_logprobs`)."""
+    return Reference.NONE
 
   def needs_old_logprobs(self, cfg: ml_collections.ConfigDict) -> bool:
-    """`old_logprobs`: the sampling policy's log-probs, computed before the step's first update."""
-    return False
-
-  def ref_is_old(self, cfg: ml_collections.ConfigDict) -> bool:
-    """`ref_logprobs` are the old log-probs (the policy that sampled this step is the reference)."""
-    return False
-
-  def needs_ref_logprobs(self, cfg: ml_collections.ConfigDict) -> bool:
-    return self.needs_frozen_ref(cfg) or self.ref_is_old(cfg)
+    """`old_logprobs`: the sampling policy's log-probs, computed before the step's first update (ratios, and the
+    rollout reference)."""
+    return self.reference(cfg) is Reference.ROLLOUT
 
   def extra_fields(self, cfg: ml_collections.ConfigDict) -> dict[str, np.dtype]:
     """Further [m, R] fields of a micro-batch: host inputs (`host_inputs`) and step inputs (`step_inputs`)."""
@@ -98,6 +104,11 @@ class Algorithm:
   def critic_mask(self, micro: Batch) -> jax.Array:
     """[m, R] positions the value loss averages over (its accumulation weight's mask)."""
     return micro["response_mask"]
+
+
+def check_choice(check: Check, value, choices: tuple, field: str) -> None:
+  """`check` that `value` is one of `choices` (the message lists them)."""
+  check(value in choices, field, f"{' | '.join(choices)}, got {value!r}")
 
 
 def register(name: str, algorithm: Algorithm) -> Algorithm:

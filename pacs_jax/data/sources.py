@@ -281,6 +281,17 @@ def load_records(spec: str, *, data_source: str | None = None, skip_bad_rows: bo
   return readers[extension](spec, data_source, skip_bad_rows, with_solution)
 
 
+def load_split(spec: str, skip_bad_rows: bool, synthetic_size: int, seed: int) -> tuple[list[dict], int]:
+  """Records of every comma-separated source in `spec` (as `load_records` reads one), and how many malformed
+  rows were skipped."""
+  records, skipped = [], 0
+  for one in filter(None, (s.strip() for s in spec.split(","))):
+    result = load_records(one, skip_bad_rows=skip_bad_rows, synthetic_size=synthetic_size, seed=seed)
+    records += result.records
+    skipped += result.num_skipped
+  return records, skipped
+
+
 # Sources whose released data_source carries the `_{repeat}` suffix (preprocess_dataset.py process_aime_2024,
 # process_aime_2025, process_amc23: "aime_2024_1" even without repetition).
 REPEAT_SUFFIXED = ("aime_2024", "aime_2025", "amc23")

@@ -9,6 +9,9 @@ import json
 from typing import Any
 
 import ml_collections
+from absl import logging
+
+from pacs_jax.storage.checkpoint import CheckpointMismatch
 
 # The model fields that decide the parameters' shapes and what they compute.
 MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -18,6 +21,9 @@ MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", 
 ALLOWABLE = ("algorithm", "tokenizer", "objective")
 # Config fields a resume changes as a matter of course: never warned about.
 EXPECTED_CHANGES = ("steps", "checkpoint.restore", "checkpoint.allow_changes")
+# Fields that decide the prompt order; the data iterator's saved position means nothing without them.
+DATA_ORDER_FIELDS = ("seed", "data.train", "data.synthetic_train_size", "data.max_prompt_length",
+                     "data.skip_bad_rows", "train.batch_prompts")
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:
@@ -103,3 +109,42 @@ def other_changes(saved_config: dict, cfg: ml_collections.ConfigDict, skip: tupl
   return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
           if old.get(k) != new.get(k) and k not in skip and not k.startswith(prefixes)
           and k not in EXPECTED_CHANGES]
+
+
+def changed_data_fields(saved: dict, cfg: ml_collections.ConfigDict) -> dict[str, tuple[Any, Any]]:
+  """{field: (saved value, current value)} for the data-order fields that differ from a checkpoint's config."""
+  changed = {}
+  for field in DATA_ORDER_FIELDS:
+    old, new = saved, cfg
+    for part in field.split("."):
+      old = old.get(part) if isinstance(old, dict) else None
+      new = new.get(part) if new is not None else None
+    if old is not None and old != new:
+      changed[field] = (old, new)
+  return changed
+
+
+def check(step: int, where: str, saved_config: dict, saved_record: dict | None, record: dict,
+          cfg: ml_collections.ConfigDict) -> None:
+  """Refuses (CheckpointMismatch) checkpoint `step` in `where` when its state means something else under `cfg`
+  (whose record is `record`); warns about the other config fields that changed, the data order's first."""
+  if saved_record is None:
+    logging.warning("%s: checkpoint step %d predates resume records: only its saved config is compared", where,
+                    step)
+    saved, current = legacy_record(saved_config), legacy_record_of(cfg)
+  else:
+    saved, current = saved_record, record
+  allowed = tuple(filter(None, (s.strip() for s in cfg.checkpoint.allow_changes.split(","))))
+  diffs = differences(saved, current)
+  refused = refusal(step, where, diffs, allowed)
+  if refused:
+    raise CheckpointMismatch(refused)
+  for section in diffs:
+    logging.warning("resuming step %d with another %s, as checkpoint.allow_changes permits: %s", step, section,
+                    "; ".join(diffs[section]))
+  others = other_changes(saved_config, cfg, ("algorithm", "tokenizer", "pacs", "grpo", "ppo", *DATA_ORDER_FIELDS))
+  if others:
+    logging.warning("config changed since checkpoint step %d: %s", step, "; ".join(others))
+  for field, (old, new) in changed_data_fields(saved_config, cfg).items():
+    logging.warning("config.%s changed since the checkpoint (%r -> %r): the restored data position refers "
+                    "to the old prompt order", field, old, new)

@@ -7,7 +7,7 @@ Without flags it trains a tiny random Qwen2 on the built-in synthetic task on CP
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
 
 from pacs_jax import errors
@@ -25,17 +25,14 @@ _COMPILE_ONLY = flags.DEFINE_bool("compile_only", False, "Compile every program 
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
+  errors.no_arguments_quiet_logs(argv)
   cfg = errors.config_value(_CONFIG)
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   if _COMPILE_ONLY.value:
-    from pacs_jax.train import aot
+    from pacs_jax.compile import aot
     sys.exit(aot.main(cfg, config_path))
   if _DRY_RUN.value:
-    from pacs_jax.train import memory
+    from pacs_jax.compile import memory
     print(memory.dry_run(cfg))
     return
   from pacs_jax.storage import workdir as workdir_lib

@@ -6,7 +6,6 @@ of the prompts; mini- and micro-batches take whole groups from every process's s
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -74,51 +73,13 @@ def build_critic(cfg: ml_collections.ConfigDict, policy: qwen2.Qwen2ForCausalLM,
   return critic
 
 
-def load_split(spec: str, cfg: ml_collections.ConfigDict, size: int, seed: int) -> tuple[list[dict], int]:
-  """Records of every comma-separated source in `spec`, and how many malformed rows were skipped."""
-  records, skipped = [], 0
-  for one in filter(None, (s.strip() for s in spec.split(","))):
-    result = sources.load_records(one, skip_bad_rows=cfg.data.skip_bad_rows, synthetic_size=size, seed=seed)
-    records += result.records
-    skipped += result.num_skipped
-  return records, skipped
-
-
-def dump_generations(directory: str, step: int, inputs: list[str], outputs: list[str], scores, data_sources,
-                     ground_truths, extra: dict[str, list] | None = None) -> str:
-  """Writes `directory/<step>.jsonl`, one line per response, as the released RayPPOTrainer._dump_generations:
-  {input, output, score, step} plus the reward function's extra fields (data_source, ground_truth)."""
-  path = paths.join(directory, multihost.process_file_name(step, ".jsonl"))
-  columns = {"input": inputs, "output": outputs, "score": [float(x) for x in scores], "step": [step] * len(inputs),
-             "data_source": list(data_sources), "ground_truth": list(ground_truths), **(extra or {})}
-  lines = (json.dumps({k: v[i] for k, v in columns.items()}, ensure_ascii=False) + "\n" for i in range(len(inputs)))
-  paths.write_atomic(path, "".join(lines).encode("utf-8"))
-  return path
-
-
 # ----------------------------------------------------------------------------------------------
 # The loop
 
 
-# Fields that decide the prompt order; the data iterator's saved position means nothing without them.
-DATA_ORDER_FIELDS = ("seed", "data.train", "data.synthetic_train_size", "data.max_prompt_length",
-                     "data.skip_bad_rows", "train.batch_prompts")
-
-
-def changed_data_fields(saved: dict, cfg: ml_collections.ConfigDict) -> dict[str, tuple[Any, Any]]:
-  """{field: (saved value, current value)} for the data-order fields that differ from a checkpoint's config."""
-  changed = {}
-  for field in DATA_ORDER_FIELDS:
-    old, new = saved, cfg
-    for part in field.split("."):
-      old = old.get(part) if isinstance(old, dict) else None
-      new = new.get(part) if new is not None else None
-    if old is not None and old != new:
-      changed[field] = (old, new)
-  return changed
-
-
 class Trainer:
+  """One training run: built from a config and a workdir (every input read, the state on its mesh); `run()` trains."""
+
   def __init__(self, cfg: ml_collections.ConfigDict, workdir: str, devices=None):
     """`devices`: the mesh's devices (default: all of them)."""
     devices = jax.devices() if devices is None else list(devices)
@@ -152,7 +113,7 @@ class Trainer:
     self.P, self.R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
 
     instruction = cfg.data.instruction or None
-    train_records, self.skipped_rows = load_split(cfg.data.train, cfg, cfg.data.synthetic_train_size, cfg.seed)
+    train_records, self.skipped_rows = sources.load_split(cfg.data.train, cfg.data.skip_bad_rows, cfg.data.synthetic_train_size, cfg.seed)
     self.source_names = sorted({r["data_source"] for r in train_records})
     try:
       self.pipeline = pipeline_lib.PromptPipeline(
@@ -167,7 +128,8 @@ class Trainer:
     # data.val_dir: the released runs' five validation sets, in place of data.val.
     val_spec = ",".join(sources.released_eval_files(cfg.data.val_dir)) if cfg.data.val_dir else cfg.data.val
     if val_spec and cfg.eval_every:
-      self.val_records, _ = load_split(val_spec, cfg, cfg.data.synthetic_val_size, cfg.seed + 12345)
+      self.val_records, _ = sources.load_split(val_spec, cfg.data.skip_bad_rows, cfg.data.synthetic_val_size,
+                                                 cfg.seed + 12345)
       if cfg.data.val_max_examples:
         self.val_records = self.val_records[:cfg.data.val_max_examples]
     val_ids = prompts_lib.encode_prompts(self.tokenizer, [r["problem"] for r in self.val_records], instruction)
@@ -272,9 +234,9 @@ class Trainer:
     if bar is not None:
       bar.close()
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
-      dump_generations(self.cfg.rollout_data_dir, int(self.state.step),
-                       self._decode(prompts, [c.prompt_index for c in completions]), texts, scores, data_sources,
-                       answers)
+      inputs = metrics_lib.prompt_texts(self.tokenizer, prompts, [c.prompt_index for c in completions])
+      metrics_lib.dump_generations(self.cfg.rollout_data_dir, int(self.state.step), inputs, texts, scores,
+                                   data_sources, answers)
 
     metrics.update(batching.rollout_metrics(rb, reward_stats, self.source_names))
     tokens = float(np.sum(attention_mask)) * jax.process_count()
@@ -295,7 +257,7 @@ class Trainer:
           mb["old_logprobs"] = self.logprob_fn(self.state.params, mb)
         if self.ref_params is not None:
           mb["ref_logprobs"] = self.logprob_fn(self.ref_params, mb)
-        elif self.algo.ref_is_old(cfg):
+        elif self.algo.reference(cfg) is registry.Reference.ROLLOUT:
           mb["ref_logprobs"] = mb["old_logprobs"]  # e.g. PACS "rollout": the policy that sampled this step
         if self.algo.has_critic:
           mb["old_values"] = self.value_fn(self.state.critic_params, mb)
@@ -327,15 +289,10 @@ class Trainer:
     answers, data_sources = [r["answer"] for r in self.val_records], [r["data_source"] for r in self.val_records]
     scores, _ = scorer.score_batch(texts, answers, data_sources)
     if cfg.validation_data_dir and jax.process_index() == 0:  # every process ran the same validation
-      inputs = self._decode(self.val_prompts, [c.prompt_index for c in completions])
-      dump_generations(cfg.validation_data_dir, int(self.state.step), inputs, texts, scores, data_sources, answers,
-                       extra={"reward": [float(x) for x in scores]})
+      inputs = metrics_lib.prompt_texts(self.tokenizer, self.val_prompts, [c.prompt_index for c in completions])
+      metrics_lib.dump_generations(cfg.validation_data_dir, int(self.state.step), inputs, texts, scores,
+                                   data_sources, answers, extra={"reward": [float(x) for x in scores]})
     return batching.per_source_mean(scores, data_sources, "val/accuracy")
-
-  def _decode(self, prompts: list[list[int]], indices: list[int]) -> list[str]:
-    """Prompt texts as the released dumps show them (special tokens dropped), one per row."""
-    texts = {i: self.tokenizer.decode(prompts[i], skip_special_tokens=True) for i in set(indices)}
-    return [texts[i] for i in indices]
 
   # -- checkpoints -----------------------------------------------------------------------------
 
@@ -362,35 +319,10 @@ class Trainer:
     """One attempt: raises if anything of the checkpoint (config, state, data position) is unreadable, and
     CheckpointMismatch if it is another run's (algorithm, model shape, tokenizer, objective)."""
     saved_config = self.checkpointer.restore_config(step)
-    self.check_resume(step, saved_config, self.checkpointer.read_record(step))
-    for field, (old, new) in changed_data_fields(saved_config, self.cfg).items():
-      logging.warning("config.%s changed since the checkpoint (%r -> %r): the restored data position refers "
-                      "to the old prompt order", field, old, new)
+    resume_lib.check(step, self.checkpointer.directory, saved_config, self.checkpointer.read_record(step),
+                     self.record, self.cfg)
     state, data_state = self.checkpointer.restore(step, checkpoint_lib.abstract_like(self.state))
     return state, self.pipeline.iterator(data_state)
-
-  def check_resume(self, step: int, saved_config: dict, record: dict | None) -> None:
-    """Refuses (CheckpointMismatch) a checkpoint whose state means something else under this config; warns
-    about the other config fields that changed."""
-    where = self.checkpointer.directory
-    if record is None:
-      logging.warning("%s: checkpoint step %d predates resume records: only its saved config is compared", where,
-                      step)
-      saved, current = resume_lib.legacy_record(saved_config), resume_lib.legacy_record_of(self.cfg)
-    else:
-      saved, current = record, self.record
-    allowed = tuple(filter(None, (s.strip() for s in self.cfg.checkpoint.allow_changes.split(","))))
-    diffs = resume_lib.differences(saved, current)
-    refusal = resume_lib.refusal(step, where, diffs, allowed)
-    if refusal:
-      raise checkpoint_lib.CheckpointMismatch(refusal)
-    for section in diffs:
-      logging.warning("resuming step %d with another %s, as checkpoint.allow_changes permits: %s", step, section,
-                      "; ".join(diffs[section]))
-    skip = ("algorithm", "tokenizer", "pacs", "grpo", "ppo", *DATA_ORDER_FIELDS)
-    others = resume_lib.other_changes(saved_config, self.cfg, skip)
-    if others:
-      logging.warning("config changed since checkpoint step %d: %s", step, "; ".join(others))
 
   # -- the loop --------------------------------------------------------------------------------
 
@@ -428,7 +360,7 @@ class Trainer:
           last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
           last["data/skipped_rows"] = float(self.skipped_rows)
           last["data/epoch"] = float(batch["epoch"])
-          skipped_before = warn_skipped_updates(step, last["skipped_updates"], skipped_before, updates_per_step)
+          skipped_before = metrics_lib.warn_skipped_updates(step, last["skipped_updates"], skipped_before, updates_per_step)
           if cfg.eval_every and step % cfg.eval_every == 0:
             last.update(self.validate(scorer))
           if step % cfg.log_every == 0 or step == cfg.steps:
@@ -456,15 +388,6 @@ class Trainer:
         preemption.restore()
         self.lock.release()
     return last
-
-
-def warn_skipped_updates(step: int, skipped_total: float, skipped_before: int, updates: int) -> int:
-  """Warns when this step skipped updates for a non-finite gradient; returns the new running total."""
-  skipped = int(skipped_total) - skipped_before
-  if skipped:
-    logging.warning("step %d: %d of %d updates skipped (non-finite gradient)%s", step, skipped, updates,
-                    ": the parameters did not change" if skipped >= updates else "")
-  return int(skipped_total)
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, devices=None) -> dict[str, Any]:

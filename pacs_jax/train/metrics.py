@@ -19,6 +19,7 @@ from absl import logging
 from tensorboardX import record_writer
 
 from pacs_jax import paths
+from pacs_jax.train import multihost
 
 CONSOLE_KEYS = ("reward/mean", "entropy", "loss", "grad_norm", "response_length/mean", "timing/step_s")
 METRICS_FILE = "metrics.jsonl"
@@ -151,3 +152,30 @@ class _ObjectRecordWriterFactory:
 # tensorboardX's own gs:// writer is a second GCS client (google-cloud-storage, own credentials); this one
 # writes through the same path layer as everything else.
 record_writer.register_writer_factory("gs", _ObjectRecordWriterFactory())
+
+
+def warn_skipped_updates(step: int, skipped_total: float, skipped_before: int, updates: int) -> int:
+  """Warns when this step skipped updates for a non-finite gradient; returns the new running total."""
+  skipped = int(skipped_total) - skipped_before
+  if skipped:
+    logging.warning("step %d: %d of %d updates skipped (non-finite gradient)%s", step, skipped, updates,
+                    ": the parameters did not change" if skipped >= updates else "")
+  return int(skipped_total)
+
+
+def prompt_texts(tokenizer, prompts: list[list[int]], indices: list[int]) -> list[str]:
+  """Prompt texts as the released dumps show them (special tokens dropped), one per row of `indices`."""
+  texts = {i: tokenizer.decode(prompts[i], skip_special_tokens=True) for i in set(indices)}
+  return [texts[i] for i in indices]
+
+
+def dump_generations(directory: str, step: int, inputs: list[str], outputs: list[str], scores, data_sources,
+                     ground_truths, extra: dict[str, list] | None = None) -> str:
+  """Writes `directory/<step>.jsonl`, one line per response, as the released RayPPOTrainer._dump_generations:
+  {input, output, score, step} plus the reward function's extra fields (data_source, ground_truth)."""
+  path = paths.join(directory, multihost.process_file_name(step, ".jsonl"))
+  columns = {"input": inputs, "output": outputs, "score": [float(x) for x in scores], "step": [step] * len(inputs),
+             "data_source": list(data_sources), "ground_truth": list(ground_truths), **(extra or {})}
+  lines = (json.dumps({k: v[i] for k, v in columns.items()}, ensure_ascii=False) + "\n" for i in range(len(inputs)))
+  paths.write_atomic(path, "".join(lines).encode("utf-8"))
+  return path

@@ -1,5 +1,5 @@
 """The jitted programs a training run executes, their shardings and argument shapes: built by the same
-functions for the trainer (`loop.Trainer`) and for compiling ahead of time (`aot`), so the two cannot drift.
+functions for the trainer (`loop.Trainer`) and for compiling ahead of time (`pacs_jax.compile.aot`), so the two cannot drift.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pacs_jax.train import step as step_lib
 
 def needs_frozen_ref(cfg: ml_collections.ConfigDict) -> bool:
   """A frozen copy of the initial policy is kept (PACS "frozen" reference, GRPO's KL loss)."""
-  return registry.of(cfg).needs_frozen_ref(cfg)
+  return registry.of(cfg).reference(cfg) is registry.Reference.FROZEN
 
 
 def needs_old_logprobs(cfg: ml_collections.ConfigDict) -> bool:
@@ -95,7 +95,7 @@ def minibatch_shapes(cfg: ml_collections.ConfigDict, mesh) -> dict[str, jax.Shap
   algo = registry.of(cfg)
   if algo.needs_old_logprobs(cfg):
     fields["old_logprobs"] = ((k, m, R), jnp.float32)
-  if algo.needs_ref_logprobs(cfg):
+  if algo.reference(cfg) is not registry.Reference.NONE:
     fields["ref_logprobs"] = ((k, m, R), jnp.float32)
   if algo.has_critic:
     fields["old_values"] = ((k, m, R), jnp.float32)

@@ -88,11 +88,6 @@ def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State, m
   return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
 
-def state_shardings(state: TrainState) -> Any:
-  """The shardings a (concrete) state lives in: used as the jitted step's in/out shardings."""
-  return jax.tree.map(lambda x: x.sharding, state)
-
-
 def initial_rng(seed: int) -> jax.Array:
   return jax.random.key_data(jax.random.key(seed))
 

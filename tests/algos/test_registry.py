@@ -50,6 +50,22 @@ def test_builtin_algorithms_are_registered():
     config_lib.validate(cfg, num_devices=1)
 
 
+@pytest.mark.parametrize("algorithm, overrides, reference, old_logprobs", [
+    ("pacs", {"pacs.reference_policy": "frozen"}, registry.Reference.FROZEN, False),
+    ("pacs", {"pacs.reference_policy": "rollout"}, registry.Reference.ROLLOUT, True),
+    ("grpo", {}, registry.Reference.NONE, True),
+    ("grpo", {"grpo.use_kl_loss": True}, registry.Reference.FROZEN, True),
+    ("ppo", {"grpo.use_kl_loss": True}, registry.Reference.NONE, True),
+])
+def test_each_algorithm_names_its_reference_policy(algorithm, overrides, reference, old_logprobs):
+  cfg = config_lib.default_config()
+  cfg.algorithm = algorithm
+  for field, value in overrides.items():
+    config_lib.set_field(cfg, field, value)
+  algo = registry.of(cfg)
+  assert algo.reference(cfg) is reference and algo.needs_old_logprobs(cfg) is old_logprobs
+
+
 def test_an_objective_registered_outside_the_package_trains_two_steps(tmp_path):
   toy = registry.register("toy_reinforce", ToyReinforce())
   assert registry.get("toy_reinforce") is toy

@@ -4,12 +4,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
 
 CONFIG = qwen2.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0)
+
+# [B, T] inputs with rows over the batch axes (data, fsdp).
+ROWS = lambda mesh: NamedSharding(mesh, P(sharding.BATCH_AXES, None))
 
 
 def models(chunk):
@@ -75,6 +79,6 @@ def test_chunked_sharded_forward_equals_single_device():
   model = sharding.create_sharded(lambda: qwen2.Qwen2ForCausalLM(CONFIG.replace(attention_chunk=4), rngs=nnx.Rngs(0)),
                                   mesh, "train")
   with jax.set_mesh(mesh):
-    got = nnx.jit(lambda m, i, k: m(i, k))(model, jax.device_put(ids, sharding.batch_sharding(mesh, 2)),
-                                            jax.device_put(mask, sharding.batch_sharding(mesh, 2)))
+    got = nnx.jit(lambda m, i, k: m(i, k))(model, jax.device_put(ids, ROWS(mesh)),
+                                            jax.device_put(mask, ROWS(mesh)))
   np.testing.assert_allclose(np.asarray(got), expected, atol=1e-5, rtol=0)

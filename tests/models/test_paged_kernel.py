@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 
 from pacs_jax import sharding
 from pacs_jax.models import paged, paged_kernel
-from pacs_jax.train import aot_measure
+from pacs_jax.compile import aot_measure
 from tests.pallas_interpret import ragged_paged_attention_interpreted
 
 K, G, H, PS = 2, 2, 128, 16  # kv heads, query heads per kv head, head dim (the kernel needs 128 lanes), page size

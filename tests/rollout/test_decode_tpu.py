@@ -12,7 +12,7 @@ from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling
-from pacs_jax.train import aot_measure, hlo_cost
+from pacs_jax.compile import aot_measure, hlo_cost
 
 # The tiny model with Qwen2.5's head_dim of 128 (the TPU lane width) and one kv head per chip (K = 2 over
 # tensor = 2), as the 3B model on its v5p slice: the case where a cache laid out [slots, rows, kv_heads,

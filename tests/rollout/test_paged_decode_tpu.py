@@ -13,7 +13,7 @@ from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling
-from pacs_jax.train import aot_measure, hlo_cost
+from pacs_jax.compile import aot_measure, hlo_cost
 
 # Qwen2.5's head_dim of 128 and one kv head per chip (K = 2 over tensor = 2), as the 3B model on its slice.
 CONFIG = qwen2.get_preset("tiny", head_dim=128, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, attention_impl="auto")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pacs_jax import config as config_lib
-from pacs_jax.train import aot
+from pacs_jax.compile import aot
 from pacs_jax.train import batching, loop
 from pacs_jax.train import programs as programs_lib
 from tests.compile_report import assert_every_program_compiled, by_name

@@ -14,8 +14,8 @@ import pytest
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
-from pacs_jax.train import aot
-from pacs_jax.train import aot_measure
+from pacs_jax.compile import aot
+from pacs_jax.compile import aot_measure
 from pacs_jax.train import programs as programs_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pacs_jax import sharding
-from pacs_jax.train import aot, aot_measure, hlo_cost
+from pacs_jax.compile import aot, aot_measure, hlo_cost
 
 D = 512
 REFERENCE = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "reference"

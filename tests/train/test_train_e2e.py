@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pacs_jax import config as config_lib
+from pacs_jax.storage import resume as resume_lib
 from pacs_jax.train import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,7 +95,7 @@ def test_config_validation_names_the_field():
 def test_resume_names_changed_data_order_fields():
   cfg = tiny()
   saved = json.loads(cfg.to_json_best_effort())
-  assert loop.changed_data_fields(saved, cfg) == {}
-  assert loop.changed_data_fields(saved, tiny(steps=50, **{"train.lr": 0.5})) == {}  # longer runs are fine
-  changed = loop.changed_data_fields(saved, tiny(seed=9, **{"train.batch_prompts": 16}))
+  assert resume_lib.changed_data_fields(saved, cfg) == {}
+  assert resume_lib.changed_data_fields(saved, tiny(steps=50, **{"train.lr": 0.5})) == {}  # longer runs are fine
+  changed = resume_lib.changed_data_fields(saved, tiny(seed=9, **{"train.batch_prompts": 16}))
   assert changed == {"seed": (cfg.seed, 9), "train.batch_prompts": (8, 16)}

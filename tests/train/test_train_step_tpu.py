@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from pacs_jax import config as config_lib
-from pacs_jax.train import hlo_cost
+from pacs_jax.compile import hlo_cost
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

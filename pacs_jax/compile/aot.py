@@ -11,10 +11,7 @@ trip counts are applied to the compiler's cost figures (see `hlo_cost`).
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
-import re
 from typing import Callable
 
 import jax
@@ -24,58 +21,14 @@ import numpy as np
 from flax import nnx
 
 from pacs_jax import config as config_lib
-from pacs_jax import gpu_targets
 from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.train.aot_measure import (GB, ProgramReport, measure, outputs_of, per_chip_bytes,
-                                        persistent_cache_off)
+from pacs_jax.compile.aot_measure import ProgramReport, measure, outputs_of, per_chip_bytes, persistent_cache_off
+from pacs_jax.compile.report import Report, format_report
+from pacs_jax.compile.target import Target, TargetUnavailable, target
 from pacs_jax.train import programs as programs_lib
-
-class TargetUnavailable(RuntimeError):
-  """The config's target backend cannot be compiled for on this machine."""
-
-
-# ----------------------------------------------------------------------------------------------
-# The target
-
-
-@dataclasses.dataclass
-class Target:
-  devices: tuple
-  description: str  # e.g. "TPU v5p:2x4x4 (32 chips, 8 hosts)"
-  hbm_bytes: float | None  # memory per chip, for the verdict (None: unknown, no verdict)
-  num_processes: int
-  unit: str = "chip"  # what the figures are per: "chip" (TPU, local devices) or "GPU" (a GPU target)
-
-
-def target(cfg: ml_collections.ConfigDict) -> Target:
-  """The devices to compile for: a TPU topology's or GPU target's abstract devices, or this machine's when they
-  are the target."""
-  h = cfg.hardware
-  hbm = h.hbm_gb * GB if h.hbm_gb else None
-  if h.tpu_topology:
-    devices = sharding.tpu_topology_devices(h.tpu_topology)
-    hosts = len({d.process_index for d in devices})
-    return Target(devices, f"TPU {h.tpu_topology} ({len(devices)} chips, {hosts} hosts)", hbm, hosts)
-  if h.gpu_target:
-    devices = gpu_targets.devices(h.gpu_target, h.gpu_topology)
-    hosts = len({d.process_index for d in devices})
-    return Target(devices, f"{len(devices)} x {devices[0].device_kind} ({h.gpu_target} {h.gpu_topology}, {hosts} "
-                           f"host{'s' if hosts > 1 else ''})", hbm, hosts, unit="GPU")
-  local = jax.devices()
-  wanted = h.num_devices or len(local)
-  if (h.hbm_gb and local[0].platform == "cpu") or wanted > len(local):
-    raise TargetUnavailable(
-        f"config names no TPU topology (hardware.tpu_topology) nor GPU target (hardware.gpu_target) and its target ({wanted} devices"
-        f"{f' of {h.hbm_gb:g} GB' if h.hbm_gb else ''}) is not this machine ({len(local)} {local[0].platform} "
-        "devices): --compile_only compiles for the target's own backend, so run it on the target machine; "
-        "--dry_run prints an estimate anywhere")
-  if hbm is None:
-    stats = local[0].memory_stats() or {}
-    hbm = stats.get("bytes_limit")
-  return Target(tuple(local[:wanted]), f"{wanted} local {local[0].platform} devices", hbm, h.num_processes or 1)
 
 
 def _i32(*shape) -> jax.ShapeDtypeStruct:
@@ -123,61 +76,6 @@ def decode_name(engine: engine_lib.Engine, budget: int) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # Compiling a run's programs
-
-
-@dataclasses.dataclass
-class Report:
-  config_name: str
-  target: Target
-  mesh_shape: dict
-  programs: list[ProgramReport]
-  resident: dict[str, dict[str, float]]  # phase -> {part: bytes per chip}
-  notes: list[str]
-
-  def phase_total(self, phase: str) -> tuple[float, ProgramReport | None]:
-    """(resident + the largest program's extra bytes, that program) of a phase."""
-    progs = [p for p in self.programs if p.phase == phase and not p.error]
-    largest = max(progs, key=lambda p: p.extra, default=None)
-    return sum(self.resident[phase].values()) + (largest.extra if largest else 0.0), largest
-
-  @property
-  def failed(self) -> list[ProgramReport]:
-    return [p for p in self.programs if p.error]
-
-  def problems(self) -> list[str]:
-    """Why the run would not fit (empty when it fits or no memory limit is known)."""
-    unit = self.target.unit
-    out = [_compile_problem(p, self.target.description, unit) for p in self.failed]
-    hbm = self.target.hbm_bytes
-    if hbm:
-      for p in self.programs:
-        if not p.error and p.peak > hbm:
-          out.append(f"{p.name} needs {p.peak / GB:.2f} GB per {unit} by itself (> {hbm / GB:g} GB)")
-      for phase in self.resident:
-        total, largest = self.phase_total(phase)
-        if total > hbm:
-          out.append(f"{phase} phase needs {total / GB:.2f} GB per {unit} > {hbm / GB:g} GB (resident "
-                     f"{sum(self.resident[phase].values()) / GB:.2f} GB + {largest.name if largest else '-'} "
-                     f"{(largest.extra if largest else 0) / GB:.2f} GB)")
-    return out
-
-  @property
-  def fits(self) -> bool:
-    return not self.problems()
-
-
-_UNITS = {"K": 1e3 / GB, "M": 1e6 / GB, "G": 1.0, "T": 1e3}
-
-
-def _compile_problem(p: ProgramReport, where: str, unit: str = "chip") -> str:
-  """One failed program: XLA's out-of-memory figure (`Used 160.5G of 95.74G hbm`, `... (96.20G) exceeds available
-  HBM (95.74G)`) as GB per chip, else its error."""
-  m = (re.search(r"Used ([\d.]+)([KMGT])? of ([\d.]+)([KMGT])? hbm", p.error) or
-       re.search(r"\(([\d.]+)([KMGT])?\) exceeds available HBM \(([\d.]+)([KMGT])?\)", p.error))
-  if m:
-    used, cap = float(m.group(1)) * _UNITS[m.group(2) or "G"], float(m.group(3)) * _UNITS[m.group(4) or "G"]
-    return f"{p.name} ({p.phase}) needs {used:.2f} GB per {unit}, more than the {cap:.2f} GB XLA can use on {where}"
-  return f"{p.name} ({p.phase}) does not compile for {where}: {p.error.splitlines()[0][:400]}"
 
 
 def abstract_run(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
@@ -323,95 +221,6 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     notes.append(f"{unknown} loops without a readable trip count are counted once")
   return Report(config_name="", target=tgt, mesh_shape=dict(mesh.shape), programs=reports, resident=resident,
                 notes=notes)
-
-
-# ----------------------------------------------------------------------------------------------
-# Printing
-
-
-def _gb(x: float | None) -> str:
-  return "-" if x is None else f"{x / GB:.2f}"
-
-
-def step_seconds(report: Report, phase: str | None = None, prefix: str = "") -> float:
-  """The compiler's optimal seconds per training step: Σ calls x optimal seconds per call."""
-  return sum(p.calls * (p.optimal_s or 0.0) for p in report.programs
-             if (phase is None or p.phase == phase) and p.name.startswith(prefix))
-
-
-def kernel_lines(report: Report) -> list[str]:
-  """Which programs call which kernels by name (cuDNN attention, Pallas kernels): the attention path the config's
-  dtype and target selected, seen in the compiled programs."""
-  programs: dict[str, list[str]] = {}
-  for p in report.programs:
-    if p.custom_calls:
-      names = programs.setdefault(", ".join(p.custom_calls), [])
-      name = p.name.split("[")[0]
-      names += [name] if name not in names else []
-  return [f"custom calls {calls}: {', '.join(names)}" for calls, names in programs.items()]
-
-
-def format_report(report: Report) -> str:
-  unit = report.target.unit
-  timed = any(p.optimal_s is not None for p in report.programs)
-  lines = [f"compile only: {report.config_name} for {report.target.description}, mesh {report.mesh_shape}",
-           f"per {unit}; flops, bytes{' and optimal time' if timed else ''} per call with loop trip counts applied "
-           "(the compiler's own figures count each loop body once)", ""]
-  head = (f"{'program':<30}{'compile s':>10}{'args GB':>9}{'out GB':>8}{'temp GB':>9}{'peak GB':>9}"
-          f"{'TFLOP':>10}{'model':>10}{'GB r/w':>9}{'opt ms':>10}{'calls':>8}  loops")
-  lines.append(head)
-  for p in report.programs:
-    if p.error:
-      lines.append(f"{p.name:<30}{p.compile_s:>10.1f}  DOES NOT COMPILE: {p.error.splitlines()[0][:300]}")
-      continue
-    loops = ",".join(str(loop.trip_count if loop.trip_count is not None else "?") for loop in p.loops[:6])
-    loops += ",…" if len(p.loops) > 6 else ""
-    tflop = "-" if p.flops is None else f"{p.flops / 1e12:.3f}"
-    model = f"{p.model_flops / 1e12:.3f}" if p.model_flops else "-"
-    opt = "-" if p.optimal_s is None else f"{p.optimal_s * 1e3:.2f}"
-    lines.append(f"{p.name:<30}{p.compile_s:>10.1f}{_gb(p.argument):>9}{_gb(p.output):>8}{_gb(p.temp):>9}"
-                 f"{_gb(p.peak):>9}{tflop:>10}{model:>10}{_gb(p.bytes_accessed):>9}{opt:>10}{p.calls:>8.0f}  {loops}")
-  lines.append("")
-  lines.append(f"resident per {unit} (GB)")
-  phases = list(report.resident)
-  parts = list(dict.fromkeys(k for ph in phases for k in report.resident[ph]))
-  lines.append(f"  {'':<34}" + "".join(f"{ph:>12}" for ph in phases))
-  for part in parts:
-    lines.append(f"  {part:<34}" + "".join(
-        f"{_gb(report.resident[ph][part]) if part in report.resident[ph] else '-':>12}" for ph in phases))
-  largest = {ph: report.phase_total(ph) for ph in phases}
-  lines.append(f"  {'+ largest program (temporaries etc.)':<34}" + "".join(
-      f"{_gb(largest[ph][1].extra if largest[ph][1] else 0.0):>12}" for ph in phases))
-  lines.append(f"  {'  which':<34}" + "".join(f"{(largest[ph][1].name if largest[ph][1] else '-')[:11]:>12}"
-                                             for ph in phases))
-  lines.append(f"  {'total':<34}" + "".join(f"{_gb(largest[ph][0]):>12}" for ph in phases))
-  lines.append("")
-  train = next((p for p in report.programs if p.name == "train_step" and not p.error), None)
-  if train is not None:
-    lines.append(f"train step compile: {train.compile_s:.1f} s on this host ({os.cpu_count()} cores, load average "
-                 f"{train.load_average:.1f})")
-  if timed:
-    rollout_s, update_s = step_seconds(report, "rollout"), step_seconds(report, "update")
-    lines.append(f"compiler's optimal time per step: update {update_s:.1f} s, rollout {rollout_s:.1f} s (upper bound: "
-                 "every response at max_new_tokens)")
-  model = sum(p.calls * p.model_flops for p in report.programs)
-  compiled = sum(p.calls * (p.flops or 0.0) for p in report.programs)
-  lines.append(f"FLOPs per step per {unit}: compiled {compiled / 1e15:.2f} PFLOP, model (6N / 2N per token) "
-               f"{model / 1e15:.2f} PFLOP")
-  lines += kernel_lines(report)
-  lines += [f"note: {n}" for n in report.notes]
-  problems = report.problems()
-  hbm = report.target.hbm_bytes
-  if problems:
-    memory_only = all(f"GB per {unit}" in p for p in problems)
-    lines.append(f"DOES NOT FIT in {hbm / GB:g} GB per {unit}:" if memory_only and hbm else "DOES NOT COMPILE:")
-    lines += [f"  {p}" for p in problems]
-  elif hbm:
-    totals = ", ".join(f"{ph} {largest[ph][0] / GB:.2f} GB ({100 * largest[ph][0] / hbm:.0f}%)" for ph in phases)
-    lines.append(f"fits in {hbm / GB:g} GB per {unit}: {totals}")
-  else:
-    lines.append("no memory limit known (hardware.hbm_gb = 0): no verdict")
-  return "\n".join(lines)
 
 
 def main(cfg: ml_collections.ConfigDict, config_name: str = "", log=print) -> int:

@@ -3,7 +3,7 @@ an estimate of per-device memory (params, optimizer state, reference model, roll
 
 Weights and optimizer state are exact (their shapes and PartitionSpecs are the ones training uses);
 activations are a formula's estimate of the train step's peak with per-layer remat. The compiler's own
-figures come from `--compile_only` (`pacs_jax.train.aot`).
+figures come from `--compile_only` (`pacs_jax.compile.aot`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, floa
                                                   is_leaf=lambda x: isinstance(x, P))
   out["optimizer"] = tree_bytes_per_device(opt_state, opt_specs, mesh_shape)
   algo = registry.of(cfg)
-  out["reference"] = out["params"] if algo.needs_frozen_ref(cfg) else 0.0
+  out["reference"] = out["params"] if algo.reference(cfg) is registry.Reference.FROZEN else 0.0
   if algo.has_critic:  # a critic of the same size, with its own Adam state
     out["critic"] = out["params"] + out["optimizer"]
   # Rollout weights: a sample-mode copy in the compute dtype while sampling.

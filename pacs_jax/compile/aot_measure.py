@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from pacs_jax.train import hlo_cost
+from pacs_jax.compile import hlo_cost
 
 GB = 1e9
 
