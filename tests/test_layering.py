@@ -24,11 +24,13 @@ LAYERS = {
     "pacs_jax.train": 7,
     "pacs_jax.eval": 7,
     "pacs_jax.errors": 7,  # expected failures -> one line and an exit status, for the command lines
+    "pacs_jax.study": 8,  # the laptop study: runs the trainer and the pass@k estimator side by side
     # The command lines, at the top.
     "pacs_jax.train.__main__": 8,
     "pacs_jax.evaluate": 8,
     "pacs_jax.export": 8,
     "pacs_jax.compare": 8,
+    "pacs_jax.study.__main__": 9,  # the study's command line, above the study
 }
 
 # Packages of one layer that may import each other: (importer, imported).
