@@ -56,6 +56,9 @@ def test_shrunk_study_writes_its_files_and_schema(shrunk_study):
   assert summary["pacs"]["1"]["n_seeds"] == len(s.seeds)
   assert set(result["summary"]["pass_at_k_by_terms"]) <= {f"{k} terms" for k in s.eval_terms}
   assert "| PACS |" in stdout and "CPU min" in stdout
+  assert [i["runs_trained"] for i in result["invocations"]] == [len(result["runs"])] and result["invocations"][0]["cpu_s"] > 0
+  with open(out / runs.DIGEST_FILE) as f:
+    assert json.load(f) == runs.digest(result)
   # The held-out problems are never training problems.
   task = synthetic.get_task(s.warmup.task)
   train = {r["problem"] for r in task.records(4096, seed=0)}

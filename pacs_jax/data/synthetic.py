@@ -97,6 +97,14 @@ def save_tokenizer(directory: str):
   return tokenizer
 
 
+def check_numbers(modulus: int, max_operand: int) -> None:
+  """ValueError unless the modulus and the operands are numbers of the vocabulary."""
+  if not 2 <= modulus <= MAX_NUMBER:
+    raise ValueError(f"modulus must be in [2, {MAX_NUMBER}], got {modulus}")
+  if not 0 < max_operand <= MAX_NUMBER:
+    raise ValueError(f"max_operand must be in [1, {MAX_NUMBER}], got {max_operand}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SyntheticTask:
   """`a mod m` (num_operands=1) or `a + b mod m` (2) in Z/mZ; any representative is correct."""
@@ -106,12 +114,9 @@ class SyntheticTask:
   max_operand: int = 8
 
   def __post_init__(self):
-    if not 2 <= self.modulus <= MAX_NUMBER:
-      raise ValueError(f"modulus must be in [2, {MAX_NUMBER}], got {self.modulus}")
+    check_numbers(self.modulus, self.max_operand)
     if self.num_operands not in (1, 2):
       raise ValueError(f"num_operands must be 1 or 2, got {self.num_operands}")
-    if not 0 < self.max_operand <= MAX_NUMBER:
-      raise ValueError(f"max_operand must be in [1, {MAX_NUMBER}], got {self.max_operand}")
 
   @property
   def data_source(self) -> str:
@@ -146,10 +151,7 @@ class GradedSumTask:
   held_out_every: int = 4
 
   def __post_init__(self):
-    if not 2 <= self.modulus <= MAX_NUMBER:
-      raise ValueError(f"modulus must be in [2, {MAX_NUMBER}], got {self.modulus}")
-    if not 0 < self.max_operand <= MAX_NUMBER:
-      raise ValueError(f"max_operand must be in [1, {MAX_NUMBER}], got {self.max_operand}")
+    check_numbers(self.modulus, self.max_operand)
 
   @property
   def data_source(self) -> str:

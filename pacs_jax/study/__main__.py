@@ -43,13 +43,15 @@ def main(argv):
   started, cpu_started = time.perf_counter(), time.process_time()
   result = runs.run_study(s, _OUT.value, _CACHE.value or os.path.join(_OUT.value, "base_models"))
   written = report.write(result, _OUT.value)
-  result["cpu_s"] = time.process_time() - cpu_started  # this process's CPU time (the machine may be shared)
-  result["this_invocation_wall_s"] = time.perf_counter() - started
+  # This process's CPU time beside the wall time: the machine may be shared. A resumed study adds a line.
+  timing = {"wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
+            "runs_trained": result.pop("runs_trained")}
+  result.setdefault("invocations", []).append(timing)
   runs.write_json(os.path.join(_OUT.value, runs.RESULTS_FILE), result)
+  runs.write_json(os.path.join(_OUT.value, runs.DIGEST_FILE), runs.digest(result))
   print(report.markdown_table(result["summary"]["pass_at_k"]))
-  print(f"wrote {runs.RESULTS_FILE}, {', '.join(os.path.basename(p) for p in written.values())} in {_OUT.value} "
-        f"({result['this_invocation_wall_s'] / 60:.1f} min, {result['cpu_s'] / 60:.1f} CPU min)")
-
+  print(f"wrote {runs.RESULTS_FILE}, {runs.DIGEST_FILE}, {', '.join(os.path.basename(p) for p in written.values())} "
+        f"in {_OUT.value} ({timing['wall_s'] / 60:.1f} min, {timing['cpu_s'] / 60:.1f} CPU min)")
 
 if __name__ == "__main__":
   from pacs_jax import errors

@@ -18,6 +18,7 @@ from pacs_jax.train import loop
 from pacs_jax.train import metrics as metrics_lib
 
 RESULTS_FILE = "study.json"
+DIGEST_FILE = "study_summary.json"  # the same without the metrics rows
 SCHEMA_VERSION = 1
 # Metric keys that measure the machine, not the run: left out of the rows compared for determinism.
 MACHINE_KEYS = ("timing/", "throughput/")
@@ -61,9 +62,9 @@ def deterministic_rows(rows: list[dict]) -> list[dict]:
 
 def run_study(s: settings_lib.StudySettings, out_dir: str, cache_dir: str, log=print) -> dict:
   """Builds (or reuses) the base model, runs every algorithm x seed (a run already in `out_dir/study.json` with
-  the same settings is kept) and writes `out_dir/study.json` after each run; returns its content."""
+  the same settings is kept) and writes `out_dir/study.json` after each run; returns its content (with
+  `runs_trained`: how many runs this call trained)."""
   os.makedirs(out_dir, exist_ok=True)
-  started = time.perf_counter()
   base_dir = warmup.base_model_dir(s.warmup, cache_dir)
   with open(os.path.join(base_dir, warmup.DONE_FILE)) as f:
     warmup_record = json.load(f)
@@ -75,20 +76,20 @@ def run_study(s: settings_lib.StudySettings, out_dir: str, cache_dir: str, log=p
   result.update(base_model=base_dir, warmup=warmup_record, held_out=[r["problem"] for r in records],
                 eval_seeds={str(seed): eval_seed(seed) for seed in s.seeds})
   done = {(r["algorithm"], r["seed"]) for r in result["runs"]}
+  result["runs_trained"] = 0
   for seed in s.seeds:
-    for i, algorithm in enumerate(s.algorithms):
+    for algorithm in s.algorithms:
       if (algorithm, seed) in done:
         continue
       log(f"{algorithm} seed {seed}: training {s.steps} steps")
       has_base = any(r["seed"] == seed and "base" in r for r in result["runs"])
       record = run_one(algorithm, seed, base_dir, s, out_dir, records, evaluate_base=not has_base)
       result["runs"].append(record)
+      result["runs_trained"] += 1
       p = record["trained"]["pass_at_k"][heldout.OVERALL]
       log(f"{algorithm} seed {seed}: pass@1 {p['1']:.3f}, pass@{s.eval_n} {p[str(s.eval_n)]:.3f} "
           f"({record['wall_s']:.0f} s)")
       write_json(path, result)
-  result["wall_s"] = time.perf_counter() - started
-  write_json(path, result)
   return result
 
 
@@ -101,6 +102,12 @@ def _previous(path: str, s: settings_lib.StudySettings) -> dict | None:
   same = previous.get("schema_version") == SCHEMA_VERSION and previous.get("settings") == json.loads(
       json.dumps(s.to_dict()))
   return previous if same else None
+
+
+def digest(result: dict) -> dict:
+  """`study.json` without the metrics rows (a few tens of kB): settings, summary, every run's pass@k and counts."""
+  runs = [{k: v for k, v in run.items() if k != "metrics"} for run in result["runs"]]
+  return {k: v for k, v in result.items() if k != "runs"} | {"runs": runs}
 
 
 def write_json(path: str, result: dict) -> None:
