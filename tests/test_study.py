@@ -91,6 +91,15 @@ def test_held_out_problems_are_distinct_and_graded():
     task.held_out(10, terms=(1,))  # 11 one-term problems, about a quarter held out
 
 
+def test_study_runs_train_on_their_task_without_advisories():
+  """The base model is made for the synthetic task and its tokenizer: no "real model on the synthetic task" warning."""
+  from pacs_jax import config as config_lib
+  for algorithm in settings_lib.ALGORITHMS:
+    cfg = settings_lib.train_config(algorithm, 0, "base_model_dir", settings_lib.SHRUNK)
+    config_lib.validate(cfg, num_devices=1, check_paths=False)
+    assert config_lib.advisories(cfg) == []
+
+
 def test_spread_and_table_by_hand():
   result = {"runs": [
       {"algorithm": "pacs", "seed": 0, "base": {"pass_at_k": {"all": {"1": 0.1, "2": 0.2}}},

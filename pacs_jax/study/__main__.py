@@ -20,8 +20,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.ERROR)  # the trainer's advisories (a synthetic task beside a real model) are
-    # expected here: the base model is made for the task
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
   from pacs_jax.train import runtime
   runtime.prefer_cpu_without_accelerators()
   import jax
@@ -52,6 +51,7 @@ def main(argv):
   print(report.markdown_table(result["summary"]["pass_at_k"]))
   print(f"wrote {runs.RESULTS_FILE}, {runs.DIGEST_FILE}, {', '.join(os.path.basename(p) for p in written.values())} "
         f"in {_OUT.value} ({timing['wall_s'] / 60:.1f} min, {timing['cpu_s'] / 60:.1f} CPU min)")
+
 
 if __name__ == "__main__":
   from pacs_jax import errors
