@@ -2,10 +2,8 @@
 data source, written in the released layouts (`eval_rollout.jsonl`, `eval_metrics.json`) beside the weights, with
 `eval_summary.json` (resumable). `--data synthetic/mod3` alone evaluates the demo's task at the demo's sizes."""
 
-import os
-
 import ml_collections
-from absl import app, flags, logging
+from absl import app, flags
 
 from pacs_jax import config
 from pacs_jax.eval import settings as settings_lib
@@ -77,14 +75,10 @@ def eval_config_from_flags(synthetic_only: bool = False) -> ml_collections.Confi
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
+  from pacs_jax.train import runtime
+  runtime.start_command_line(flags.FLAGS["verbosity"].present)
   import jax
 
-  from pacs_jax.train import runtime
-  runtime.prefer_cpu_without_accelerators()
-  if os.environ.get("PACS_JAX_COMPILATION_CACHE"):
-    jax.config.update("jax_compilation_cache_dir", os.environ["PACS_JAX_COMPILATION_CACHE"])
   from pacs_jax import sharding
   from pacs_jax.eval import problems, results, runner
 

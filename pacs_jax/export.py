@@ -3,7 +3,7 @@
 The result (weights, config.json, tokenizer files) loads unchanged in transformers, and so in vLLM.
 """
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from pacs_jax import config
 
@@ -19,11 +19,9 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a previous export in
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it reads at INFO
   from pacs_jax.storage import export as export_lib
   from pacs_jax.train import runtime
-  runtime.prefer_cpu_without_accelerators()
+  runtime.start_command_line(flags.FLAGS["verbosity"].present)
   path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
                            max_shard_size=_SHARD.value, overwrite=_OVERWRITE.value)
   print(f"wrote {path}")

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import time
 
-from absl import app, flags, logging
+from absl import app, flags
 
 _OUT = flags.DEFINE_string("out", "runs/study", "Where the runs, study.json, the table and the figures go.")
 _CACHE = flags.DEFINE_string("cache_dir", None, "Where the warmed-up base model is cached (default: OUT/base_models).")
@@ -19,13 +19,8 @@ _ALGORITHMS = flags.DEFINE_list("algorithms", None, "A subset of pacs,grpo,ppo (
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO
   from pacs_jax.train import runtime
-  runtime.prefer_cpu_without_accelerators()
-  import jax
-  if os.environ.get("PACS_JAX_COMPILATION_CACHE"):
-    jax.config.update("jax_compilation_cache_dir", os.environ["PACS_JAX_COMPILATION_CACHE"])
+  runtime.start_command_line(flags.FLAGS["verbosity"].present)
   from pacs_jax.study import report, runs, settings as settings_lib
 
   s = settings_lib.SHRUNK if _SHRUNK.value else settings_lib.StudySettings()

@@ -49,3 +49,15 @@ def init(cfg: ml_collections.ConfigDict) -> None:
   if cache_dir:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def start_command_line(verbosity_given: bool) -> None:
+  """What the evaluate, export and study command lines do first: absl logs at WARNING unless --verbosity was given
+  (Orbax logs every file it reads or writes at INFO), the CPU directly on hosts without accelerators, and the
+  persistent compile cache named by PACS_JAX_COMPILATION_CACHE."""
+  from absl import logging
+  if not verbosity_given:
+    logging.set_verbosity(logging.WARNING)
+  prefer_cpu_without_accelerators()
+  if os.environ.get("PACS_JAX_COMPILATION_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["PACS_JAX_COMPILATION_CACHE"])
