@@ -2,8 +2,6 @@
 data source, written in the released layouts (`eval_rollout.jsonl`, `eval_metrics.json`) beside the weights, with
 `eval_summary.json` (resumable). `--data synthetic/mod3` alone evaluates the demo's task at the demo's sizes."""
 
-import os
-
 import ml_collections
 from absl import app, flags
 
@@ -77,12 +75,10 @@ def eval_config_from_flags(synthetic_only: bool = False) -> ml_collections.Confi
 
 def main(argv):
   errors.no_arguments_quiet_logs(argv)
+  from pacs_jax.train import runtime
+  runtime.start_command_line()
   import jax
 
-  from pacs_jax.train import runtime
-  runtime.prefer_cpu_without_accelerators()
-  if os.environ.get("PACS_JAX_COMPILATION_CACHE"):
-    jax.config.update("jax_compilation_cache_dir", os.environ["PACS_JAX_COMPILATION_CACHE"])
   from pacs_jax import sharding
   from pacs_jax.eval import problems, results, runner
 

@@ -21,7 +21,7 @@ def main(argv):
   errors.no_arguments_quiet_logs(argv)
   from pacs_jax.storage import export as export_lib
   from pacs_jax.train import runtime
-  runtime.prefer_cpu_without_accelerators()
+  runtime.start_command_line()
   path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
                            max_shard_size=_SHARD.value, overwrite=_OVERWRITE.value)
   print(f"wrote {path}")

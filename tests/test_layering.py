@@ -32,11 +32,13 @@ LAYERS = {
     "pacs_jax.errors": 7,  # expected failures -> one line and an exit status, for the command lines
     "pacs_jax.compile": 8,  # --compile_only / --dry_run: compiles the trainer's programs, so above train
     "pacs_jax.api": 8,  # the public API's own functions (load_config, load_pretrained, generate) over the library
+    "pacs_jax.study": 8,  # the laptop study: runs the trainer and the pass@k estimator side by side
     # The command lines, at the top.
     "pacs_jax.train.__main__": 9,
     "pacs_jax.evaluate": 9,
     "pacs_jax.export": 9,
     "pacs_jax.compare": 9,
+    "pacs_jax.study.__main__": 9,
 }
 
 # Packages of one layer that may import each other: (importer, imported).

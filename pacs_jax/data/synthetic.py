@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zlib
 
 import numpy as np
 
@@ -96,6 +97,14 @@ def save_tokenizer(directory: str):
   return tokenizer
 
 
+def check_numbers(modulus: int, max_operand: int) -> None:
+  """ValueError unless the modulus and the operands are numbers of the vocabulary."""
+  if not 2 <= modulus <= MAX_NUMBER:
+    raise ValueError(f"modulus must be in [2, {MAX_NUMBER}], got {modulus}")
+  if not 0 < max_operand <= MAX_NUMBER:
+    raise ValueError(f"max_operand must be in [1, {MAX_NUMBER}], got {max_operand}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SyntheticTask:
   """`a mod m` (num_operands=1) or `a + b mod m` (2) in Z/mZ; any representative is correct."""
@@ -105,12 +114,9 @@ class SyntheticTask:
   max_operand: int = 8
 
   def __post_init__(self):
-    if not 2 <= self.modulus <= MAX_NUMBER:
-      raise ValueError(f"modulus must be in [2, {MAX_NUMBER}], got {self.modulus}")
+    check_numbers(self.modulus, self.max_operand)
     if self.num_operands not in (1, 2):
       raise ValueError(f"num_operands must be 1 or 2, got {self.num_operands}")
-    if not 0 < self.max_operand <= MAX_NUMBER:
-      raise ValueError(f"max_operand must be in [1, {MAX_NUMBER}], got {self.max_operand}")
 
   @property
   def data_source(self) -> str:
@@ -131,14 +137,75 @@ class SyntheticTask:
     return verifier.score_residue(response_text, answer, self.modulus)
 
 
+@dataclasses.dataclass(frozen=True)
+class GradedSumTask:
+  """`a_1 + ... + a_k mod m` with k = 1 .. max_terms terms (k is the difficulty); any representative is correct.
+
+  Every problem belongs to one split by a hash of its text (about one in `held_out_every` is held out), so training
+  prompts (`records`) never hold a test problem (`held_out`), whatever the seeds and sizes.
+  """
+  name: str = "sum11"
+  modulus: int = 11
+  max_terms: int = 4
+  max_operand: int = 10
+  held_out_every: int = 4
+
+  def __post_init__(self):
+    check_numbers(self.modulus, self.max_operand)
+
+  @property
+  def data_source(self) -> str:
+    return DATA_SOURCE_PREFIX + self.name
+
+  def is_held_out(self, problem: str) -> bool:
+    return zlib.crc32(problem.encode()) % self.held_out_every == 0
+
+  def draw(self, n: int, seed: int, held_out: bool, terms: tuple[int, ...] | None = None,
+           distinct: bool = False) -> list[dict]:
+    """`n` problems of one split, each with a number of terms drawn uniformly from `terms` (default: all), drawn
+    with `seed`; `distinct`: no problem twice (ValueError when the split has too few)."""
+    terms = tuple(terms or range(1, self.max_terms + 1))
+    rng = np.random.default_rng(seed)
+    out, seen, tries = [], set(), 0
+    while len(out) < n:
+      tries += 1
+      if tries > 1000 * n:
+        raise ValueError(f"{self.name}: fewer than {n} distinct problems of {terms} terms in the split")
+      k = int(rng.choice(terms))
+      row = rng.integers(0, self.max_operand + 1, size=k).tolist()
+      problem = " + ".join(map(str, row)) + f" mod {self.modulus}"
+      if self.is_held_out(problem) != held_out or (distinct and problem in seen):
+        continue
+      seen.add(problem)
+      out.append({"data_source": self.data_source, "problem": problem, "answer": str(sum(row) % self.modulus)})
+    return out
+
+  def records(self, n: int, seed: int) -> list[dict]:
+    """`n` training problems (never held out) drawn with `seed`."""
+    return self.draw(n, seed, held_out=False)
+
+  def held_out(self, n: int, seed: int = 0, terms: tuple[int, ...] | None = None) -> list[dict]:
+    """`n` distinct held-out problems."""
+    return self.draw(n, seed, held_out=True, terms=terms, distinct=True)
+
+  def score(self, response_text: str, answer: str) -> float:
+    return verifier.score_residue(response_text, answer, self.modulus)
+
+
+def num_terms(problem: str) -> int:
+  """The difficulty of a `GradedSumTask` problem: its number of terms."""
+  return problem.count("+") + 1
+
+
 TASKS = {
     "mod3": SyntheticTask("mod3", modulus=verifier.MODULI["mod3"], max_operand=8),  # the default
     "mod4": SyntheticTask("mod4", modulus=verifier.MODULI["mod4"], max_operand=7),
     "mod2": SyntheticTask("mod2", modulus=verifier.MODULI["mod2"], max_operand=MAX_NUMBER),
+    "sum11": GradedSumTask("sum11", modulus=verifier.MODULI["sum11"]),  # the laptop study's task (docs/study.md)
 }
 DEFAULT_TASK = "mod3"
 
 
-def get_task(name_or_data_source: str) -> SyntheticTask:
+def get_task(name_or_data_source: str) -> SyntheticTask | GradedSumTask:
   """A built-in task by name (`mod4`) or data source (`synthetic/mod4`)."""
   return TASKS[verifier.task_name(name_or_data_source)]

@@ -9,8 +9,9 @@ DATA_SOURCE_PREFIX = "synthetic/"
 # Qwen2.5's special tokens; <|im_end|> ends a chat turn, <|endoftext|> ends a document (both stop).
 ENDOFTEXT, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
 EOS_TOKENS = (IM_END, ENDOFTEXT)
-# The built-in tasks' moduli by name: `a mod m` (or `a + b mod m`) in Z/mZ.
-MODULI = {"mod3": 3, "mod4": 4, "mod2": 2}
+# The built-in tasks' moduli by name: `a mod m` (or `a + b mod m`) in Z/mZ; `sum11`: sums of 1 to 4 terms mod 11
+# (the laptop study's graded task).
+MODULI = {"mod3": 3, "mod4": 4, "mod2": 2, "sum11": 11}
 
 _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in (IM_START, UNK)))
 _STOP_RE = re.compile("|".join(re.escape(t) for t in EOS_TOKENS))

@@ -49,3 +49,11 @@ def init(cfg: ml_collections.ConfigDict) -> None:
   if cache_dir:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def start_command_line() -> None:
+  """What the evaluate, export and study command lines do after `errors.no_arguments_quiet_logs`: the CPU
+  directly on hosts without accelerators, and the persistent compile cache named by PACS_JAX_COMPILATION_CACHE."""
+  prefer_cpu_without_accelerators()
+  if os.environ.get("PACS_JAX_COMPILATION_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["PACS_JAX_COMPILATION_CACHE"])

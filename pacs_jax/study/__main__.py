@@ -1,0 +1,53 @@
+"""`python -m pacs_jax.study [--out DIR] [--shrunk]`: PACS, GRPO and PPO from one warmed-up tiny base model on the
+graded task `synthetic/sum11` (same settings for all, several seeds), held-out pass@k for k = 1 ... 256 before and
+after training; writes `study.json`, a table (`study_table.md`) and two figures into DIR (docs/study.md)."""
+
+import dataclasses
+import os
+import time
+
+from absl import app, flags
+
+from pacs_jax import errors
+
+_OUT = flags.DEFINE_string("out", "runs/study", "Where the runs, study.json, the table and the figures go.")
+_CACHE = flags.DEFINE_string("cache_dir", None, "Where the warmed-up base model is cached (default: OUT/base_models).")
+_SHRUNK = flags.DEFINE_bool("shrunk", False, "The tests' study: 2 steps, 2 seeds, a few problems (checks the "
+                            "pipeline, measures nothing).")
+_SEEDS = flags.DEFINE_list("seeds", None, "Seeds (default: the study's 0,1,2).")
+_ALGORITHMS = flags.DEFINE_list("algorithms", None, "A subset of pacs,grpo,ppo (default: all three).")
+
+
+def main(argv):
+  errors.no_arguments_quiet_logs(argv)
+  from pacs_jax.train import runtime
+  runtime.start_command_line()
+  from pacs_jax.study import report, runs, settings as settings_lib
+
+  s = settings_lib.SHRUNK if _SHRUNK.value else settings_lib.StudySettings()
+  if _SEEDS.value:
+    try:
+      s = dataclasses.replace(s, seeds=tuple(int(x) for x in _SEEDS.value))
+    except ValueError as e:
+      raise app.UsageError(f"--seeds: integers, got {_SEEDS.value}") from e
+  if _ALGORITHMS.value:
+    unknown = set(_ALGORITHMS.value) - set(settings_lib.ALGORITHMS)
+    if unknown:
+      raise app.UsageError(f"--algorithms: {sorted(unknown)} not among {list(settings_lib.ALGORITHMS)}")
+    s = dataclasses.replace(s, algorithms=tuple(a for a in settings_lib.ALGORITHMS if a in _ALGORITHMS.value))
+  started, cpu_started = time.perf_counter(), time.process_time()
+  result = runs.run_study(s, _OUT.value, _CACHE.value or os.path.join(_OUT.value, "base_models"))
+  written = report.write(result, _OUT.value)
+  # This process's CPU time beside the wall time: the machine may be shared. A resumed study adds a line.
+  timing = {"wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu_started,
+            "runs_trained": result.pop("runs_trained")}
+  result.setdefault("invocations", []).append(timing)
+  runs.write_json(os.path.join(_OUT.value, runs.RESULTS_FILE), result)
+  runs.write_json(os.path.join(_OUT.value, runs.DIGEST_FILE), runs.digest(result))
+  print(report.markdown_table(result["summary"]["pass_at_k"]))
+  print(f"wrote {runs.RESULTS_FILE}, {runs.DIGEST_FILE}, {', '.join(os.path.basename(p) for p in written.values())} "
+        f"in {_OUT.value} ({timing['wall_s'] / 60:.1f} min, {timing['cpu_s'] / 60:.1f} CPU min)")
+
+
+if __name__ == "__main__":
+  errors.run("study", main)

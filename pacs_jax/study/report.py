@@ -1,0 +1,125 @@
+"""The study's report: pass@k mean and spread over seeds per algorithm (before and after training), a table in the
+paper's layout (methods as rows, pass@k as columns) and two figures (training curves with seed bands; pass@k
+curves before and after)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from pacs_jax.study import heldout
+
+BASE = "base"
+LABELS = {BASE: "Base model", "ppo": "PPO", "grpo": "GRPO", "pacs": "PACS"}  # the paper's row order
+TABLE_KS = (1, 16, 256)
+CURVES = (("reward/mean", "reward (train, mean)"), ("entropy", "entropy (nats per token)"))
+FIGURE_FILES = {"curves": "study_curves.png", "pass_at_k": "study_pass_at_k.png"}
+TABLE_FILE = "study_table.md"
+
+
+def _spread(values: list[float]) -> dict:
+  a = np.asarray(values, np.float64)
+  return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0, "min": float(a.min()),
+          "max": float(a.max()), "n_seeds": len(a)}
+
+
+def pass_at_k_summary(result: dict, group: str = heldout.OVERALL) -> dict[str, dict[str, dict]]:
+  """{"base" or algorithm: {k: {mean, std (over seeds, ddof 1), min, max, n_seeds}}} of held-out pass@k."""
+  tables: dict[str, list[dict]] = {}
+  for run in result["runs"]:
+    if "base" in run:
+      tables.setdefault(BASE, []).append(run["base"]["pass_at_k"][group])
+    tables.setdefault(run["algorithm"], []).append(run["trained"]["pass_at_k"][group])
+  return {name: {k: _spread([t[k] for t in rows]) for k in rows[0]}
+          for name, rows in sorted(tables.items(), key=lambda item: list(LABELS).index(item[0]))}
+
+
+def markdown_table(summary: dict[str, dict[str, dict]], ks=TABLE_KS) -> str:
+  """Methods as rows, held-out pass@k (percent, mean ± standard deviation over seeds) as columns."""
+  ks = [str(k) for k in ks if str(k) in next(iter(summary.values()))]
+  seeds = {s[ks[0]]["n_seeds"] for s in summary.values()}
+  lines = ["| method | " + " | ".join(f"pass@{k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
+  for name, row in summary.items():
+    cells = [f"{100 * row[k]['mean']:.1f} ± {100 * row[k]['std']:.1f}" for k in ks]
+    lines.append(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
+  lines.append(f"\nHeld-out pass@k in percent, mean ± standard deviation over {'/'.join(map(str, sorted(seeds)))} "
+               "seeds.")
+  return "\n".join(lines)
+
+
+def curve_bands(result: dict, key: str, window: int) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                          np.ndarray]]:
+  """{algorithm: (steps, mean, min, max)} of a metric over seeds, each seed's values first smoothed by a trailing
+  mean over `window` steps."""
+  from pacs_jax.train import compare
+
+  by_algorithm: dict[str, list[np.ndarray]] = {}
+  steps = {}
+  for run in result["runs"]:
+    s, v = compare.series(run["metrics"], key)
+    by_algorithm.setdefault(run["algorithm"], []).append(compare.smooth(v, window))
+    steps[run["algorithm"]] = s
+  out = {}
+  for name, values in by_algorithm.items():
+    length = min(len(v) for v in values)
+    stacked = np.stack([v[:length] for v in values])  # [seeds, steps]
+    out[name] = (steps[name][:length], stacked.mean(0), stacked.min(0), stacked.max(0))
+  return out
+
+
+def plot(result: dict, out_dir: str) -> dict[str, str]:
+  """Writes the two figures into `out_dir`; returns {figure: path}."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  colors = {BASE: "0.4", "pacs": "C0", "grpo": "C1", "ppo": "C2"}
+  steps = result["settings"]["steps"]
+  window = max(1, steps // 20)
+  fig, axes = plt.subplots(1, len(CURVES), figsize=(10, 3.6), constrained_layout=True)
+  for ax, (key, title) in zip(axes, CURVES):
+    for name, (s, mean, low, high) in curve_bands(result, key, window).items():
+      ax.plot(s, mean, color=colors.get(name), label=LABELS.get(name, name))
+      ax.fill_between(s, low, high, color=colors.get(name), alpha=0.2, linewidth=0)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+  axes[0].legend(title=f"mean, band: min-max over seeds; trailing mean of {window} steps", fontsize=8,
+                 title_fontsize=8)
+  paths = {"curves": os.path.join(out_dir, FIGURE_FILES["curves"])}
+  fig.savefig(paths["curves"], dpi=80)
+  plt.close(fig)
+
+  summary = pass_at_k_summary(result)
+  algorithms = [a for a in summary if a != BASE]
+  fig, axes = plt.subplots(1, len(algorithms), figsize=(3.6 * len(algorithms), 3.4), sharey=True,
+                           constrained_layout=True, squeeze=False)
+  for ax, name in zip(axes[0], algorithms):
+    for label, row, style in (("before (base)", summary[BASE], "--"), ("after", summary[name], "-")):
+      ks = [int(k) for k in row]
+      mean = np.array([row[k]["mean"] for k in row])
+      ax.plot(ks, mean, style, color=colors[BASE if style == "--" else name], marker="o", markersize=3, label=label)
+      ax.fill_between(ks, [row[k]["min"] for k in row], [row[k]["max"] for k in row],
+                      color=colors[BASE if style == "--" else name], alpha=0.2, linewidth=0)
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"{LABELS.get(name, name)}: held-out pass@k", fontsize=10)
+    ax.set_xlabel("k")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  paths["pass_at_k"] = os.path.join(out_dir, FIGURE_FILES["pass_at_k"])
+  fig.savefig(paths["pass_at_k"], dpi=80)
+  plt.close(fig)
+  return paths
+
+
+def write(result: dict, out_dir: str) -> dict[str, str]:
+  """The summary into `result["summary"]`, the markdown table and the figures into `out_dir`; returns the paths."""
+  result["summary"] = {"pass_at_k": pass_at_k_summary(result),
+                       "pass_at_k_by_terms": {g: pass_at_k_summary(result, g) for g in
+                                              sorted(result["runs"][0]["trained"]["pass_at_k"]) if g != heldout.OVERALL}}
+  paths = plot(result, out_dir)
+  paths["table"] = os.path.join(out_dir, TABLE_FILE)
+  with open(paths["table"], "w") as f:
+    f.write(markdown_table(result["summary"]["pass_at_k"]) + "\n")
+  return paths
