@@ -475,9 +475,9 @@ class Trainer:
     if cause is None:
       return None
     complete = self.checkpointer.last_complete_step()
-    where = "no checkpoint is complete yet" if complete is None else f"the last complete checkpoint is step {complete}"
-    return paths.StorageUnreachable(f"{self.workdir}: storage unreachable ({cause}) at step {step}; {where}; rerun "
-                                    "the same command to resume")
+    then = ("no checkpoint is complete yet; rerun the same command to start again" if complete is None else
+            f"the last complete checkpoint is step {complete}; rerun the same command to resume")
+    return paths.StorageUnreachable(f"{self.workdir}: storage unreachable ({cause}) at step {step}; {then}")
 
 
 def warn_skipped_updates(step: int, skipped_total: float, skipped_before: int, updates: int) -> int:
