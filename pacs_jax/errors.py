@@ -76,7 +76,7 @@ def classify(e: BaseException) -> Failure | None:
     return Failure(EXIT_DATA, str(e))
   if isinstance(e, lock.WorkdirLocked):
     return Failure(EXIT_LOCKED, str(e))
-  if isinstance(e, (checkpoint.NoRestorableCheckpoint, checkpoint.CheckpointMismatch)):
+  if isinstance(e, checkpoint.CheckpointMismatch):
     return Failure(EXIT_CHECKPOINT, str(e))
   if isinstance(e, paths.StorageError):
     return Failure(EXIT_STORAGE, str(e))
@@ -87,27 +87,33 @@ def classify(e: BaseException) -> Failure | None:
   unreachable = _unreachable_storage(e)
   if unreachable:
     return Failure(EXIT_STORAGE, unreachable)
+  if isinstance(e, checkpoint.NoRestorableCheckpoint):
+    return Failure(EXIT_CHECKPOINT, str(e))
   if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)):
     return Failure(EXIT_INPUT, first_line(e) if not e.filename else f"{e.filename}: {e.strerror or first_line(e)}")
   return None
 
 
 def _unreachable_storage(e: BaseException) -> str | None:
-  """`gs://bucket: storage unreachable (<cause>)` when a connection to a remote workdir's store failed."""
+  """`<workdir>: storage unreachable (<cause>); ...` when the remote workdir's store does not answer now (asked
+  again: the error itself is often a side effect, a directory that "does not exist", a closed handle), or `e` was
+  caused by a failed connection (the store may answer again by now)."""
   from pacs_jax import paths
-  chain, seen = [], e
-  while seen is not None and seen not in chain:
-    chain.append(seen)
-    seen = seen.__cause__ or seen.__context__
+  if not (_log_dir and paths.is_remote(_log_dir)):
+    return None
+  cause = paths.unreachable(_log_dir) or _connection_failure(e)
+  return f"{_log_dir}: storage unreachable ({cause}); rerun the same command to resume" if cause else None
+
+
+def _connection_failure(e: BaseException) -> str | None:
+  """The cause of the first failed connection (refused, reset, timed out) in `e`'s chain, else None."""
+  chain, link = [], e
+  while link is not None and link not in chain:
+    chain.append(link)
+    link = link.__cause__ or link.__context__
   for link in chain:
-    text = first_line(link)
-    if isinstance(link, ConnectionError) or type(link).__name__.startswith("ClientConnector") or (
-        "UNAVAILABLE" in text or "Cannot connect to host" in text):
-      if _log_dir and paths.is_remote(_log_dir):
-        bucket = "/".join(_log_dir.split("/")[:3])
-        return f"{bucket}: storage unreachable ({type(link).__name__}: {text}); the run resumes from its last " \
-               "checkpoint once it is back"
-      return f"storage unreachable ({type(link).__name__}: {text})"
+    if isinstance(link, (ConnectionError, TimeoutError)):
+      return (os.strerror(link.errno) if link.errno else None) or first_line(link)
   return None
 
 

@@ -1,19 +1,25 @@
 """One path layer for workdirs and data files: local paths and `gs://` URIs (etils.epath over fsspec/gcsfs).
 
 An object store has no append and no rename, but writes a whole object atomically: `write_atomic` and
-`append` are atomic on both kinds (a local temporary file renamed into place; one object upload).
+`append` are atomic on both kinds (a local temporary file renamed into place; one object upload). A request to
+Cloud Storage is retried for about 15 s (`STORAGE_RETRIES`), then the store counts as unreachable.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import shutil
+import socket
 import tempfile
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import fsspec
+import gcsfs
 from etils import epath
 
 # Several processes share a workdir (trainer, export, Orbax's tensorstore writes): a cached listing
@@ -27,9 +33,59 @@ class StorageError(OSError):
   """A write to a workdir failed (a full disk, an unreachable bucket); the message names the path and cause."""
 
 
+class StorageUnreachable(StorageError):
+  """The object store holding a workdir stopped answering (`unreachable` says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Retries:
+  """How a request to an object store is retried: `attempts` in all, waiting `first_delay_s`, then twice as
+  long each time up to `max_delay_s` (gcsfs's own schedule doubles from 1 s as well)."""
+  attempts: int
+  first_delay_s: float
+  max_delay_s: float
+
+
+# An outage must end a run in tens of seconds, not the minutes of the clients' defaults (gcsfs: 6 attempts,
+# ~35 s per request, and one operation makes several; tensorstore: 32 attempts up to 32 s apart), so that a
+# restart resumes soon from the last checkpoint; yet a blip (a dropped connection, a few 503s) must pass
+# unnoticed. 5 attempts wait about 1 + 2 + 4 + 8 = 15 s between them before a request fails.
+STORAGE_RETRIES = Retries(attempts=5, first_delay_s=1.0, max_delay_s=8.0)
+PROBE_TIMEOUT_S = 10.0  # one request that says whether the store answers at all (`unreachable`)
+
+
+class _GCSFileSystem(gcsfs.GCSFileSystem):
+  """gcsfs with STORAGE_RETRIES.attempts per request (its retry decorator fixes the count at class definition)."""
+  _request = gcsfs.retry.retry_request(retries=STORAGE_RETRIES.attempts)(gcsfs.GCSFileSystem._request.__wrapped__)
+
+
+for _protocol in ("gs", "gcs"):  # (etils.epath and Orbax open gs:// paths through fsspec's registry)
+  fsspec.register_implementation(_protocol, _GCSFileSystem, clobber=True)
+
+
 def is_remote(path: PathLike) -> bool:
   """A URI (`gs://bucket/dir`), as opposed to a local path."""
   return "://" in os.fspath(path)
+
+
+def unreachable(p: PathLike) -> str | None:
+  """Why the object store holding `p` does not answer ("Connection refused", "timed out", "HTTP 503 Service
+  Unavailable"), from one request without retries; None when it answers (whatever it answers: a refusal to an
+  anonymous client is an answer) and for local paths."""
+  text = normalize(p)
+  if not text.startswith(("gs://", "gcs://")):
+    return None
+  bucket = text.split("://", 1)[1].split("/", 1)[0]
+  try:
+    urllib.request.urlopen(f"{fsspec.filesystem('gs').base}b/{bucket}", timeout=PROBE_TIMEOUT_S).close()
+  except urllib.error.HTTPError as e:
+    return f"HTTP {e.code} {e.reason}" if e.code >= 500 else None
+  except (urllib.error.URLError, OSError) as e:
+    reason = e.reason if isinstance(e, urllib.error.URLError) else e
+    if isinstance(reason, (socket.timeout, TimeoutError)):
+      return "timed out"
+    return getattr(reason, "strerror", None) or str(reason)
+  return None
 
 
 def normalize(path: PathLike) -> str:

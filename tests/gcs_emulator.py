@@ -7,7 +7,8 @@ The emulator serves gcsfs as it is, but tensorstore (Orbax's array writer) needs
     being ignored (tensorstore's conditional reads and writes, and the workdir lock, rely on them).
 The proxy forwards every request and adds both, serialising requests so that a precondition check and
 the write it guards see the same object; it also turns away `moveTo` (gcsfs then copies and deletes). Everything runs in daemon threads of the test process and stops
-with `close()` (or when the process exits).
+with `close()` (or when the process exits). `stop_serving()` / `serve_again()` stage an outage: the proxy's port
+refuses connections while the emulator keeps what it stores.
 """
 
 from __future__ import annotations
@@ -140,10 +141,8 @@ class LocalGCS:
     self._emulator = create_server("127.0.0.1", emulator_port, in_memory=True, default_bucket=bucket)
     self._emulator.start()
     handler = type("Proxy", (_Proxy,), {"upstream": ("127.0.0.1", emulator_port), "lock": threading.Lock()})
-    self._proxy = http.server.ThreadingHTTPServer(("127.0.0.1", proxy_port), handler)
-    self._proxy.daemon_threads = True
-    self._thread = threading.Thread(target=self._proxy.serve_forever, name="gcs-proxy", daemon=True)
-    self._thread.start()
+    self._handler, self._port = handler, proxy_port
+    self._serve()
     self.url = f"http://127.0.0.1:{proxy_port}"
     self.env = {
         "STORAGE_EMULATOR_HOST": self.url,  # gcsfs and google-cloud-storage
@@ -155,9 +154,31 @@ class LocalGCS:
         "EPATH_USE_TF": "false",
     }
 
-  def close(self):
+  def _serve(self):
+    self._proxy = http.server.ThreadingHTTPServer(("127.0.0.1", self._port), self._handler)
+    self._proxy.daemon_threads = True
+    self._thread = threading.Thread(target=self._proxy.serve_forever, name="gcs-proxy", daemon=True)
+    self._thread.start()
+
+  def stop_serving(self):
+    """An outage: connections to `url` are refused from now on; the stored objects stay (`serve_again`)."""
     self._proxy.shutdown()
     self._proxy.server_close()
+
+  def serve_again(self):
+    """The end of an outage: the same bucket, with what it held, at the same `url`."""
+    self._serve()
+
+  def exists(self, name: str) -> bool:
+    """Whether the bucket holds the object `name` (asked of the emulator itself, not through the proxy)."""
+    conn = http.client.HTTPConnection(*self._handler.upstream, timeout=10)
+    conn.request("GET", f"/storage/v1/b/{self.bucket}/o/{urllib.parse.quote(name, safe='')}")
+    response = conn.getresponse()
+    response.read()
+    return response.status == 200
+
+  def close(self):
+    self.stop_serving()
     self._emulator.stop()
 
   def __enter__(self):

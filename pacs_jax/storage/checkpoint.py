@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import time
 from typing import Any, Callable, TypeVar
@@ -19,7 +20,9 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from absl import logging
+from orbax.checkpoint._src.serialization import tensorstore_utils
 
 from pacs_jax import paths
 from pacs_jax.storage.workdir import SET_ASIDE_DIR
@@ -38,6 +41,28 @@ class CheckpointMismatch(RuntimeError):
 RECORD_ITEM = "record"  # what gives the state its meaning (storage/resume.py); absent in older checkpoints
 
 
+def _with_storage_retries(get_ts_context: Callable[..., ts.Context]) -> Callable[..., ts.Context]:
+  """Orbax's tensorstore context with paths.STORAGE_RETRIES for Cloud Storage requests (tensorstore's default,
+  32 attempts up to 32 s apart, would keep a save retrying for a quarter of an hour into an outage)."""
+  retries = paths.STORAGE_RETRIES
+  spec = ts.Context.Spec({"gcs_request_retries": {"max_retries": retries.attempts,
+                                                  "initial_delay": f"{retries.first_delay_s}s",
+                                                  "max_delay": f"{retries.max_delay_s}s"}})
+
+  @functools.wraps(get_ts_context)
+  def with_retries(*args, **kwargs) -> ts.Context:
+    return ts.Context(spec, parent=get_ts_context(*args, **kwargs))
+
+  with_retries.storage_retries = retries
+  return with_retries
+
+
+# Orbax builds every tensorstore context it reads or writes with through this one function, and takes no context
+# from its caller (orbax-checkpoint 0.12): wrapped once, for all of them.
+if not hasattr(tensorstore_utils.get_ts_context, "storage_retries"):
+  tensorstore_utils.get_ts_context = _with_storage_retries(tensorstore_utils.get_ts_context)
+
+
 @dataclasses.dataclass(frozen=True)
 class Failure:
   step: int
@@ -51,6 +76,7 @@ class Checkpointer:
     and never deletes a trainer's unfinished saves."""
     self.directory = paths.normalize(directory)
     self.read_only = read_only
+    self.async_save = async_save and not read_only
     if read_only:  # (Orbax's own read_only option does the same, plus a warning on every open)
       options = ocp.CheckpointManagerOptions(create=False, cleanup_tmp_directories=False, max_to_keep=None,
                                              enable_async_checkpointing=False)
@@ -61,6 +87,7 @@ class Checkpointer:
                                          item_names=("state", "data", "config", RECORD_ITEM))
     self.failed_save: str | None = None  # the first failed async save, as one line
     self._pending_step: int | None = None  # the last save started
+    self._complete_step: int | None = None  # the newest step known committed (restored, or saved in this run)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -79,20 +106,33 @@ class Checkpointer:
                  config=ocp.args.JsonSave(json.loads(config.to_json_best_effort())))
     if record is not None:
       items[RECORD_ITEM] = ocp.args.JsonSave(record)
-    with self._storage_errors(self._pending_step):
-      self.manager.wait_until_finished()  # (Orbax's save waits for the previous one too): its failure named as its
+    self._finish_pending()  # (Orbax's save waits for the previous one too): its failure named as its own
     self._pending_step = step
     with self._storage_errors(step):
       self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+    if not self.async_save:  # committed once save() returns
+      self._complete_step = step
+
+  def _finish_pending(self) -> None:
+    """Waits for the save in flight; raises paths.StorageError if it failed."""
+    with self._storage_errors(self._pending_step):
+      self.manager.wait_until_finished()
+    self._complete_step = self._pending_step if self._pending_step is not None else self._complete_step
 
   def poll_failure(self) -> str | None:
     """The failure of an async save as one line naming the step, path and cause, or None (it does not wait for
     a save in flight)."""
-    if not self.failed_save:
+    if not self.failed_save and not self.manager.is_saving_in_progress():
+      # Orbax's finalize thread takes the error of a failed write (check_for_errors raises it once): waiting for
+      # the finished thread is what reports it.
       with contextlib.suppress(paths.StorageError):
-        with self._storage_errors(self._pending_step):
-          self.manager.check_for_errors()
+        self._finish_pending()
     return self.failed_save
+
+  def last_complete_step(self) -> int | None:
+    """The newest step known committed: restored, or saved by this run; it does not wait for a save in flight."""
+    self.poll_failure()
+    return self._complete_step
 
   @contextlib.contextmanager
   def _storage_errors(self, step: int | None):
@@ -155,6 +195,7 @@ class Checkpointer:
         continue
       if failures and not self.read_only:
         self._set_aside([f.step for f in failures], "damaged")
+      self._complete_step = step
       return step, result
     if failures:
       tried = "\n".join(f"  step {f.step}: {f.cause}" for f in failures)
@@ -193,8 +234,7 @@ class Checkpointer:
     is not raised again)."""
     try:
       if not self.failed_save:
-        with self._storage_errors(self._pending_step):
-          self.manager.wait_until_finished()
+        self._finish_pending()
     finally:
       try:
         self.manager.close()

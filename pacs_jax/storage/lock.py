@@ -219,6 +219,12 @@ class WorkdirLock:
       except Exception as e:  # noqa: BLE001 (a network hiccup: try again at the next beat)
         logging.warning("could not refresh the lock on %s: %s", self.workdir, e)
 
+  def abandon(self) -> None:
+    """Stops the heartbeat without waiting for it and leaves the lock file (its store is unreachable): the lock
+    is stale at once to a restart on this host, and after `stale_after_s` on another."""
+    self._stop.set()
+    self._holder = None
+
   def release(self) -> None:
     self._stop.set()
     if self._thread is not None:

@@ -346,6 +346,7 @@ class Trainer:
     updates_per_step = cfg.train.batch_prompts // cfg.train.mini_batch_prompts
     last = {}
     failure = None
+    step = start
     try:
       with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
         if restored is None and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
@@ -375,19 +376,40 @@ class Trainer:
             logging.warning("preempted: saved step %d, exiting", step)
             break
     except BaseException as e:
-      failure = e
-      raise
+      failure = self._unreachable_storage(e, step) if isinstance(e, Exception) else None
+      if failure is None:
+        failure = e
+        raise
+      raise failure from e
     finally:
+      # With the store down, what is left to write (a save in flight, the last TensorBoard events, the lock's
+      # release) would only retry against it: left as a kill leaves them, which a restart handles.
+      unreachable = isinstance(failure, paths.StorageUnreachable)
       try:
         if isinstance(failure, OSError):  # a full disk, an unreachable store: a save in flight cannot finish
           self.checkpointer.abandon()  # (waiting would retry for minutes; a restart resumes from the last one)
         else:
           self.checkpointer.close()
       finally:
-        writer.close()
+        if not unreachable:
+          writer.close()
         preemption.restore()
-        self.lock.release()
+        if unreachable:
+          self.lock.abandon()
+        else:
+          self.lock.release()
     return last
+
+  def _unreachable_storage(self, e: Exception, step: int) -> paths.StorageUnreachable | None:
+    """`e` as the outage it is when the workdir's object store does not answer (whatever `e` itself says: the
+    clients' errors in an outage are often side effects, a missing directory or a closed handle), else None."""
+    cause = paths.unreachable(self.workdir)
+    if cause is None:
+      return None
+    complete = self.checkpointer.last_complete_step()
+    then = ("no checkpoint is complete yet; rerun the same command to start again" if complete is None else
+            f"the last complete checkpoint is step {complete}; rerun the same command to resume")
+    return paths.StorageUnreachable(f"{self.workdir}: storage unreachable ({cause}) at step {step}; {then}")
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, devices=None) -> dict[str, Any]:
