@@ -243,6 +243,19 @@ class Checkpointer:
           raise
 
 
+def storage_outage(workdir: str, step: int, checkpointer: Checkpointer) -> paths.StorageUnreachable | None:
+  """The outage a failure at `step` is when the workdir's object store does not answer (whatever the failure itself
+  says: the clients' errors in an outage are often side effects, a missing directory or a closed handle), else
+  None."""
+  cause = paths.unreachable(workdir)
+  if cause is None:
+    return None
+  complete = checkpointer.last_complete_step()
+  then = ("no checkpoint is complete yet; rerun the same command to start again" if complete is None else
+          f"the last complete checkpoint is step {complete}; rerun the same command to resume")
+  return paths.StorageUnreachable(f"{workdir}: storage unreachable ({cause}) at step {step}; {then}")
+
+
 def _describe(e: BaseException) -> str:
   """The root cause in one line (Orbax wraps tensorstore's precise error in a long generic one)."""
   seen = []

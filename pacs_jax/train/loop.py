@@ -376,7 +376,8 @@ class Trainer:
             logging.warning("preempted: saved step %d, exiting", step)
             break
     except BaseException as e:
-      failure = self._unreachable_storage(e, step) if isinstance(e, Exception) else None
+      failure = checkpoint_lib.storage_outage(self.workdir, step, self.checkpointer) if isinstance(e, Exception) \
+          else None
       if failure is None:
         failure = e
         raise
@@ -399,17 +400,6 @@ class Trainer:
         else:
           self.lock.release()
     return last
-
-  def _unreachable_storage(self, e: Exception, step: int) -> paths.StorageUnreachable | None:
-    """`e` as the outage it is when the workdir's object store does not answer (whatever `e` itself says: the
-    clients' errors in an outage are often side effects, a missing directory or a closed handle), else None."""
-    cause = paths.unreachable(self.workdir)
-    if cause is None:
-      return None
-    complete = self.checkpointer.last_complete_step()
-    then = ("no checkpoint is complete yet; rerun the same command to start again" if complete is None else
-            f"the last complete checkpoint is step {complete}; rerun the same command to resume")
-    return paths.StorageUnreachable(f"{self.workdir}: storage unreachable ({cause}) at step {step}; {then}")
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, devices=None) -> dict[str, Any]:
