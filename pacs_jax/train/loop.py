@@ -24,7 +24,8 @@ from pacs_jax.algos import registry
 from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import prompts as prompts_lib
 from pacs_jax.data import sources, synthetic
-from pacs_jax.models import hf, qwen2
+from pacs_jax.models import decoder, hf
+from pacs_jax.models import registry as model_registry
 from pacs_jax.rewards import math as rewards_lib
 from pacs_jax.rollout import scheduler
 from pacs_jax.rollout import sampling as sampling_lib
@@ -53,7 +54,7 @@ def load_tokenizer(cfg: ml_collections.ConfigDict):
   return hf.load_tokenizer(name)
 
 
-def build_policy(cfg: ml_collections.ConfigDict, mesh) -> qwen2.Qwen2ForCausalLM:
+def build_policy(cfg: ml_collections.ConfigDict, mesh) -> decoder.CausalLM:
   """The initial policy in its train-mode shardings: a HF checkpoint, or a seeded random init."""
   mc = config_lib.model_config(cfg)
   if cfg.model.hf_path:
@@ -61,10 +62,10 @@ def build_policy(cfg: ml_collections.ConfigDict, mesh) -> qwen2.Qwen2ForCausalLM
                                   remat=mc.remat, attention_chunk=mc.attention_chunk,
                                   attention_impl=mc.attention_impl, remat_policy=mc.remat_policy)
     return model
-  return sharding.create_sharded(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")
+  return sharding.create_sharded(lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")
 
 
-def build_critic(cfg: ml_collections.ConfigDict, policy: qwen2.Qwen2ForCausalLM, mesh) -> nnx.Module:
+def build_critic(cfg: ml_collections.ConfigDict, policy: decoder.CausalLM, mesh) -> nnx.Module:
   """The algorithm's critic: its backbone (`.model`) starts from the policy's weights (as verl initialises
   PPO's), its head fresh."""
   make = lambda: registry.of(cfg).make_critic(policy.config, nnx.Rngs(cfg.seed + 1))
