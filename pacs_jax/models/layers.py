@@ -68,14 +68,18 @@ class Attention(nnx.Module):
     wq = sharding.matmul_weight(self.q_kernel[...], ("embed", "q_heads", "head_dim"), dt)
     wk = sharding.matmul_weight(self.k_kernel[...], ("embed", "kv_heads", "head_dim"), dt)
     wv = sharding.matmul_weight(self.v_kernel[...], ("embed", "kv_heads", "head_dim"), dt)
-    q = jnp.einsum("BTD,DNH->BTNH", x, wq)
-    k = jnp.einsum("BTD,DKH->BTKH", x, wk)
-    v = jnp.einsum("BTD,DKH->BTKH", x, wv)
-    if self.config.attention_bias:
-      q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
+    q = self._biased(jnp.einsum("BTD,DNH->BTNH", x, wq), "q")
+    k = self._biased(jnp.einsum("BTD,DKH->BTKH", x, wk), "k")
+    v = self._biased(jnp.einsum("BTD,DKH->BTKH", x, wv), "v")
     if self.config.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     return (sharding.constrain(rope.apply(q, cos, sin), ("batch", None, "heads", None)), rope.apply(k, cos, sin), v)
+
+  def _biased(self, y, name: str):
+    """A projection's output plus its bias, in families with `attention_bias`."""
+    if not self.config.attention_bias:
+      return y
+    return y + getattr(self, f"{name}_bias")[...].astype(self.config.dtype)
 
   def _o_weight(self):
     return sharding.matmul_weight(self.o_kernel[...], ("q_heads", "head_dim", "embed"), self.config.dtype)

@@ -66,7 +66,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: Llama3Scaling | No
 
 def cos_sin(positions: jax.Array, head_dim: int, theta: float, scaling: Llama3Scaling | None = None):
   """cos, sin of shape [B, T, H] for integer positions [B, T]."""
-  freqs = positions.astype(jnp.float32)[..., None] * inverse_frequencies(head_dim, theta, scaling)  # [B, T, H/2]
+  inv_freq = inverse_frequencies(head_dim, theta, scaling)  # [H/2]
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, H]
   return jnp.cos(emb), jnp.sin(emb)
 
