@@ -44,6 +44,8 @@ def _tensor_size() -> int:
 
 
 class Attention(nnx.Module):
+  """Grouped-query attention with RoPE; q/k/v biases with `attention_bias`, per-head q/k RMSNorm with `qk_norm`."""
+
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     c = config
     D, N, K, H = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_size
