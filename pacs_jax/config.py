@@ -475,5 +475,8 @@ def model_config(c: ml_collections.ConfigDict):
   """The policy's `ModelConfig`: `model.hf_path`'s config.json when set, else the preset's."""
   from pacs_jax.models import hf
   if c.model.hf_path:
-    return hf.load_config(c.model.hf_path, **model_overrides(c))
+    try:
+      return hf.load_config(c.model.hf_path, **model_overrides(c))
+    except ValueError as e:  # a model_type no family reads, or a part of the family its model lacks
+      raise ConfigError(f"config.model.hf_path: {e}") from None
   return preset_model_config(c)

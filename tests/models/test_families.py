@@ -1,6 +1,7 @@
 """Qwen3 and Llama 3 against transformers: tiny random models built and saved by transformers' own classes load
 and match its logits (left padding), export back, sample on the paged KV cache as the uncached forward does, train
-2 steps through `python -m pacs_jax.train`; the published full-size configs check by shape and parameter count."""
+2 steps through `python -m pacs_jax.train`; the published full-size configs check by shape and parameter count (the
+LM and PPO's critic on the family's backbone)."""
 
 import json
 import math
@@ -18,6 +19,7 @@ from flax import nnx
 
 import config_shrink
 from pacs_jax import config as config_lib
+from pacs_jax.algos import ppo
 from pacs_jax.models import decoder, hf, registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import scheduler
@@ -99,9 +101,10 @@ def test_paged_cache_decode_equals_the_uncached_forward_and_transformers(hf_dir,
   prompts = [rng.integers(1, VOCAB, size=n).tolist() for n in (3, 8, 6)]
   completions = scheduler.generate(engine, params, prompts, max_new_tokens=24)  # greedy
   sequences = [p + c.tokens for p, c in zip(prompts, completions)]
-  ids, mask = left_padded_batch(VOCAB, [len(s) for s in sequences])
-  for i, seq in enumerate(sequences):
-    ids[i, ids.shape[1] - len(seq):] = seq
+  width = max(map(len, sequences))
+  ids, mask = np.zeros((len(sequences), width), np.int32), np.zeros((len(sequences), width), np.int32)
+  for i, seq in enumerate(sequences):  # left-padded
+    ids[i, width - len(seq):], mask[i, width - len(seq):] = seq, 1
   full = nnx.merge(engine.graphdef, params)(jnp.asarray(ids), jnp.asarray(mask))  # [B, T, V], no cache
   for r, c in enumerate(completions):
     rows = full[r, -len(c.tokens) - 1:-1]  # the logits that chose each response token
@@ -175,3 +178,27 @@ def test_full_size_shapes_and_parameter_counts(name):
   tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
   logits = jax.eval_shape(lambda s, ids: nnx.merge(graphdef, s)(ids, jnp.ones_like(ids)), state, tokens)
   assert logits.shape == (2, 16, hf_config["vocab_size"]) and logits.dtype == jnp.bfloat16
+  # PPO's critic: the same family's backbone under a value head.
+  critic = nnx.eval_shape(lambda: ppo.Critic(config, rngs=nnx.Rngs(0)))
+  backbone_structure = lambda m: jax.tree.structure(nnx.state(m, nnx.Param))
+  assert backbone_structure(critic.model) == backbone_structure(abstract.model)  # q/k norms and all
+  assert decoder.count_params(critic) == decoder.count_params(abstract.model) + config.hidden_size + 1
+  graphdef, state = nnx.split(critic)
+  values = jax.eval_shape(lambda s, ids: nnx.merge(graphdef, s)(ids, jnp.ones_like(ids)), state, tokens)
+  assert values.shape == (2, 16) and values.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3' needs"),
+    ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+    ({"attention_bias": True}, "attention_bias=true is not supported for model_type 'llama'"),
+    ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+])
+def test_a_config_part_the_model_lacks_is_one_line_naming_the_file(change, message, tmp_path):
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump({**PUBLISHED["Llama-3.2-1B"][0], **change}, f)
+  with pytest.raises(config_lib.ConfigError, match=rf"^config\.model\.hf_path: .*config\.json: {message}"):
+    config_lib.model_config(config_lib.load_config_file(os.path.join(ROOT, "configs", "own_model.py"),
+                                                        {"model.hf_path": str(tmp_path)}))
