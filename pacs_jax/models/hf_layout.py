@@ -34,12 +34,8 @@ _LLAMA_LAYER = {  # one decoder layer: our path under ("model", "layers") -> (na
     ("mlp", "gate_kernel"): ("mlp.gate_proj.weight", "t"),
     ("mlp", "up_kernel"): ("mlp.up_proj.weight", "t"),
     ("mlp", "down_kernel"): ("mlp.down_proj.weight", "t"),
-    ("self_attn", "q_kernel"): ("self_attn.q_proj.weight", "heads_in"),
-    ("self_attn", "q_bias"): ("self_attn.q_proj.bias", "heads"),
-    ("self_attn", "k_kernel"): ("self_attn.k_proj.weight", "heads_in"),
-    ("self_attn", "k_bias"): ("self_attn.k_proj.bias", "heads"),
-    ("self_attn", "v_kernel"): ("self_attn.v_proj.weight", "heads_in"),
-    ("self_attn", "v_bias"): ("self_attn.v_proj.bias", "heads"),
+    **{("self_attn", f"{p}_{ours}"): (f"self_attn.{p}_proj.{hf}", layout)  # q_kernel: self_attn.q_proj.weight, ...
+       for p in "qkv" for ours, hf, layout in (("kernel", "weight", "heads_in"), ("bias", "bias", "heads"))},
     ("self_attn", "q_norm", "weight"): ("self_attn.q_norm.weight", "same"),
     ("self_attn", "k_norm", "weight"): ("self_attn.k_norm.weight", "same"),
 }
