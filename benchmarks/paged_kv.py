@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pacs_jax.models import qwen2
+from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling, scheduler
 from pacs_jax.rollout.state import DecodeStats
@@ -25,7 +25,7 @@ from pacs_jax.rollout.state import DecodeStats
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--preset", default="tiny", choices=sorted(qwen2.PRESETS))
+  parser.add_argument("--preset", default="tiny", choices=sorted(registry.preset_names()))
   parser.add_argument("--slots", type=int, default=16)
   parser.add_argument("--requests", type=int, default=64)
   parser.add_argument("--prompt_len", type=int, default=32, help="prompts of prompt_len / 4 .. prompt_len tokens")
@@ -36,8 +36,8 @@ def main():
   parser.add_argument("--kv_pages", type=int, default=0, help="the page pool (0: every slot at full length)")
   args = parser.parse_args()
 
-  config = qwen2.get_preset(args.preset)
-  model = qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0))
+  config = registry.preset(args.preset)
+  model = registry.causal_lm(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, config.vocab_size, size=n).tolist()
              for n in rng.integers(max(1, args.prompt_len // 4), args.prompt_len + 1, size=args.requests)]

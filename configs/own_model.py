@@ -2,10 +2,11 @@
 
   python -m pacs_jax.train --config configs/own_model.py --config.model.hf_path=DIR --config.data.train=my.jsonl
 
-`model.hf_path`: a local transformers Qwen2 directory (config.json, *.safetensors, tokenizer files) or a hub id
-(Qwen/Qwen2.5-0.5B); the tokenizer is the model's own (`config.tokenizer` empty). `data.train`: .jsonl / .json /
-.parquet files of {"problem": ..., "answer": ...} rows (comma-separated), or hf://owner/name; the released math
-instruction is appended to each problem and math-verify scores the \\boxed{} answer. Set `data.val` to validate.
+`model.hf_path`: a local transformers Qwen2.5, Qwen3 or Llama 3 directory (config.json, *.safetensors, tokenizer
+files; docs/models.md) or a hub id (Qwen/Qwen2.5-0.5B); the tokenizer is the model's own (`config.tokenizer`
+empty). `data.train`: .jsonl / .json / .parquet files of {"problem": ..., "answer": ...} rows (comma-separated), or
+hf://owner/name; the released math instruction is appended to each problem and math-verify scores the \\boxed{}
+answer. Set `data.val` to validate.
 For a real run, raise the batch and lengths below (or start from configs/qwen1p5b_1gpu.py).
 """
 

@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import sharding
-from pacs_jax.models import hf, qwen2
+from pacs_jax.models import hf, qwen2, registry
 
 MESHES = {"fsdp4_tensor2": dict(fsdp=4, tensor=2), "data2_fsdp4": dict(data=2, fsdp=4)}
 # Tiny config whose dims the mesh axes divide (so nothing silently falls back to replication).
@@ -18,7 +18,7 @@ CONFIG = qwen2.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128
 
 
 def make_model():
-  return qwen2.Qwen2ForCausalLM(CONFIG, rngs=nnx.Rngs(0))
+  return registry.causal_lm(CONFIG, rngs=nnx.Rngs(0))
 
 
 def batch():

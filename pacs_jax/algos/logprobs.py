@@ -172,7 +172,7 @@ def token_logprobs_from_hidden(hidden: jax.Array, lm_head, tokens: jax.Array, te
   """Log-probs (and entropies) from hidden states, never building the full fp32 `[B, T, V]` logits.
 
   hidden: [B, T, D]; tokens: [B, T]; lm_head: a weight [D, V] or a callable `[B, C, D] -> [B, C, V]`
-  (e.g. `Qwen2ForCausalLM.logits`, which handles tied embeddings). By default each chunk's logits are
+  (e.g. `decoder.CausalLM.logits`, which handles tied embeddings). By default each chunk's logits are
   recomputed in the backward pass, so neither pass holds more than `[B, C, V]` of them. `keep_logits` saves
   each chunk's logits (the head's dtype: [B, T, V] in all) for the backward pass instead: no head matmul
   re-run, at that memory.

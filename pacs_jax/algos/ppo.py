@@ -1,4 +1,4 @@
-"""PPO baseline: a critic (Qwen2 backbone + scalar value head), GAE, clipped value loss (verl's core_algos.py).
+"""PPO baseline: a critic (the policy family's backbone + scalar value head), GAE, clipped value loss (verl's core_algos.py).
 
 Shapes: N responses, T response positions, D hidden. The actor loss is GRPO's clipped-ratio loss.
 """
@@ -12,20 +12,21 @@ from flax import nnx
 from pacs_jax.algos import registry
 from pacs_jax.algos.grpo import ClippedRatio, agg_loss, clipped_policy_loss
 from pacs_jax.algos.logprobs import masked_mean
-from pacs_jax.models.qwen2 import Qwen2Config, Qwen2Model
+from pacs_jax.models import registry as model_registry
+from pacs_jax.models.model_config import ModelConfig
 
 # The actor side of PPO is the same clipped-ratio objective as GRPO, fed token-level GAE advantages.
 policy_loss = clipped_policy_loss
 
 
 class Critic(nnx.Module):
-  """V(s_t) for every position: the Qwen2 backbone, then a scalar linear head (as HF's TokenClassification
+  """V(s_t) for every position: the backbone of the policy's family, then a scalar linear head (as HF's TokenClassification
   head with one label). values[b, t] is the value of the state after token t, so it lines up with the
   log-prob read from logits[b, t] (callers shift both the same way)."""
 
-  def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.config = config
-    self.model = Qwen2Model(config, rngs=rngs)
+    self.model = model_registry.backbone(config, rngs=rngs)
     init = nnx.initializers.normal(0.02)
     self.value_kernel = nnx.Param(init(rngs.params(), (config.hidden_size, 1), config.param_dtype),
                                   logical_axes=("embed", "value"))

@@ -22,7 +22,7 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.models import qwen2
+from pacs_jax.models import decoder
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.compile.aot_measure import ProgramReport, measure, outputs_of, per_chip_bytes, persistent_cache_off
@@ -39,10 +39,10 @@ def _i32(*shape) -> jax.ShapeDtypeStruct:
 # Sizes the loop runs at
 
 
-def matmul_params(model: qwen2.Qwen2ForCausalLM) -> int:
+def matmul_params(model: decoder.CausalLM) -> int:
   """Parameters that take part in a matmul per token: all but the input embedding table (a lookup),
   which counts once as the output head when tied."""
-  total = qwen2.count_params(model)
+  total = decoder.count_params(model)
   if model.config.tie_word_embeddings:
     return total
   return total - math.prod(model.model.embed_tokens.shape)

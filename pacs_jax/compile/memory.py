@@ -21,7 +21,9 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.algos import registry
-from pacs_jax.models import flash, qwen2
+from pacs_jax.models import flash
+from pacs_jax.models import registry as model_registry
+from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.train import state as state_lib
 
 GB = 1e9
@@ -54,7 +56,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, floa
   mesh = abstract_mesh(cfg, num_devices)
   mesh_shape = dict(mesh.shape)
   mc = config_lib.preset_model_config(cfg)
-  abstract = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(0)))
   _, params = nnx.split(abstract, nnx.Param)
   train_specs = sharding.state_specs(params, mesh, "train")
   sample_specs = sharding.state_specs(params, mesh, "sample")
@@ -92,7 +94,7 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, floa
   return out
 
 
-def activation_bytes(cfg, mc: qwen2.Qwen2Config, batch_shards: int, tensor: int, T: int) -> float:
+def activation_bytes(cfg, mc: ModelConfig, batch_shards: int, tensor: int, T: int) -> float:
   """Peak of one micro-batch's forward + backward on a device (estimate).
 
   With remat, each layer keeps its input [m, T, D] and, with remat_policy "matmuls", its weight matmuls'

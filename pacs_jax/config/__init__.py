@@ -28,7 +28,7 @@ def default_config() -> ml_collections.ConfigDict:
   # Model: a preset (random init; "tiny" for tests and the CPU demo) or a Hugging Face checkpoint dir.
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny"  # used when hf_path is empty
-  c.model.hf_path = ""  # a local transformers Qwen2 checkpoint directory
+  c.model.hf_path = ""  # a local transformers checkpoint directory (Qwen2.5, Qwen3, Llama 3: models/registry.py)
   c.model.param_dtype = "float32"
   c.model.dtype = "float32"  # compute dtype; bfloat16 on GPU/TPU
   c.model.remat = False  # rematerialise decoder layers in the backward pass
@@ -195,24 +195,27 @@ def dtype(name: str):
 
 
 def model_overrides(c: ml_collections.ConfigDict) -> dict:
-  """The `Qwen2Config` fields a run config sets on top of a preset or a checkpoint's config.json."""
+  """The `ModelConfig` fields a run config sets on top of a preset or a checkpoint's config.json."""
   return dict(param_dtype=dtype(c.model.param_dtype), dtype=dtype(c.model.dtype), remat=c.model.remat,
               attention_chunk=c.model.attention_chunk, attention_impl=c.model.attention_impl,
               remat_policy=c.model.remat_policy)
 
 
 def preset_model_config(c: ml_collections.ConfigDict):
-  """The policy's `Qwen2Config` from `model.preset` alone (shapes for dry runs; never reads a checkpoint)."""
-  from pacs_jax.models import qwen2
+  """The policy's `ModelConfig` from `model.preset` alone (shapes for dry runs; never reads a checkpoint)."""
+  from pacs_jax.models import registry as model_registry
   overrides = model_overrides(c)
   if c.model.vocab_size:
     overrides["vocab_size"] = c.model.vocab_size
-  return qwen2.get_preset(c.model.preset, **overrides)
+  return model_registry.preset(c.model.preset, **overrides)
 
 
 def model_config(c: ml_collections.ConfigDict):
-  """The policy's `Qwen2Config`: `model.hf_path`'s config.json when set, else the preset's."""
+  """The policy's `ModelConfig`: `model.hf_path`'s config.json when set, else the preset's."""
   from pacs_jax.models import hf
   if c.model.hf_path:
-    return hf.load_config(c.model.hf_path, **model_overrides(c))
+    try:
+      return hf.load_config(c.model.hf_path, **model_overrides(c))
+    except ValueError as e:  # a model_type no family reads, or a part of the family its model lacks
+      raise ConfigError(f"config.model.hf_path: {e}") from None
   return preset_model_config(c)

@@ -71,9 +71,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
          "or synthetic/<task>")
   _check_enum(c.model.param_dtype, DTYPE_NAMES, "model.param_dtype")
   _check(c.model.attention_chunk >= 0, "model.attention_chunk", "must be >= 0 (0 = all queries at once)")
-  from pacs_jax.models import flash, qwen2
+  from pacs_jax.models import flash, layers
   _check_enum(c.model.attention_impl, flash.IMPLS, "model.attention_impl")
-  _check_enum(c.model.remat_policy, qwen2.REMAT_POLICIES, "model.remat_policy")
+  _check_enum(c.model.remat_policy, layers.REMAT_POLICIES, "model.remat_policy")
   _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
   _check(c.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0 (0 = keep every checkpoint)")
   _check_enum(c.checkpoint.restore, RESTORE_MODES, "checkpoint.restore")

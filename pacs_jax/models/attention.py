@@ -1,5 +1,5 @@
-"""Attention maths of the Qwen2 decoder: rotary position embedding, grouped-query softmax attention, and the
-KV cache's per-layer writes and reads.
+"""Attention maths of the decoder: grouped-query softmax attention, and the KV cache's per-layer writes and
+reads (rotary position embedding: `rope`).
 
 Shapes: B batch, T query length, S key length, N query heads, K kv heads, G = N // K, H head dim.
 """
@@ -13,27 +13,6 @@ from jax import lax
 # A large finite negative: fully masked rows (left padding) then give a uniform softmax instead of NaN,
 # as transformers does with finfo.min.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float):
-  """cos, sin of shape [B, T, H] for integer positions [B, T] (transformers' default RoPE)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
-  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
-  emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, H]
-  return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x, cos, sin):
-  """x: [B, T, N, H]; rotate-half convention of transformers (not interleaved).
-
-  rotate_half(x) = [-x2, x1] is written as a roll by H/2 times a sign: the same numbers, and on TPU a
-  much cheaper program to compile than a split and a concatenate along the lanes.
-  """
-  H = x.shape[-1]
-  dt = x.dtype
-  sign = jnp.where(jnp.arange(H) < H // 2, -1.0, 1.0).astype(dt)  # [H]
-  rotated = jnp.roll(x, H // 2, axis=-1) * sign
-  return x * cos[:, :, None, :].astype(dt) + rotated * sin[:, :, None, :].astype(dt)
 
 
 def attend(q, k, v, mask):
@@ -62,7 +41,7 @@ def attend_in_chunks(q, k, v, mask, chunk: int):
   return jnp.moveaxis(out, 0, 1).reshape(B, n * chunk, *q.shape[2:])[:, :T]
 
 
-# The KV cache (`qwen2.KVCache`: k, v [layers, B, K, S, H]) as attention writes and reads it.
+# The KV cache (`kv_cache.KVCache`: k, v [layers, B, K, S, H]) as attention writes and reads it.
 
 
 def write_kv(cache, layer: jax.Array, k: jax.Array, v: jax.Array, write_index=None):

@@ -89,7 +89,7 @@ def _splash_shard(q, k, v, seg, *, interpret: bool):
 def splash_attend(q, k, v, mask, *, interpret: bool | None = None):
   """Causal attention with left (or any) padding by the splash kernels: fully masked key blocks are
   skipped, the backward pass is a dq and a dkv kernel. q: [B, T, K, G, H]; k, v: [B, K, T, H]; mask [B, T, T]
-  as `Qwen2Model` builds it (causal & key is real). Returns [B, T, K, G, H]; rows of padded queries differ
+  as `decoder.Backbone` builds it (causal & key is real). Returns [B, T, K, G, H]; rows of padded queries differ
   from `attention.attend` (they attend to the padding before them, not uniformly to every key).
 
   Under a mesh it runs per shard (`jax.shard_map`: batch over the batch axes, heads over tensor); off TPU

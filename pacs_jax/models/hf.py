@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints <-> the NNX Qwen2 model: safetensors (single or sharded with an index), both ways.
+"""Hugging Face checkpoints <-> the NNX models of every registered family: safetensors (single or sharded with an
+index), both ways.
 
 With a mesh, every tensor is read slice by slice (safetensors lazy slicing) straight into its sharding,
 so no process ever holds a full host copy of a large model.
@@ -21,14 +22,14 @@ from safetensors.numpy import save_file
 from pacs_jax import paths
 from pacs_jax import sharding
 from pacs_jax.data import synthetic
-from pacs_jax.models import hf_layout
-from pacs_jax.models.hf_layout import TensorMap, read_slice, tensor_maps, to_hf
-from pacs_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from pacs_jax.models import hf_layout, registry
+from pacs_jax.models.decoder import CausalLM
+from pacs_jax.models.hf_layout import TensorMap, read_slice, to_hf
+from pacs_jax.models.model_config import ModelConfig
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -48,8 +49,8 @@ def resolve_path(path_or_repo_id: str) -> str:
   return snapshot_download(path_or_repo_id, allow_patterns=HUB_FILES)
 
 
-def load_config(path: str, **overrides) -> Qwen2Config:
-  """Reads `path/config.json` into a `Qwen2Config` (overrides: dtype, param_dtype, remat...)."""
+def load_config(path: str, **overrides) -> ModelConfig:
+  """Reads `path/config.json` into its family's `ModelConfig` (overrides: dtype, param_dtype, remat...)."""
   path = resolve_path(path)
   cfg_path = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(cfg_path):
@@ -59,13 +60,12 @@ def load_config(path: str, **overrides) -> Qwen2Config:
       cfg = json.load(f)
     except json.JSONDecodeError as e:
       raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
-  model_type = cfg.get("model_type")
-  if model_type not in SUPPORTED_MODEL_TYPES:
-    raise ValueError(f"{cfg_path}: unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
   try:
-    return Qwen2Config.from_hf_dict(cfg, **overrides)
+    return registry.config_from_hf(cfg, **overrides)
   except KeyError as e:
     raise ValueError(f"{cfg_path}: missing field {e.args[0]!r}") from e
+  except ValueError as e:
+    raise ValueError(f"{cfg_path}: {e}") from e
 
 
 def weight_files(path: str) -> dict[str, str]:
@@ -144,8 +144,8 @@ def _read_into(maps, files, abstract_state, mesh, dtype) -> dict:
 
 
 def load_pretrained(path: str, dtype=jnp.float32, mesh=None, compute_dtype=None,
-                    **config_overrides) -> tuple[Qwen2ForCausalLM, Qwen2Config]:
-  """Loads a transformers Qwen2 checkpoint directory as an NNX model (params in `dtype`).
+                    **config_overrides) -> tuple[CausalLM, ModelConfig]:
+  """Loads a transformers checkpoint directory of a registered family as an NNX model (params in `dtype`).
 
   `compute_dtype` (default: `dtype`) is the matmul dtype; `config_overrides` set other non-HF fields
   such as `remat`. With a `mesh`, params are placed in their train-mode shardings, each device reading
@@ -154,13 +154,10 @@ def load_pretrained(path: str, dtype=jnp.float32, mesh=None, compute_dtype=None,
   path = resolve_path(path)
   config = load_config(path, param_dtype=dtype, dtype=compute_dtype or dtype, **config_overrides)
   files = weight_files(path)
-  abstract = nnx.eval_shape(lambda: Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)
-  arrays = _read_into(tensor_maps(config), files, abstract_state, mesh, dtype)
   flat = nnx.to_flat_state(abstract_state)
-  missing = [p for p, _ in flat if p not in arrays]
-  if missing:
-    raise ValueError(f"{path}: no checkpoint tensor maps to parameters {missing}")
+  arrays = _read_into(registry.tensor_maps(config, [p for p, _ in flat]), files, abstract_state, mesh, dtype)
   for p, var in flat:
     var.set_value(arrays[p])
   state = nnx.from_flat_state(flat)
@@ -326,9 +323,9 @@ def _plan_shards(maps, flat, dtype, limit) -> list[list[TensorMap]]:
   return shards
 
 
-def save_pretrained(model: Qwen2ForCausalLM, out_dir: str, tokenizer=None, max_shard_size: int | str | None = "5GB",
+def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_size: int | str | None = "5GB",
                     dtype=None, generation_config: dict | None = None) -> None:
-  """Writes a directory `transformers.Qwen2ForCausalLM.from_pretrained` (and AutoTokenizer) loads unchanged, with
+  """Writes a directory `transformers.AutoModelForCausalLM.from_pretrained` (and AutoTokenizer) loads unchanged, with
   `generation_config` (default: `default_generation_config(tokenizer)`) as generation_config.json when there is a tokenizer.
 
   Tensors are gathered to the host one file at a time (all processes take part in the gathers), and
@@ -337,7 +334,7 @@ def save_pretrained(model: Qwen2ForCausalLM, out_dir: str, tokenizer=None, max_s
   """
   config = model.config
   flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-  plan = _plan_shards(tensor_maps(config), flat, dtype, _parse_size(max_shard_size))
+  plan = _plan_shards(registry.tensor_maps(config, flat), flat, dtype, _parse_size(max_shard_size))
   write = jax.process_index() == 0
   if write:
     os.makedirs(out_dir, exist_ok=True)

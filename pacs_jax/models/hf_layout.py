@@ -1,12 +1,10 @@
-"""Where each Qwen2 parameter lives in a Hugging Face checkpoint: tensor names and layouts, both ways."""
+"""Where each parameter lives in a Hugging Face checkpoint: tensor names (a family's table) and layouts, both ways."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
-
-from pacs_jax.models.qwen2 import Qwen2Config
 
 # Each entry: our state path (and layer, for the stacked decoder layers) ->
 # (HF tensor name, layout). Layouts say how our array (one layer's slice) is laid out relative to HF's
@@ -26,25 +24,42 @@ class TensorMap:
   layer: int | None = None  # decoder layers are stacked: the HF tensor is slice `layer` of our array
 
 
-def tensor_maps(config: Qwen2Config) -> list[TensorMap]:
-  maps = [TensorMap(("model", "embed_tokens"), "model.embed_tokens.weight", "same"),
-          TensorMap(("model", "norm", "weight"), "model.norm.weight", "same")]
-  ours = ("model", "layers")
-  for i in range(config.num_hidden_layers):
-    hf = f"model.layers.{i}."
-    maps += [
-        TensorMap(ours + ("input_layernorm", "weight"), hf + "input_layernorm.weight", "same", i),
-        TensorMap(ours + ("post_attention_layernorm", "weight"), hf + "post_attention_layernorm.weight", "same", i),
-        TensorMap(ours + ("self_attn", "o_kernel"), hf + "self_attn.o_proj.weight", "heads_out", i),
-        TensorMap(ours + ("mlp", "gate_kernel"), hf + "mlp.gate_proj.weight", "t", i),
-        TensorMap(ours + ("mlp", "up_kernel"), hf + "mlp.up_proj.weight", "t", i),
-        TensorMap(ours + ("mlp", "down_kernel"), hf + "mlp.down_proj.weight", "t", i),
-    ]
-    for p in "qkv":
-      maps += [TensorMap(ours + ("self_attn", f"{p}_kernel"), hf + f"self_attn.{p}_proj.weight", "heads_in", i),
-               TensorMap(ours + ("self_attn", f"{p}_bias"), hf + f"self_attn.{p}_proj.bias", "heads", i)]
-  if not config.tie_word_embeddings:
-    maps.append(TensorMap(("lm_head",), "lm_head.weight", "t"))
+# The checkpoint names of Llama and the families that copied it (Qwen2, Qwen3): our state path -> (HF name,
+# layout). "{i}" in a name marks a stacked decoder-layer parameter (the HF tensor of layer i). A model maps
+# only the parameters it has (q/k/v biases with `attention_bias`, q/k norms with `qk_norm`, lm_head untied).
+_LLAMA_LAYER = {  # one decoder layer: our path under ("model", "layers") -> (name under "model.layers.{i}.", layout)
+    ("input_layernorm", "weight"): ("input_layernorm.weight", "same"),
+    ("post_attention_layernorm", "weight"): ("post_attention_layernorm.weight", "same"),
+    ("self_attn", "o_kernel"): ("self_attn.o_proj.weight", "heads_out"),
+    ("mlp", "gate_kernel"): ("mlp.gate_proj.weight", "t"),
+    ("mlp", "up_kernel"): ("mlp.up_proj.weight", "t"),
+    ("mlp", "down_kernel"): ("mlp.down_proj.weight", "t"),
+    **{("self_attn", f"{p}_{ours}"): (f"self_attn.{p}_proj.{hf}", layout)  # q_kernel: self_attn.q_proj.weight, ...
+       for p in "qkv" for ours, hf, layout in (("kernel", "weight", "heads_in"), ("bias", "bias", "heads"))},
+    ("self_attn", "q_norm", "weight"): ("self_attn.q_norm.weight", "same"),
+    ("self_attn", "k_norm", "weight"): ("self_attn.k_norm.weight", "same"),
+}
+LLAMA_NAMES: dict[tuple, tuple[str, str]] = {
+    ("model", "embed_tokens"): ("model.embed_tokens.weight", "same"),
+    ("model", "norm", "weight"): ("model.norm.weight", "same"),
+    **{("model", "layers") + ours: (f"model.layers.{{i}}.{hf}", layout) for ours, (hf, layout) in _LLAMA_LAYER.items()},
+    ("lm_head",): ("lm_head.weight", "t"),
+}
+
+
+def tensor_maps(names: dict[tuple, tuple[str, str]], paths, num_layers: int) -> list[TensorMap]:
+  """The TensorMaps of a model whose parameters sit at `paths` (its flat state's keys), in the order of
+  `names` (layer by layer for the stacked ones). ValueError names a parameter `names` has no tensor for."""
+  paths = set(paths)
+  unmapped = sorted(paths - set(names))
+  if unmapped:
+    raise ValueError(f"no checkpoint tensor name for parameters {unmapped}")
+  maps, layered = [], [(path, hf, layout) for path, (hf, layout) in names.items() if "{i}" in hf and path in paths]
+  for path, (hf, layout) in names.items():
+    if path in paths and "{i}" not in hf:
+      maps.append(TensorMap(path, hf, layout))
+    elif layered and path == layered[0][0]:  # the stacked layers, at the place of their first entry
+      maps += [TensorMap(p, name.format(i=i), lay, i) for i in range(num_layers) for p, name, lay in layered]
   return maps
 
 

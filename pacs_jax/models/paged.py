@@ -12,7 +12,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from pacs_jax.models import paged_kernel
+from pacs_jax.models import flash, paged_kernel
 from pacs_jax.models.attention import _MASK_VALUE
 
 # Logical axes (see `pacs_jax.sharding`): pages and page tables over the batch axes, kv heads over tensor.
@@ -28,6 +28,20 @@ class PagedStep:
   kv_lens: jax.Array  # [S] int32 >= 1: rows each slot attends to, the new one included
   live_pages: int = flax.struct.field(pytree_node=False)  # static budget of (slot, page) pairs per shard
   shards: int = flax.struct.field(pytree_node=False)  # D batch shards: slot s uses shard s // (S / D)'s pool
+
+
+def decode_kernel(config, platform: str, tensor: int = 1) -> bool:
+  """Whether paged decode attends with the TPU Pallas kernel (`paged_kernel`): on TPU where training uses
+  splash, unless the kernel cannot take the shapes (then the XLA path, or an error if splash was asked
+  for). Elsewhere (splash in interpret mode on CPU) decode takes the XLA path. `config`: a `ModelConfig`."""
+  if flash.resolve(config.attention_impl, platform) != "splash" or platform != "tpu":
+    return False
+  K = config.num_key_value_heads
+  local = K // tensor if K % tensor == 0 else K
+  why = paged_kernel.kernel_unsupported(config.head_size, 2 * local, config.dtype)
+  if why and config.attention_impl == "splash":
+    raise ValueError(f"model.attention_impl='splash': the TPU paged decode kernel cannot run this model: {why}")
+  return why is None
 
 
 def interleave_kv(k: jax.Array, v: jax.Array) -> jax.Array:

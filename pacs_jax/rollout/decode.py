@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pacs_jax.models import paged, qwen2
-from pacs_jax.models.qwen2 import KVCache
+from pacs_jax.models import kv_cache, paged
+from pacs_jax.models.decoder import CausalLM
+from pacs_jax.models.kv_cache import KVCache
 from pacs_jax.rollout import pages as pages_lib
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout.state import ChunkOutput, DecodeState, PagedCache, Prefix, StepOutput
@@ -43,11 +44,11 @@ def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
   return jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
 
 
-def prefill_forward(model: qwen2.Qwen2ForCausalLM, tokens: jax.Array, true_lengths: jax.Array):
+def prefill_forward(model: CausalLM, tokens: jax.Array, true_lengths: jax.Array):
   """Right-padded prompts tokens [B, T] at positions 0..T-1 -> (cache [layers, B, K, T, H], logits
   [B, V] fp32 at each row's last real token). Pad rows hold junk that decode overwrites before use."""
   B, T = tokens.shape
-  cache = qwen2.init_cache(model.config, B, T)
+  cache = kv_cache.init_cache(model.config, B, T)
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   hidden, cache = model.model.forward_with_cache(tokens, positions, cache)
   last = jnp.clip(true_lengths - 1, 0, T - 1)
@@ -115,7 +116,7 @@ def cache_length(state: DecodeState) -> int:
   return state.cache.rows
 
 
-def _paged_forward(model: qwen2.Qwen2ForCausalLM, state: DecodeState, live_pages: int | None):
+def _paged_forward(model: CausalLM, state: DecodeState, live_pages: int | None):
   """The paged cache's step: a page for each active slot whose pending token starts a new page (a slot
   its shard has none for waits: it does not step), then the forward. Returns (logits [S, 1, V], cache,
   stepped [S] bool)."""
@@ -135,7 +136,7 @@ def _paged_forward(model: qwen2.Qwen2ForCausalLM, state: DecodeState, live_pages
   return logits, cache.replace(pages=step.pages, page_table=table, free_count=free_count), stepped
 
 
-def decode_step(model: qwen2.Qwen2ForCausalLM, state: DecodeState, sampling: sampling_lib.SamplingMethod,
+def decode_step(model: CausalLM, state: DecodeState, sampling: sampling_lib.SamplingMethod,
                 eos_ids: jax.Array, window: int | None = None) -> tuple[DecodeState, StepOutput]:
   """Feeds every slot's pending token and samples the next one; only active slots emit and advance.
 
@@ -166,7 +167,7 @@ def decode_step(model: qwen2.Qwen2ForCausalLM, state: DecodeState, sampling: sam
   return state, StepOutput(tokens=tokens, logprobs=logprobs, emitted=emitted, logits=logits)
 
 
-def decode_chunk(model: qwen2.Qwen2ForCausalLM, state: DecodeState, num_steps: int, stop_after_finished: jax.Array,
+def decode_chunk(model: CausalLM, state: DecodeState, num_steps: int, stop_after_finished: jax.Array,
                  sampling: sampling_lib.SamplingMethod, eos_ids: jax.Array,
                  window: int | None = None) -> tuple[DecodeState, ChunkOutput]:
   """Up to `num_steps` decode steps in one device call (`lax.while_loop`).

@@ -1,6 +1,6 @@
 """The KV-cache rollout `Engine`: the decode maths jitted with weights as an argument, the decode state's
 layout on a mesh, and lowering hooks for ahead-of-time compiles. The decode KV cache is paged (`state.PagedCache`,
-the default) or dense (`qwen2.KVCache` [layers, S, K, L, H]: S slots, K kv heads, L cache rows, H head dim)."""
+the default) or dense (`KVCache` [layers, S, K, L, H]: S slots, K kv heads, L cache rows, H head dim)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from pacs_jax import sharding
-from pacs_jax.models import paged_kernel, qwen2
+from pacs_jax.models import paged, paged_kernel
+from pacs_jax.models.kv_cache import KVCache, init_cache
+from pacs_jax.models.decoder import CausalLM
+from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import decode as decode_lib
 from pacs_jax.rollout import pages as pages_lib
@@ -53,7 +56,7 @@ class Engine:
   sampling methods static ones, so changing the method compiles decode once more.
   """
 
-  def __init__(self, model: qwen2.Qwen2ForCausalLM, *, max_concurrent_decodes: int, max_prefill_length: int,
+  def __init__(self, model: CausalLM, *, max_concurrent_decodes: int, max_prefill_length: int,
                max_decode_length: int, mesh: jax.sharding.Mesh | None = None,
                sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), eos_ids: Sequence[int] = (),
                steps_per_call: int = 16, min_prefill_bucket: int = 16, min_decode_window: int = 512,
@@ -69,7 +72,7 @@ class Engine:
     `min_decode_window`, and the whole cache) that holds every busy slot for the next `steps_per_call`
     steps. A decode program is compiled per budget / window used.
     """
-    self.config: qwen2.Qwen2Config = model.config
+    self.config: ModelConfig = model.config
     self.graphdef, abstract = nnx.split(model)
     self._abstract = abstract
     self.max_concurrent_decodes = max_concurrent_decodes
@@ -109,7 +112,7 @@ class Engine:
     # kernel walks each slot's live pages itself: one decode program, no budget.
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
-    self.decode_kernel = self.paged and qwen2.paged_decode_kernel(self.config, platform, tensor)
+    self.decode_kernel = self.paged and paged.decode_kernel(self.config, platform, tensor)
     self.live_page_buckets = _pow2_ladder(slots_per_shard, slots_per_shard * self.pages_per_slot, half_steps=True)
     if self.decode_kernel:
       self.live_page_buckets = self.live_page_buckets[-1:]
@@ -133,11 +136,11 @@ class Engine:
   def _mesh_context(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-  def _constrain(self, tree: DecodeState | qwen2.KVCache):
+  def _constrain(self, tree: DecodeState | KVCache):
     """The decode state (or a prefill cache) in its declared layout (`state.field_shardings`)."""
     if self.mesh is None:
       return tree
-    cache = isinstance(tree, qwen2.KVCache)
+    cache = isinstance(tree, KVCache)
     shardings = state_lib.cache_shardings(tree, self.mesh) if cache else state_lib.field_shardings(tree, self.mesh)
     return jax.lax.with_sharding_constraint(tree, shardings)
 
@@ -156,14 +159,14 @@ class Engine:
       params = sharding.reshard(params, self.param_shardings)
     return params
 
-  def _model(self, params) -> qwen2.Qwen2ForCausalLM:
+  def _model(self, params) -> CausalLM:
     return nnx.merge(self.graphdef, params)
 
-  def _init_cache(self) -> qwen2.KVCache | PagedCache:
+  def _init_cache(self) -> KVCache | PagedCache:
     S, L = self.max_concurrent_decodes, self.cache_length
     if self.paged:
       return pages_lib.init(self.config, S, L, self.page_size, self.page_shards, self.pages_per_shard)
-    return qwen2.init_cache(self.config, S, L)
+    return init_cache(self.config, S, L)
 
   def _init_impl(self) -> DecodeState:
     S = self.max_concurrent_decodes
@@ -326,7 +329,7 @@ class Engine:
     with self._mesh_context():
       return self._prefill_jit(params, tokens, true_lengths)
 
-  def insert_requests(self, decode_state: DecodeState, cache: qwen2.KVCache, logits: jax.Array,
+  def insert_requests(self, decode_state: DecodeState, cache: KVCache, logits: jax.Array,
                       true_lengths: np.ndarray, rows: np.ndarray, slots: np.ndarray, seed: int,
                       prompt_index: np.ndarray, sample_index: np.ndarray, budgets: np.ndarray,
                       sampling: sampling_lib.SamplingMethod, eos_ids: Sequence[int],

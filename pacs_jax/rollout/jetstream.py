@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
 
-from pacs_jax.models import qwen2
+from pacs_jax.models import kv_cache
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout.decode import request_keys
 from pacs_jax.rollout.state import DecodeState, Prefix, SlotTokens, field_shardings
@@ -167,7 +167,7 @@ class JetStreamEngine(engine_api.Engine):
     shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
     rows = shape(c.num_hidden_layers, 1, c.num_key_value_heads, self.engine.max_prefill_length, c.head_size)
     key = jax.random.key_data(jax.random.key(0)).shape
-    probe = Prefix(cache=qwen2.KVCache(k=rows, v=rows), lengths=shape(1), tokens=shape(1), logprobs=shape(1),
+    probe = Prefix(cache=kv_cache.KVCache(k=rows, v=rows), lengths=shape(1), tokens=shape(1), logprobs=shape(1),
                    keys=shape(1, *key), steps=shape(1))
     return field_shardings(probe, self.engine.mesh)
 

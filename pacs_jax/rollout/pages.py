@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pacs_jax.models import paged
-from pacs_jax.models.qwen2 import KVCache
+from pacs_jax.models.kv_cache import KVCache
 from pacs_jax.rollout.state import PagedCache
 
 

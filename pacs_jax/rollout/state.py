@@ -12,8 +12,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from pacs_jax import sharding
-from pacs_jax.models import paged, qwen2
-from pacs_jax.models.qwen2 import KVCache
+from pacs_jax.models import kv_cache, paged
+from pacs_jax.models.kv_cache import KVCache
 
 # Logical axes of each field (sharding.ACTIVATION_RULES maps them to mesh axes): rows (prompts, slots)
 # over the batch axes (data, fsdp), the cache's kv heads over tensor. A dimension the mesh does not
@@ -29,7 +29,7 @@ def _axes(axes: tuple[str | None, ...]):
 @flax.struct.dataclass
 class Prefix:
   """A prefilled prompt (or a batch of them), ready to be inserted into decode slots."""
-  cache: KVCache = _axes(qwen2.CACHE_AXES)  # [layers, B, K, T, H]; rows >= lengths hold padding junk
+  cache: KVCache = _axes(kv_cache.CACHE_AXES)  # [layers, B, K, T, H]; rows >= lengths hold padding junk
   lengths: jax.Array = _axes(_PER_ROW)  # [B] int32: cache rows holding the prompt = position of `tokens`
   tokens: jax.Array = _axes(_PER_ROW)  # [B] int32: the next token to feed (first sampled, or last prompt token)
   logprobs: jax.Array = _axes(_PER_ROW)  # [B] fp32: log-prob of `tokens` (0 for a prompt token)
@@ -63,7 +63,7 @@ class PagedCache:
 class DecodeState:
   """Everything a decode step transforms, one row per slot."""
   # dense [layers, S, K, L, H], or paged (whose own fields declare their axes)
-  cache: KVCache | PagedCache = _axes(qwen2.CACHE_AXES)
+  cache: KVCache | PagedCache = _axes(kv_cache.CACHE_AXES)
   lengths: jax.Array = _axes(_PER_ROW)  # [S] int32: filled cache rows = position of the pending token
   tokens: jax.Array = _axes(_PER_ROW)  # [S] int32: pending token (last sampled), fed at the next step
   keys: jax.Array = _axes(_KEY)  # [S, *key] uint32: request keys; token t of a request uses fold_in(key, t)
@@ -138,7 +138,7 @@ def _named(mesh: jax.sharding.Mesh, axes, shape) -> NamedSharding:
 def cache_shardings(cache: KVCache, mesh: jax.sharding.Mesh) -> KVCache:
   """Shardings of a KV cache [layers, B, K, rows, H] (arrays or shapes): rows of the batch over the
   batch axes, kv heads over tensor."""
-  return jax.tree.map(lambda x: _named(mesh, qwen2.CACHE_AXES, x.shape), cache)
+  return jax.tree.map(lambda x: _named(mesh, kv_cache.CACHE_AXES, x.shape), cache)
 
 
 def field_shardings(tree: Prefix | DecodeState | PagedCache, mesh: jax.sharding.Mesh):

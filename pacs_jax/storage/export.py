@@ -15,13 +15,14 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import paths
-from pacs_jax.models import hf, qwen2
+from pacs_jax.models import decoder, hf, registry
+from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import workdir as workdir_lib
 from pacs_jax.storage.workdir import CHECKPOINT_DIR, MODEL_DIR
 
 
-def write_model_card(workdir: str, config: qwen2.Qwen2Config, tokenizer, source_dir: str | None = None) -> None:
+def write_model_card(workdir: str, config: ModelConfig, tokenizer, source_dir: str | None = None) -> None:
   """Saves what export needs besides weights (process 0 only); `source_dir`: the model's own directory, whose
   generation_config.json is kept."""
   if jax.process_index() != 0:
@@ -56,7 +57,7 @@ def latest_step(workdir: str) -> int:
     ckpt.close()
 
 
-def load_policy(workdir: str, step: int | None = None) -> tuple[qwen2.Qwen2ForCausalLM, int]:
+def load_policy(workdir: str, step: int | None = None) -> tuple[decoder.CausalLM, int]:
   """The policy of a training checkpoint on one device; the optimizer state is never read. Default: the
   newest checkpoint that restores (a damaged newer one is skipped with a warning)."""
   ckpt = open_checkpoints(workdir)
@@ -66,10 +67,10 @@ def load_policy(workdir: str, step: int | None = None) -> tuple[qwen2.Qwen2ForCa
         raise FileNotFoundError(f"{workdir_lib.model_dir(workdir)}: missing {hf.CONFIG_FILE} (written when "
                                 "training starts)")
 
-      def restore(s: int) -> qwen2.Qwen2ForCausalLM:
+      def restore(s: int) -> decoder.CausalLM:
         param_dtype = config_lib.dtype(ckpt.restore_config(s)["model"]["param_dtype"])
         config = hf.load_config(model_dir, param_dtype=param_dtype, dtype=param_dtype)
-        abstract = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0)))
         graphdef, abstract_params = nnx.split(abstract, nnx.Param)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)

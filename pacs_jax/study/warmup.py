@@ -39,8 +39,8 @@ class WarmupSettings:
 
 
 def model_config(settings: WarmupSettings):
-  from pacs_jax.models import qwen2
-  return qwen2.get_preset(settings.preset, vocab_size=len(synthetic.VOCAB))
+  from pacs_jax.models import registry
+  return registry.preset(settings.preset, vocab_size=len(synthetic.VOCAB))
 
 
 def supervised_rows(tokenizer, records: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -62,15 +62,15 @@ def supervised_rows(tokenizer, records: list[dict]) -> tuple[np.ndarray, np.ndar
 
 
 def train_base_model(settings: WarmupSettings, tokenizer):
-  """The warmed-up policy (a `Qwen2ForCausalLM`) and its last loss; same settings, same weights."""
+  """The warmed-up policy (a `decoder.CausalLM`) and its last loss; same settings, same weights."""
   import jax
   import jax.numpy as jnp
   import optax
   from flax import nnx
 
-  from pacs_jax.models import qwen2
+  from pacs_jax.models import registry
 
-  model = qwen2.Qwen2ForCausalLM(model_config(settings), rngs=nnx.Rngs(settings.seed))
+  model = registry.causal_lm(model_config(settings), rngs=nnx.Rngs(settings.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   optimizer = optax.adamw(settings.lr, weight_decay=0.0)
   opt_state = optimizer.init(params)

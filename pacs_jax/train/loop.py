@@ -22,8 +22,8 @@ from pacs_jax import sharding
 from pacs_jax.algos import registry
 from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import prompts as prompts_lib
-from pacs_jax.data import sources, synthetic
-from pacs_jax.models import hf, qwen2
+from pacs_jax.data import sources
+from pacs_jax.models import hf
 from pacs_jax.rewards import math as rewards_lib
 from pacs_jax.rollout import scheduler
 from pacs_jax.rollout import sampling as sampling_lib
@@ -36,41 +36,10 @@ from pacs_jax.storage.workdir import CHECKPOINT_DIR
 from pacs_jax.train import console
 from pacs_jax.train import metrics as metrics_lib
 from pacs_jax.train import multihost
+from pacs_jax.train import build
 from pacs_jax.train import preemption as preemption_lib
 from pacs_jax.train import programs as programs_lib
 from pacs_jax.train import state as state_lib
-
-
-# ----------------------------------------------------------------------------------------------
-# Building the pieces
-
-
-def load_tokenizer(cfg: ml_collections.ConfigDict):
-  name = cfg.tokenizer or cfg.model.hf_path
-  if not name or name == "synthetic":
-    return synthetic.build_tokenizer()
-  return hf.load_tokenizer(name)
-
-
-def build_policy(cfg: ml_collections.ConfigDict, mesh) -> qwen2.Qwen2ForCausalLM:
-  """The initial policy in its train-mode shardings: a HF checkpoint, or a seeded random init."""
-  mc = config_lib.model_config(cfg)
-  if cfg.model.hf_path:
-    model, _ = hf.load_pretrained(cfg.model.hf_path, dtype=mc.param_dtype, mesh=mesh, compute_dtype=mc.dtype,
-                                  remat=mc.remat, attention_chunk=mc.attention_chunk,
-                                  attention_impl=mc.attention_impl, remat_policy=mc.remat_policy)
-    return model
-  return sharding.create_sharded(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")
-
-
-def build_critic(cfg: ml_collections.ConfigDict, policy: qwen2.Qwen2ForCausalLM, mesh) -> nnx.Module:
-  """The algorithm's critic: its backbone (`.model`) starts from the policy's weights (as verl initialises
-  PPO's), its head fresh."""
-  make = lambda: registry.of(cfg).make_critic(policy.config, nnx.Rngs(cfg.seed + 1))
-  critic = sharding.create_sharded(make, mesh, "train")
-  backbone = jax.tree.map(jnp.copy, nnx.state(policy.model, nnx.Param))
-  nnx.update(critic.model, backbone)
-  return critic
 
 
 # ----------------------------------------------------------------------------------------------
@@ -101,7 +70,7 @@ class Trainer:
 
   def _read_inputs(self, cfg: ml_collections.ConfigDict) -> None:
     """The tokenizer, the training prompts and the validation set: everything the run reads."""
-    self.tokenizer = load_tokenizer(cfg)
+    self.tokenizer = build.load_tokenizer(cfg)
     model_config = config_lib.model_config(cfg)
     config_lib.check_tokenizer_fits_model(cfg, len(self.tokenizer), model_config.vocab_size)
     for warning in config_lib.advisories(cfg):
@@ -146,7 +115,7 @@ class Trainer:
     self._stepped = False  # no step has run in this process yet (the first one compiles)
     self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
     with jax.set_mesh(self.mesh):
-      policy = build_policy(cfg, self.mesh)
+      policy = build.build_policy(cfg, self.mesh)
     self.policy_config = policy.config  # the model card (model/) is written once a resume is known to be this run's
     self.record = resume_lib.make_record(cfg, policy.config.to_hf_dict(), self.tokenizer)
     self.graphdef, params = nnx.split(policy, nnx.Param)
@@ -154,7 +123,7 @@ class Trainer:
     critic_graphdef = critic_params = critic_opt_state = None
     if self.algo.has_critic:
       with jax.set_mesh(self.mesh):
-        critic = build_critic(cfg, policy, self.mesh)
+        critic = build.build_critic(cfg, policy, self.mesh)
       critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
       critic_opt_state = state_lib.init_opt_state(self.critic_optimizer, critic_params, self.mesh)
     self.critic_graphdef = critic_graphdef

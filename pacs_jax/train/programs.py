@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.algos import registry
-from pacs_jax.models import qwen2
+from pacs_jax.models import decoder
+from pacs_jax.models import registry as model_registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.train import state as state_lib
 from pacs_jax.train import step as step_lib
@@ -106,10 +107,10 @@ def minibatch_shapes(cfg: ml_collections.ConfigDict, mesh) -> dict[str, jax.Shap
           for name, (shape, dtype) in fields.items()}
 
 
-def abstract_policy(cfg: ml_collections.ConfigDict) -> qwen2.Qwen2ForCausalLM:
+def abstract_policy(cfg: ml_collections.ConfigDict) -> decoder.CausalLM:
   """The policy's structure and shapes from `model.preset` (nothing allocated, no checkpoint read)."""
   mc = config_lib.preset_model_config(cfg)
-  return nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(mc, rngs=nnx.Rngs(0)))
+  return nnx.eval_shape(lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(0)))
 
 
 def abstract_train_state(cfg: ml_collections.ConfigDict, mesh):
@@ -132,7 +133,7 @@ def abstract_train_state(cfg: ml_collections.ConfigDict, mesh):
   return graphdef, critic_graphdef, abstract
 
 
-def make_engine(cfg: ml_collections.ConfigDict, model: qwen2.Qwen2ForCausalLM, mesh, eos_ids) -> engine_lib.Engine:
+def make_engine(cfg: ml_collections.ConfigDict, model: decoder.CausalLM, mesh, eos_ids) -> engine_lib.Engine:
   """The rollout engine (`model` may be abstract: only its structure is kept)."""
   slots = cfg.rollout.slots or (cfg.train.batch_prompts * cfg.rollout.n)
   return engine_lib.Engine(model, max_concurrent_decodes=slots, max_prefill_length=cfg.data.max_prompt_length,

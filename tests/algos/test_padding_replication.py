@@ -15,7 +15,7 @@ import transformers
 from flax import nnx
 
 from pacs_jax.algos import pacs
-from pacs_jax.models import hf, qwen2
+from pacs_jax.models import hf, qwen2, registry
 from pacs_jax.train import step as step_lib
 
 P, R, ROWS, V, D = 6, 7, 8, 48, 16
@@ -154,8 +154,8 @@ def test_padding_term_is_the_next_packed_rows_first_token():
 def test_qwen2_exact_replication_against_transformers_packed_forward(tmp_path):
   config = qwen2.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-  policy = qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0))
-  ref = qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(1))
+  policy = registry.causal_lm(config, rngs=nnx.Rngs(0))
+  ref = registry.causal_lm(config, rngs=nnx.Rngs(1))
   torch_models = []
   for name, model in (("policy", policy), ("ref", ref)):
     hf.save_pretrained(model, str(tmp_path / name))

@@ -8,7 +8,7 @@ from flax import nnx
 
 from pacs_jax import sharding
 from pacs_jax.algos import grpo, ppo
-from pacs_jax.models import qwen2
+from pacs_jax.models import registry
 
 
 def reference_gae(token_level_rewards, values, response_mask, gamma, lam):
@@ -104,7 +104,7 @@ def test_policy_loss_is_grpos():
 
 
 def test_critic_values_and_gradients():
-  config = qwen2.get_preset("tiny", num_hidden_layers=1)
+  config = registry.preset("tiny", num_hidden_layers=1)
   # Built abstractly, then filled from numpy: concrete init would compile the PRNG for every parameter shape.
   graphdef, state = nnx.split(nnx.eval_shape(lambda: ppo.Critic(config, rngs=nnx.Rngs(0))))
   rng = np.random.default_rng(0)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from pacs_jax.data import pipeline, prompts, synthetic
-from pacs_jax.models import qwen2
+from pacs_jax.models import registry
 from pacs_jax.rewards import synthetic as synthetic_verifier
 
 
@@ -98,7 +98,7 @@ def _sample_success_rate(task, tokenizer, model_seed, vocab_size, num_prompts=64
   prompt_ids = prompts.encode_prompts(tokenizer, [r["problem"] for r in records], instruction=synthetic.INSTRUCTION)
   ids, mask = pipeline.pad_prompts(prompt_ids, tokenizer.pad_token_id)
   ids, mask = np.repeat(ids, samples_per_prompt, 0), np.repeat(mask, samples_per_prompt, 0)
-  model = qwen2.Qwen2ForCausalLM(qwen2.get_preset("tiny", vocab_size=vocab_size), rngs=nnx.Rngs(model_seed))
+  model = registry.causal_lm(registry.preset("tiny", vocab_size=vocab_size), rngs=nnx.Rngs(model_seed))
   forward = nnx.jit(lambda m, x, a: m(x, a)[:, -1])
   tokens, attention = jnp.asarray(ids), jnp.asarray(mask)
   key = jax.random.key(model_seed)

@@ -21,7 +21,7 @@ from flax import nnx
 
 from pacs_jax.data import prompts, sources
 from pacs_jax.eval import passk, problems, results, runner
-from pacs_jax.models import hf, qwen2
+from pacs_jax.models import hf, registry
 
 NAMES = ("math500", "aime2024", "aime2025", "amc23")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,8 +71,8 @@ def build_tokenizer(texts):
 
 
 def tiny_model(vocab_size):
-  config = qwen2.get_preset("tiny", vocab_size=vocab_size, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
-  return qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0))
+  config = registry.preset("tiny", vocab_size=vocab_size, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+  return registry.causal_lm(config, rngs=nnx.Rngs(0))
 
 
 @pytest.fixture(scope="module")

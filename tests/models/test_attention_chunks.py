@@ -7,7 +7,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import sharding
-from pacs_jax.models import qwen2
+from pacs_jax.models import kv_cache, qwen2, registry
 
 CONFIG = qwen2.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0)
@@ -17,8 +17,8 @@ ROWS = lambda mesh: NamedSharding(mesh, P(sharding.BATCH_AXES, None))
 
 
 def models(chunk):
-  return (qwen2.Qwen2ForCausalLM(CONFIG, rngs=nnx.Rngs(0)),
-          qwen2.Qwen2ForCausalLM(CONFIG.replace(attention_chunk=chunk), rngs=nnx.Rngs(0)))
+  return (registry.causal_lm(CONFIG, rngs=nnx.Rngs(0)),
+          registry.causal_lm(CONFIG.replace(attention_chunk=chunk), rngs=nnx.Rngs(0)))
 
 
 def left_padded(B, T, seed=1):
@@ -50,7 +50,7 @@ def test_chunked_prefill_into_the_kv_cache_equals_unchunked():
   outs = []
   prefill = nnx.jit(lambda m, c: m.model.forward_with_cache(ids, positions, c, jnp.zeros(2, jnp.int32)))
   for model in (whole, chunked):
-    outs.append(prefill(model, qwen2.init_cache(CONFIG, batch=2, length=16)))
+    outs.append(prefill(model, kv_cache.init_cache(CONFIG, batch=2, length=16)))
   np.testing.assert_allclose(outs[1][0], outs[0][0], atol=1e-5, rtol=0)
   for a, b in zip(jax.tree.leaves(outs[0][1]), jax.tree.leaves(outs[1][1])):
     np.testing.assert_allclose(b, a, atol=1e-6, rtol=0)
@@ -76,7 +76,7 @@ def test_chunked_sharded_forward_equals_single_device():
   ids, mask = left_padded(8, 12)
   expected = np.asarray(nnx.jit(lambda m, i, k: m(i, k))(chunked, ids, mask))
   mesh = sharding.make_mesh(fsdp=4, tensor=2)
-  model = sharding.create_sharded(lambda: qwen2.Qwen2ForCausalLM(CONFIG.replace(attention_chunk=4), rngs=nnx.Rngs(0)),
+  model = sharding.create_sharded(lambda: registry.causal_lm(CONFIG.replace(attention_chunk=4), rngs=nnx.Rngs(0)),
                                   mesh, "train")
   with jax.set_mesh(mesh):
     got = nnx.jit(lambda m, i, k: m(i, k))(model, jax.device_put(ids, ROWS(mesh)),

@@ -11,7 +11,7 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.models import attention, flash, qwen2
+from pacs_jax.models import attention, flash, registry
 
 B, T, K, G, H = 3, 200, 2, 2, 16  # T not a multiple of the 128-row blocks: the kernel pads it
 
@@ -23,7 +23,7 @@ def inputs(seed=0):
   real = np.ones((B, T), bool)
   real[1, :37], real[2, :150] = False, False  # left padding, one row mostly padding
   causal = np.arange(T)[:, None] >= np.arange(T)[None, :]
-  mask = jnp.asarray(causal[None] & real[:, None, :])  # [B, T, T] as Qwen2Model builds it
+  mask = jnp.asarray(causal[None] & real[:, None, :])  # [B, T, T] as decoder.Backbone builds it
   # Cotangent on real rows only (a loss over real tokens).
   w = jnp.asarray(r.normal(size=(B, T, K, G, H)) * real[:, :, None, None, None], jnp.float32)
   return q, k, v, mask, real, w
@@ -62,8 +62,8 @@ def test_splash_under_a_mesh_runs_per_shard_and_equals_xla(fsdp, tensor):
 
 
 def tiny(impl, **kw):
-  cfg = qwen2.get_preset("tiny", attention_impl=impl, **kw)
-  return qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
+  cfg = registry.preset("tiny", attention_impl=impl, **kw)
+  return registry.causal_lm(cfg, rngs=nnx.Rngs(0))
 
 
 def token_logprobs(model, ids, mask):

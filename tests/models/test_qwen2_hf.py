@@ -11,7 +11,7 @@ import torch
 import transformers
 from flax import nnx
 
-from pacs_jax.models import hf, qwen2
+from pacs_jax.models import decoder, hf, qwen2, registry
 
 # (tie_word_embeddings, heads, kv heads, rope theta): tied/untied, GQA with 2 and 3 query heads per
 # kv head, non-default rope theta.
@@ -78,7 +78,7 @@ def test_load_pretrained_matches_transformers_left_padded(hf_dir):
 
 
 def test_padded_row_equals_unpadded_sequence():
-  model = qwen2.Qwen2ForCausalLM(qwen2.get_preset("tiny"), rngs=nnx.Rngs(3))
+  model = registry.causal_lm(registry.preset("tiny"), rngs=nnx.Rngs(3))
   ids, mask = left_padded_batch(256, [9, 4])
   padded = model(jnp.asarray(ids), jnp.asarray(mask))
   alone = model(jnp.asarray(ids[1:, 5:]))
@@ -145,9 +145,9 @@ PRESET_COUNTS = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304,
 
 @pytest.mark.parametrize("name", sorted(PRESET_COUNTS))
 def test_presets_abstract_param_counts(name):
-  config = qwen2.get_preset(name)
-  abstract = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)))
-  assert qwen2.count_params(abstract) == PRESET_COUNTS[name]
+  config = registry.preset(name)
+  abstract = nnx.eval_shape(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0)))
+  assert decoder.count_params(abstract) == PRESET_COUNTS[name]
   # The same config through transformers, on the meta device (no memory).
   with torch.device("meta"):
     ref = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config.to_hf_dict()))
@@ -155,7 +155,7 @@ def test_presets_abstract_param_counts(name):
 
 
 def test_config_roundtrip_through_transformers_config():
-  config = qwen2.get_preset("qwen2.5-7b")
+  config = registry.preset("qwen2.5-7b")
   back = qwen2.Qwen2Config.from_hf_dict(transformers.Qwen2Config(**config.to_hf_dict()).to_dict())
   assert back == config
 
@@ -172,9 +172,9 @@ def test_missing_config(tmp_path):
 def test_unsupported_model_type(tmp_path):
   path = _saved("tied_gqa2", tmp_path)
   cfg = json.load(open(tmp_path / "config.json"))
-  cfg["model_type"] = "llama"
+  cfg["model_type"] = "gemma"
   json.dump(cfg, open(tmp_path / "config.json", "w"))
-  with pytest.raises(ValueError, match=r"config\.json.*unsupported model_type 'llama'"):
+  with pytest.raises(ValueError, match=r"config\.json.*unsupported model_type 'gemma'"):
     hf.load_pretrained(path)
 
 

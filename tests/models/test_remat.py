@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax.models import qwen2
+from pacs_jax.models import qwen2, registry
 
 # Distinct sizes, so each residual's shape says what it is: L layers, B rows, T tokens, D hidden, F mlp.
 L, B, T, D, F = 3, 2, 11, 48, 80
@@ -37,7 +37,7 @@ def inputs():
 
 
 def split(config):
-  return nnx.split(qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)))
+  return nnx.split(registry.causal_lm(config, rngs=nnx.Rngs(0)))
 
 
 def saved_residuals(config) -> list[tuple[str, tuple[int, ...], str]]:

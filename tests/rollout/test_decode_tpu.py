@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from pacs_jax import sharding
-from pacs_jax.models import qwen2
+from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling
 from pacs_jax.compile import aot_measure, hlo_cost
@@ -17,7 +17,7 @@ from pacs_jax.compile import aot_measure, hlo_cost
 # The tiny model with Qwen2.5's head_dim of 128 (the TPU lane width) and one kv head per chip (K = 2 over
 # tensor = 2), as the 3B model on its v5p slice: the case where a cache laid out [slots, rows, kv_heads,
 # head_dim] was converted whole on entry to every decode call.
-CONFIG = qwen2.get_preset("tiny", head_dim=128, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+CONFIG = registry.preset("tiny", head_dim=128, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
 SLOTS, PREFILL, DECODE, PAGE = 64, 64, 448, 64
 
 
@@ -29,7 +29,7 @@ def tpu_mesh():
 
 
 def make_engine(mesh, steps: int, kv_cache: str):
-  model = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(CONFIG, rngs=nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: registry.causal_lm(CONFIG, rngs=nnx.Rngs(0)))
   return engine_lib.Engine(model, max_concurrent_decodes=SLOTS, max_prefill_length=PREFILL, max_decode_length=DECODE,
                            mesh=mesh, steps_per_call=steps, kv_cache=kv_cache, page_size=PAGE)
 

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pacs_jax import sharding
-from pacs_jax.models import hf, qwen2
+from pacs_jax.models import hf, registry
 from pacs_jax.rollout import decode, sampling, scheduler
 from pacs_jax.rollout import engine as engine_lib
 
@@ -347,7 +347,7 @@ def test_a_window_too_small_returns_early_and_loses_nothing(dense_engine, params
 
 def test_new_params_reuse_compiled_programs(engine, params, prompts, greedy_32, model):
   compiled = engine.compiled_count()
-  other = qwen2.Qwen2ForCausalLM(model.config, rngs=nnx.Rngs(123))
+  other = registry.causal_lm(model.config, rngs=nnx.Rngs(123))
   new_params = engine.load_params(other)
   out = scheduler.generate(engine, new_params, prompts, max_new_tokens=32)
   assert engine.compiled_count() == compiled

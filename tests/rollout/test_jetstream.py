@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax.models import qwen2
+from pacs_jax.models import registry
 from pacs_jax.rollout import decode, scheduler
 from pacs_jax.rollout import engine as engine_lib
 
@@ -37,8 +37,8 @@ def _import_orchestrator():
 
 @pytest.fixture(scope="module")
 def setup():
-  config = qwen2.get_preset("tiny")
-  model = qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0))
+  config = registry.preset("tiny")
+  model = registry.causal_lm(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(1)
   prompts = [rng.integers(1, config.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
   engine = engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=16, max_decode_length=16)
@@ -140,8 +140,8 @@ def test_orchestrator_matches_in_process_generate(setup, monkeypatch):
 
 
 def test_adapter_rejects_non_jetstream_bucket():
-  config = qwen2.get_preset("tiny")
-  model = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0)))
+  config = registry.preset("tiny")
+  model = nnx.eval_shape(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0)))
   engine = engine_lib.Engine(model, max_concurrent_decodes=2, max_prefill_length=24, max_decode_length=8,
                              eos_ids=[1])
   with pytest.raises(ValueError, match="buckets"):

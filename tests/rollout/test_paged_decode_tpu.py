@@ -10,13 +10,13 @@ import pytest
 from flax import nnx
 
 from pacs_jax import sharding
-from pacs_jax.models import qwen2
+from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling
 from pacs_jax.compile import aot_measure, hlo_cost
 
 # Qwen2.5's head_dim of 128 and one kv head per chip (K = 2 over tensor = 2), as the 3B model on its slice.
-CONFIG = qwen2.get_preset("tiny", head_dim=128, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, attention_impl="auto")
+CONFIG = registry.preset("tiny", head_dim=128, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, attention_impl="auto")
 SLOTS, PREFILL, DECODE, PAGE = 64, 64, 448, 16
 
 
@@ -24,7 +24,7 @@ SLOTS, PREFILL, DECODE, PAGE = 64, 64, 448, 16
 def compiled():
   with aot_measure.persistent_cache_off():
     mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=sharding.tpu_topology_devices("v5p:2x2x1"))
-    model = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(CONFIG, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: registry.causal_lm(CONFIG, rngs=nnx.Rngs(0)))
     engine = engine_lib.Engine(model, max_concurrent_decodes=SLOTS, max_prefill_length=PREFILL,
                                max_decode_length=DECODE, mesh=mesh, steps_per_call=4, kv_cache="paged",
                                page_size=PAGE)

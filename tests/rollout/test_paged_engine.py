@@ -10,7 +10,7 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.models import qwen2
+from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import jetstream, sampling, scheduler
 from pacs_jax.rollout.state import DecodeStats
@@ -20,7 +20,7 @@ PREFILL, DECODE, PAGE = 16, 16, 8  # 32 cache rows: 4 pages of 8 per slot
 
 @pytest.fixture(scope="module")
 def model():
-  return qwen2.Qwen2ForCausalLM(qwen2.get_preset("tiny"), rngs=nnx.Rngs(0))
+  return registry.causal_lm(registry.preset("tiny"), rngs=nnx.Rngs(0))
 
 
 def make_engine(model, slots=2, kv_pages=0, mesh=None, kv_cache="paged", prefill=PREFILL, decode=DECODE):

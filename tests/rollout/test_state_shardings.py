@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pacs_jax import sharding
-from pacs_jax.models import qwen2
+from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import jetstream, sampling, scheduler
 from pacs_jax.rollout.state import DecodeState, field_shardings
@@ -40,8 +40,8 @@ def _check(state: DecodeState, mesh, cache: str) -> None:
 def test_decode_state_carries_its_declared_shardings(cache):
   assert jax.device_count() == 8
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-  config = qwen2.get_preset("tiny")  # 2 kv heads: one per tensor shard
-  model = qwen2.Qwen2ForCausalLM(config, rngs=nnx.Rngs(0))
+  config = registry.preset("tiny")  # 2 kv heads: one per tensor shard
+  model = registry.causal_lm(config, rngs=nnx.Rngs(0))
   engine = engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=16, max_decode_length=8,
                              steps_per_call=4, mesh=mesh, eos_ids=[1], kv_cache=cache, page_size=4)
   params = engine.load_params(model)

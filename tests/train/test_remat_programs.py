@@ -18,7 +18,7 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax.algos import ppo
-from pacs_jax.models import qwen2
+from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import scheduler
 from pacs_jax.rollout import sampling
@@ -26,10 +26,10 @@ from pacs_jax.train import state as state_lib
 from pacs_jax.train import step as step_lib
 
 GROUPS, N, P, R = 4, 4, 6, 7
-CONFIG = qwen2.get_preset("tiny", vocab_size=64, num_hidden_layers=3)
+CONFIG = registry.preset("tiny", vocab_size=64, num_hidden_layers=3)
 
 
-def models(cls=qwen2.Qwen2ForCausalLM):
+def models(cls=registry.causal_lm):
   """(graphdef without remat, graphdef with remat, shared params)."""
   graphdef, params = nnx.split(cls(CONFIG, rngs=nnx.Rngs(0)), nnx.Param)
   remat_graphdef, _ = nnx.split(nnx.eval_shape(lambda: cls(CONFIG.replace(remat=True), rngs=nnx.Rngs(0))),

@@ -12,7 +12,7 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax.algos import ppo
-from pacs_jax.models import qwen2
+from pacs_jax.models import qwen2, registry
 from pacs_jax.train import state as state_lib
 from pacs_jax.train import step as step_lib
 
@@ -63,7 +63,7 @@ def split(batch, k):
 def grads_of(cfg, batch, k):
   """The accumulated gradient the step applies, read back through a plain-SGD optimizer."""
   import optax
-  model = qwen2.Qwen2ForCausalLM(MODEL, rngs=nnx.Rngs(0))
+  model = registry.causal_lm(MODEL, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
   sgd = optax.sgd(1.0)
   critic_graphdef = critic_params = None
@@ -110,7 +110,7 @@ def test_micro_batches_give_the_unsplit_gradient(case):
 
 def test_non_finite_gradient_is_skipped_and_counted_then_training_continues():
   cfg = make_cfg("pacs")
-  model = qwen2.Qwen2ForCausalLM(MODEL, rngs=nnx.Rngs(0))
+  model = registry.causal_lm(MODEL, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
   opt = state_lib.make_optimizer(cfg.train, cfg.train.lr, 10)
   state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params),
@@ -136,7 +136,7 @@ def test_jitted_step_advances_the_step_counter_and_the_rng():
   """The training step's last update returns step + 1 and the next RNG key (the split whose other half seeded
   this step's rollout); an earlier mini-batch of the same training step changes neither."""
   cfg = make_cfg("pacs")
-  graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(MODEL, rngs=nnx.Rngs(0)), nnx.Param)
+  graphdef, params = nnx.split(registry.causal_lm(MODEL, rngs=nnx.Rngs(0)), nnx.Param)
   opt = state_lib.make_optimizer(cfg.train, cfg.train.lr, 10)
   state = state_lib.TrainState(step=jnp.asarray(7, jnp.int32), params=params, opt_state=opt.init(params),
                                rng=state_lib.initial_rng(3))

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 from pacs_jax import config as config_lib
 from pacs_jax.algos import ppo
-from pacs_jax.models import hf, qwen2
+from pacs_jax.models import hf, qwen2, registry
 from pacs_jax.train import state as state_lib
 from pacs_jax.train import step as step_lib
 
@@ -132,7 +132,7 @@ def toy_batch(seed=0):
 
 
 def models(tmp_path):
-  policy = qwen2.Qwen2ForCausalLM(MODEL, rngs=nnx.Rngs(0))
+  policy = registry.causal_lm(MODEL, rngs=nnx.Rngs(0))
   critic = ppo.Critic(MODEL, rngs=nnx.Rngs(1))
   nnx.update(critic.model, nnx.state(policy.model, nnx.Param))  # as the trainer builds it
   hf.save_pretrained(policy, str(tmp_path / "policy"))
