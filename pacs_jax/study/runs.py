@@ -78,16 +78,16 @@ def run_study(s: settings_lib.StudySettings, out_dir: str, cache_dir: str, log=p
   done = {(r["algorithm"], r["seed"]) for r in result["runs"]}
   result["runs_trained"] = 0
   for seed in s.seeds:
-    for algorithm in s.algorithms:
-      if (algorithm, seed) in done:
+    for name in s.algorithms:
+      if (name, seed) in done:
         continue
-      log(f"{algorithm} seed {seed}: training {s.steps} steps")
+      log(f"{name} seed {seed}: training {s.steps} steps")
       has_base = any(r["seed"] == seed and "base" in r for r in result["runs"])
-      record = run_one(algorithm, seed, base_dir, s, out_dir, records, evaluate_base=not has_base)
+      record = run_one(name, seed, base_dir, s, out_dir, records, evaluate_base=not has_base)
       result["runs"].append(record)
       result["runs_trained"] += 1
       p = record["trained"]["pass_at_k"][heldout.OVERALL]
-      log(f"{algorithm} seed {seed}: pass@1 {p['1']:.3f}, pass@{s.eval_n} {p[str(s.eval_n)]:.3f} "
+      log(f"{name} seed {seed}: pass@1 {p['1']:.3f}, pass@{s.eval_n} {p[str(s.eval_n)]:.3f} "
           f"({record['wall_s']:.0f} s)")
       write_json(path, result)
   return result
