@@ -263,11 +263,15 @@ def read_hub(spec: str, data_source: str | None = None, skip_bad_rows: bool = Fa
 
 
 def load_records(spec: str, *, data_source: str | None = None, skip_bad_rows: bool = False,
-                 synthetic_size: int = 4096, seed: int = 0, with_solution: bool = False) -> ReadResult:
+                 synthetic_size: int = 4096, seed: int = 0, with_solution: bool = False,
+                 held_out: bool = False) -> ReadResult:
   """Records from a file path (.json, .jsonl, .parquet), a hub path (`hf://...`) or a built-in
-  synthetic task (`synthetic/<name>`: `synthetic_size` problems drawn with `seed`)."""
+  synthetic task (`synthetic/<name>`: `synthetic_size` problems drawn with `seed`; `held_out`: from the task's
+  test split when it has one, as evaluation and validation read it, never a training problem)."""
   if synthetic_verifier.is_synthetic(spec):
-    records = synthetic.get_task(spec).records(synthetic_size, seed)
+    task = synthetic.get_task(spec)
+    records = (task.held_out(synthetic_size, seed) if held_out and hasattr(task, "held_out")
+               else task.records(synthetic_size, seed))
     return ReadResult([dict(r, solution=r["answer"]) for r in records] if with_solution else records, 0)
   if spec.startswith(HUB_PREFIX):
     return read_hub(spec, data_source, skip_bad_rows, with_solution)
@@ -281,12 +285,14 @@ def load_records(spec: str, *, data_source: str | None = None, skip_bad_rows: bo
   return readers[extension](spec, data_source, skip_bad_rows, with_solution)
 
 
-def load_split(spec: str, skip_bad_rows: bool, synthetic_size: int, seed: int) -> tuple[list[dict], int]:
+def load_split(spec: str, skip_bad_rows: bool, synthetic_size: int, seed: int,
+               held_out: bool = False) -> tuple[list[dict], int]:
   """Records of every comma-separated source in `spec` (as `load_records` reads one), and how many malformed
   rows were skipped."""
   records, skipped = [], 0
   for one in filter(None, (s.strip() for s in spec.split(","))):
-    result = load_records(one, skip_bad_rows=skip_bad_rows, synthetic_size=synthetic_size, seed=seed)
+    result = load_records(one, skip_bad_rows=skip_bad_rows, synthetic_size=synthetic_size, seed=seed,
+                          held_out=held_out)
     records += result.records
     skipped += result.num_skipped
   return records, skipped

@@ -66,7 +66,7 @@ def load_problems(specs: Sequence[str], tokenizer, max_prompt_length: int, limit
   """Problems of every spec with their prompt ids, and per data source how many overlong prompts were dropped."""
   problems, dropped, next_index = [], {}, {}
   for spec in specs:
-    records = sources.load_records(spec, synthetic_size=limit or 4096).records[:limit]
+    records = sources.load_records(spec, synthetic_size=limit or 4096, held_out=True).records[:limit]
     # The built-in synthetic prompts carry no instruction (its words are not in their vocabulary).
     instruction = None if synthetic_verifier.is_synthetic(spec) else prompts.MATH_INSTRUCTION
     prompt_ids = prompts.encode_prompts(tokenizer, [r["problem"] for r in records], instruction)

@@ -98,7 +98,7 @@ class Trainer:
     val_spec = ",".join(sources.released_eval_files(cfg.data.val_dir)) if cfg.data.val_dir else cfg.data.val
     if val_spec and cfg.eval_every:
       self.val_records, _ = sources.load_split(val_spec, cfg.data.skip_bad_rows, cfg.data.synthetic_val_size,
-                                                 cfg.seed + 12345)
+                                                 cfg.seed + 12345, held_out=True)
       if cfg.data.val_max_examples:
         self.val_records = self.val_records[:cfg.data.val_max_examples]
     val_ids = prompts_lib.encode_prompts(self.tokenizer, [r["problem"] for r in self.val_records], instruction)

@@ -121,3 +121,20 @@ def test_random_tiny_model_succeeds_sometimes(tokenizer, vocab_size):
   rate = _sample_success_rate(synthetic.get_task(synthetic.DEFAULT_TASK), tokenizer, model_seed=0,
                               vocab_size=vocab_size)
   assert 0.05 <= rate <= 0.5, rate
+
+
+def test_evaluation_and_validation_read_the_held_out_split(tokenizer):
+  """`evaluate --data synthetic/sum11` and the trainer's validation score test problems, never training ones; a
+  task without a test split (mod3) reads its usual draw."""
+  from pacs_jax.data import sources
+  from pacs_jax.eval import problems
+  task = synthetic.get_task("synthetic/sum11")
+  evaluated, _ = problems.load_problems(["synthetic/sum11"], tokenizer, max_prompt_length=64, limit=40)
+  validated, _ = sources.load_split("synthetic/sum11", False, 40, seed=7, held_out=True)
+  trained, _ = sources.load_split("synthetic/sum11", False, 40, seed=7)
+  assert len(evaluated) == len(validated) == 40
+  assert all(task.is_held_out(p.user_message) for p in evaluated)  # synthetic prompts: the problem alone
+  assert all(task.is_held_out(r["problem"]) for r in validated)
+  assert not any(task.is_held_out(r["problem"]) for r in trained)
+  assert sources.load_split("synthetic/mod3", False, 8, seed=7, held_out=True) == \
+      sources.load_split("synthetic/mod3", False, 8, seed=7)
