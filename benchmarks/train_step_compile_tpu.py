@@ -89,9 +89,13 @@ def describe_timings(name: str, t: dict[str, float]) -> str:
           f"{t['scaled_by_cycles_s']:.2f}), estimated cycles {t['cycles'] / 1e9:.2f} G")
 
 
-def describe(report, compiled, hbm_gb) -> str:
+def costs(compiled) -> hlo_cost.LoopCosts:
+  """The loop-aware costs of a compiled program at its chip's rates (read once per program)."""
+  return hlo_cost.analyse(compiled.as_text(), aot_measure.compiler_rates(compiled))
+
+
+def describe(report, compiled, loops: hlo_cost.LoopCosts, hbm_gb) -> str:
   """Per chip: compiler-optimal seconds, bytes accessed, FLOPs against the model's, peak; then the hotspots."""
-  loops = hlo_cost.analyse(compiled.as_text(), aot_measure.compiler_rates(compiled))
   return (f"{report.name} per chip, loop trip counts applied: optimal_seconds {report.optimal_s:.2f} (Pallas kernels "
           f"get no time in the compiler's cost model), bytes accessed {report.bytes_accessed / 1e12:.2f} TB, "
           f"{report.flops / 1e12:.0f} TFLOP compiled ({loops.total('kernel_flops') / 1e12:.0f} in Pallas kernels) / "
@@ -144,7 +148,8 @@ def main():
   print(f"train step: compile {report.compile_s:.1f} s; per chip: arguments {report.argument / GB:.2f} GB, outputs "
         f"{report.output / GB:.2f} GB, aliased {report.alias / GB:.2f} GB, temporaries {report.temp / GB:.2f} GB, "
         f"peak {report.peak / GB:.2f} GB" + (f" of {cfg.hardware.hbm_gb:g} GB" if cfg.hardware.hbm_gb else ""))
-  print(describe(report, compiled, cfg.hardware.hbm_gb))
+  loops = costs(compiled)
+  print(describe(report, compiled, loops, cfg.hardware.hbm_gb))
   failures = []
   if report.flops > args.max_ratio * report.model_flops:
     failures.append(f"compiled FLOPs are {report.flops / report.model_flops:.3f}x the model's, above --max_ratio "
@@ -152,7 +157,7 @@ def main():
   if args.max_seconds and report.optimal_s > args.max_seconds:
     failures.append(f"train step optimal_seconds {report.optimal_s:.2f} above --max_seconds {args.max_seconds}")
   if args.reference:
-    ours = timings(hlo_cost.analyse(compiled.as_text(), aot_measure.compiler_rates(compiled)), report.raw_optimal_s)
+    ours = timings(loops, report.raw_optimal_s)
     ref = reference_timings(args.reference, aot_measure.compiler_rates(compiled))
     print(f"reference {os.path.basename(args.reference)} (same chip rates): {describe_timings('time', ref)}, "
           f"bytes accessed {ref['bytes'] / 1e12:.2f} TB\n  train step / reference: optimal_seconds "
@@ -166,7 +171,7 @@ def main():
     lp, lp_compiled = compile_logprob_pass(cfg, topology)
     if lp_compiled is None:
       raise SystemExit(f"log-prob pass does not compile: {lp.error[:2000]}")
-    print(describe(lp, lp_compiled, cfg.hardware.hbm_gb))
+    print(describe(lp, lp_compiled, costs(lp_compiled), cfg.hardware.hbm_gb))
     ratio = lp.optimal_s / report.optimal_s
     print(f"log-prob pass / train step, optimal_seconds: {ratio:.3f} (the forward's share is about 1/3)")
     if ratio > args.max_logprob_ratio:

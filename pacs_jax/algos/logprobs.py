@@ -125,8 +125,8 @@ def _as_head(lm_head) -> Callable[[jax.Array], jax.Array]:
   return lambda h: jnp.einsum("BCD,DV->BCV", h, weight.astype(h.dtype))
 
 
-# `jax.checkpoint` names of a chunk's logits and of its per-row statistics (lse, entropy), saved for the backward
-# pass with `keep_logits`.
+# `jax.checkpoint` names of a chunk's logits and of its per-row statistics (max, sum of exp, entropy), saved for
+# the backward pass with `keep_logits`.
 CHUNK_LOGITS = "chunk_logits"
 CHUNK_STATS = "chunk_stats"
 
