@@ -125,6 +125,10 @@ def main():
                       help="exit 1 when compiled FLOPs exceed this many times the model's 6N per token")
   parser.add_argument("--max_seconds", type=float, default=0.0,
                       help="exit 1 when the train step's optimal_seconds (loops applied) exceed this (0: no bound)")
+  parser.add_argument("--max_bytes_tb", type=float, default=0.0,
+                      help="exit 1 when the train step's bytes accessed per chip (loops applied) exceed this many TB")
+  parser.add_argument("--max_peak_gb", type=float, default=0.0,
+                      help="exit 1 when the train step's peak memory per chip exceeds this many GB")
   parser.add_argument("--logprobs", action=argparse.BooleanOptionalAction, default=True,
                       help="also compile the log-prob pass and compare its optimal_seconds with the train step's")
   parser.add_argument("--max_logprob_ratio", type=float, default=0.4,
@@ -156,6 +160,11 @@ def main():
                     f"{args.max_ratio}")
   if args.max_seconds and report.optimal_s > args.max_seconds:
     failures.append(f"train step optimal_seconds {report.optimal_s:.2f} above --max_seconds {args.max_seconds}")
+  if args.max_bytes_tb and report.bytes_accessed > args.max_bytes_tb * 1e12:
+    failures.append(f"train step bytes accessed {report.bytes_accessed / 1e12:.2f} TB above --max_bytes_tb "
+                    f"{args.max_bytes_tb}")
+  if args.max_peak_gb and report.peak > args.max_peak_gb * GB:
+    failures.append(f"train step peak {report.peak / GB:.2f} GB above --max_peak_gb {args.max_peak_gb}")
   if args.reference:
     ours = timings(loops, report.raw_optimal_s)
     ref = reference_timings(args.reference, aot_measure.compiler_rates(compiled))
