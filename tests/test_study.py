@@ -111,3 +111,7 @@ def test_spread_and_table_by_hand():
   np.testing.assert_allclose([summary["pacs"]["1"]["mean"], summary["pacs"]["1"]["std"]], [0.4, np.sqrt(0.02)])
   table = report.markdown_table(summary, ks=(1, 2, 256))
   assert "| PACS | 40.0 ± 14.1 | 50.0 ± 0.0 |" in table and "pass@256" not in table
+  # The base model's headroom check (the full study exits 1 without it): pass@1 0.2 and pass@2 0.3 < 2 x 0.2.
+  assert "under 2x its pass@1" in report.headroom_problem(summary)
+  assert report.headroom_problem({"base": {"1": {"mean": 0.11}, "256": {"mean": 0.88}}}) is None
+  assert "not below 0.3" in report.headroom_problem({"base": {"1": {"mean": 0.3}, "256": {"mean": 0.9}}})

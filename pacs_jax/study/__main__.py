@@ -47,6 +47,9 @@ def main(argv):
   print(report.markdown_table(result["summary"]["pass_at_k"]))
   print(f"wrote {runs.RESULTS_FILE}, {runs.DIGEST_FILE}, {', '.join(os.path.basename(p) for p in written.values())} "
         f"in {_OUT.value} ({timing['wall_s'] / 60:.1f} min, {timing['cpu_s'] / 60:.1f} CPU min)")
+  problem = None if _SHRUNK.value else report.headroom_problem(result["summary"]["pass_at_k"])
+  if problem:  # the files are written; the study measured little (the shrunk study's numbers mean nothing)
+    raise SystemExit(f"study: {problem}: the comparison has no headroom to show")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,23 @@ def pass_at_k_summary(result: dict, group: str = heldout.OVERALL) -> dict[str, d
           for name, rows in sorted(tables.items(), key=lambda item: list(LABELS).index(item[0]))}
 
 
+# The base model leaves the study something to measure (issue 25): held-out pass@1 below this, and pass@k at the
+# largest k at least this many times pass@1 (as a base LLM on AIME).
+MAX_BASE_PASS_AT_1, MIN_BASE_HEADROOM = 0.3, 2.0
+
+
+def headroom_problem(summary: dict[str, dict[str, dict]]) -> str | None:
+  """What is wrong with the base model's held-out pass@k (mean over seeds) for this study, or None."""
+  base = summary[BASE]
+  top = max(base, key=int)
+  p1, p_top = base["1"]["mean"], base[top]["mean"]
+  if p1 >= MAX_BASE_PASS_AT_1:
+    return f"the base model's held-out pass@1 is {p1:.3f}, not below {MAX_BASE_PASS_AT_1}"
+  if p_top < MIN_BASE_HEADROOM * p1:
+    return f"the base model's held-out pass@{top} ({p_top:.3f}) is under {MIN_BASE_HEADROOM:g}x its pass@1 ({p1:.3f})"
+  return None
+
+
 def markdown_table(summary: dict[str, dict[str, dict]], ks=TABLE_KS) -> str:
   """Methods as rows, held-out pass@k (percent, mean ± standard deviation over seeds) as columns."""
   ks = [str(k) for k in ks if str(k) in next(iter(summary.values()))]
