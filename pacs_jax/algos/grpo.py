@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 
 from pacs_jax.algos import groups as groups_lib, registry
 from pacs_jax.algos.logprobs import masked_mean, masked_sum
@@ -148,16 +149,25 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Ar
 
 class ClippedRatio(registry.Algorithm):
   """verl's clipped-ratio actor on the shared loop: ratios against the step's sampling policy, losses
-  aggregated by `grpo.loss_agg_mode` (its accumulation weight: tokens for token-mean, rows otherwise)."""
+  aggregated by the settings block's `loss_agg_mode` (its accumulation weight: tokens for token-mean, rows
+  otherwise). Each subclass reads its own block (`settings`): clip ratios, aggregation, entropy coefficient."""
+
+  def settings(self, cfg) -> ml_collections.ConfigDict:
+    """The algorithm's own settings block."""
+    return cfg[self.name]
+
+  def validate_settings(self, cfg, check):
+    mode = self.settings(cfg).loss_agg_mode
+    check(mode in LOSS_AGG_MODES, f"{self.name}.loss_agg_mode", f"unknown mode {mode!r}")
 
   def needs_old_logprobs(self, cfg):
     return True
 
   def entropy_has_grad(self, cfg):
-    return cfg.grpo.entropy_coeff != 0
+    return self.settings(cfg).entropy_coeff != 0
 
   def normaliser(self, cfg, micro, mask=None):
-    if cfg.grpo.loss_agg_mode == "token-mean":
+    if self.settings(cfg).loss_agg_mode == "token-mean":
       return jnp.sum((micro["response_mask"] if mask is None else mask).astype(jnp.float32))
     return super().normaliser(cfg, micro, mask)
 
@@ -166,9 +176,6 @@ class Grpo(ClippedRatio):
   """GRPO: group-normalised outcome advantages, optional KL loss against a frozen reference."""
 
   min_group_size = 2
-
-  def validate_settings(self, cfg, check):  # (PPO's actor reads this block too)
-    check(cfg.grpo.loss_agg_mode in LOSS_AGG_MODES, "grpo.loss_agg_mode", f"unknown mode {cfg.grpo.loss_agg_mode!r}")
 
   def reference(self, cfg):
     return registry.Reference.FROZEN if cfg.grpo.use_kl_loss else registry.Reference.NONE

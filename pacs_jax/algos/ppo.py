@@ -142,6 +142,10 @@ class Ppo(ClippedRatio):
 
   has_critic = True
   has_step_inputs = True
+  # The actor's settings, read from the grpo block before PPO had its own (a resume upgrades such a checkpoint's
+  # record from its saved grpo block; a config that still sets one there is refused, naming the new field).
+  moved_settings = {f"ppo.{k}": f"grpo.{k}" for k in
+                    ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "entropy_coeff")}
 
   def extra_fields(self, cfg):
     return {"advantages": jnp.float32, "returns": jnp.float32}
@@ -150,7 +154,7 @@ class Ppo(ClippedRatio):
     return step_advantages(minibatches, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam)
 
   def loss(self, cfg, logprobs, entropy, micro):
-    g = cfg.grpo
+    g = self.settings(cfg)
     return policy_loss(micro["old_logprobs"], logprobs, micro["advantages"], micro["response_mask"],
                        clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
                        clip_ratio_c=g.clip_ratio_c, loss_agg_mode=g.loss_agg_mode,
@@ -168,7 +172,7 @@ class Ppo(ClippedRatio):
   def critic_loss(self, cfg, values, micro):
     # The released critic (dp_critic.py update_critic): mask attention_mask[:, -R-1:-1], the actor's agg mode.
     return clipped_value_loss(values, micro["returns"], micro["old_values"], self.critic_mask(micro),
-                              cliprange_value=cfg.ppo.cliprange_value, loss_agg_mode=cfg.grpo.loss_agg_mode,
+                              cliprange_value=cfg.ppo.cliprange_value, loss_agg_mode=cfg.ppo.loss_agg_mode,
                               micro_batch_rows=cfg.train.verl_micro_batch_rows)
 
 

@@ -43,6 +43,9 @@ class Algorithm:
   min_group_size: int = 1  # responses per prompt the objective needs (group baselines need 2)
   has_critic: bool = False  # a value model trained beside the policy (old_values come with each mini-batch)
   has_step_inputs: bool = False  # `step_inputs` adds fields computed over the whole step's batch
+  # Settings that moved into this algorithm's block: {new field: the field older configs held it in}. A config that
+  # still sets the old field (and not the new) is refused; a resume reads an older record's value from the old one.
+  moved_settings: dict[str, str] = {}
 
   def validate_settings(self, cfg: ml_collections.ConfigDict, check: Check) -> None:
     """Checks the algorithm's own settings block (`cfg.<name>`). Run for every registered algorithm, the

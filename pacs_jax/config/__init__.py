@@ -125,7 +125,13 @@ def default_config() -> ml_collections.ConfigDict:
   c.grpo.kl_coef = 0.001
   c.grpo.entropy_coeff = 0.0
 
+  # PPO: its actor is the same clipped-ratio loss as GRPO's (verl's actor block) with its own settings, and a critic.
   c.ppo = ml_collections.ConfigDict()
+  c.ppo.clip_ratio_low = 0.2
+  c.ppo.clip_ratio_high = 0.2
+  c.ppo.clip_ratio_c = 3.0  # dual clip for negative advantages
+  c.ppo.loss_agg_mode = "seq-mean-token-sum-norm"  # the actor's and the critic's
+  c.ppo.entropy_coeff = 0.0
   c.ppo.critic_lr = 1e-5
   c.ppo.cliprange_value = 0.5
   c.ppo.gamma = 1.0

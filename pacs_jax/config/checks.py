@@ -30,6 +30,16 @@ def _check_enum(value, choices: tuple, field: str) -> None:
   algo_registry.check_choice(_check, value, choices, field)
 
 
+def _check_moved_settings(c: ml_collections.ConfigDict, algo: algo_registry.Algorithm) -> None:
+  """Refuses a setting the algorithm now reads from its own block that is still set only where older configs held
+  it (it would be ignored silently)."""
+  from pacs_jax.config import default_config
+  defaults = default_config()
+  for new, old in algo.moved_settings.items():
+    if get_field(c, old) != get_field(defaults, old) and get_field(c, new) == get_field(defaults, new):
+      _check(False, old, f"{c.algorithm} reads {new} now, not {old}: set {new} = {get_field(c, old)!r}")
+
+
 def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_processes: int = 1,
              devices=None, check_paths: bool = True) -> None:
   """Checks a config before anything is built; raises ConfigError naming the field.
@@ -64,6 +74,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   for name in algo_registry.names():  # every algorithm's settings block, the configured one or not
     algo_registry.get(name).validate_settings(c, _check)
   algo.validate(c, _check, num_processes)
+  _check_moved_settings(c, algo)
   _check(c.model.hf_path or c.model.preset, "model.hf_path",
          "set it to your model's directory (or a hub id such as Qwen/Qwen2.5-0.5B), or set model.preset")
   _check(bool(c.data.train.strip(", ")), "data.train",

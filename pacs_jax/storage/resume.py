@@ -11,6 +11,7 @@ from typing import Any
 import ml_collections
 from absl import logging
 
+from pacs_jax.algos import registry as algo_registry
 from pacs_jax.storage.checkpoint import CheckpointMismatch
 
 # The model fields that decide the parameters' shapes and what they compute.
@@ -59,6 +60,18 @@ def legacy_record(saved_config: dict) -> dict:
 
 def legacy_record_of(cfg: ml_collections.ConfigDict) -> dict:
   return legacy_record(json.loads(cfg.to_json_best_effort()))
+
+
+def with_moved_settings(saved: dict, saved_config: dict) -> dict:
+  """`saved` (a record) with the objective fields its algorithm has since moved into its own block
+  (`Algorithm.moved_settings`) read from where its saved config held them."""
+  algorithm = saved.get("algorithm")
+  if not algo_registry.is_registered(algorithm):
+    return saved
+  old_values = flatten(saved_config)
+  moved = {new: old_values[old] for new, old in algo_registry.get(algorithm).moved_settings.items()
+           if new not in saved.get("objective", {}) and old in old_values}
+  return {**saved, "objective": dict(sorted({**saved.get("objective", {}), **moved}.items()))} if moved else saved
 
 
 def differences(saved: dict, current: dict) -> dict[str, list[str]]:
@@ -134,6 +147,7 @@ def check(step: int, where: str, saved_config: dict, saved_record: dict | None, 
     saved, current = legacy_record(saved_config), legacy_record_of(cfg)
   else:
     saved, current = saved_record, record
+  saved = with_moved_settings(saved, saved_config)
   allowed = tuple(filter(None, (s.strip() for s in cfg.checkpoint.allow_changes.split(","))))
   diffs = differences(saved, current)
   refused = refusal(step, where, diffs, allowed)

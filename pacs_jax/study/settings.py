@@ -64,6 +64,8 @@ def train_config(algorithm: str, seed: int, base_model_dir: str, s: StudySetting
   c.grpo.loss_agg_mode = "seq-mean-token-sum-norm"
   c.grpo.use_kl_loss = False
   c.grpo.entropy_coeff = 0.0
+  c.ppo.loss_agg_mode = "seq-mean-token-sum-norm"
+  c.ppo.entropy_coeff = 0.0
   c.ppo.critic_lr = 10 * s.lr  # the released critic lr is ten times the actor's (1e-5 vs 1e-6)
   c.ppo.cliprange_value = 0.5
   c.ppo.gamma, c.ppo.lam = 1.0, 1.0
