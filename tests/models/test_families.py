@@ -117,7 +117,7 @@ def test_paged_cache_decode_equals_the_uncached_forward_and_transformers(hf_dir,
 
 
 def test_trains_two_steps_through_the_command_line(hf_dir, tmp_path):
-  _, path, _ = hf_dir
+  family, path, _ = hf_dir
   spec = os.path.join(ROOT, "configs", "tiny_cpu.py")
   overrides, devices = config_shrink.shrink(config_lib.load_config_file(spec))
   overrides.update({"model.hf_path": path, "model.preset": "", "data.val": ""})  # the model dir; no validation
@@ -128,6 +128,7 @@ def test_trains_two_steps_through_the_command_line(hf_dir, tmp_path):
              PACS_JAX_COMPILATION_CACHE=os.environ.get("PACS_JAX_TEST_CACHE", os.path.join(ROOT, ".jax_cache")))
   result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+  assert f"{path}: {family} (2 layers" in result.stdout + result.stderr  # the banner names the family
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl") if line.strip()]
   assert [r["step"] for r in rows] == [1, 2]
   assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["skipped_updates"] == 0 for r in rows)

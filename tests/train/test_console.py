@@ -18,7 +18,7 @@ def test_banner_and_a_progress_bar_in_a_terminal(tmp_path, monkeypatch, capsys):
   trainer = loop.Trainer(cfg, str(tmp_path / "run"), devices=jax.devices()[:1])
   banner = trainer.banner("configs/tiny_cpu.py")
   for line in ("pacs_jax.train: configs/tiny_cpu.py, algorithm pacs, 2 steps", f"workdir    {tmp_path / 'run'}",
-               "model      preset tiny (2 layers, width 64, vocabulary 64, float32)",
+               "model      preset tiny: qwen2 (2 layers, width 64, vocabulary 64, float32)",
                "tokenizer  synthetic (built in), 64 tokens", "data       train synthetic/mod3 (4096 problems); "
                "no validation", "prompts    8 x n=8 per step, <= 16 prompt and 4 new tokens; instruction none",
                "devices    1 x cpu (mesh data=1 fsdp=1 tensor=1)"):
