@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 def pad_prompts(prompt_ids: Sequence[np.ndarray], pad_id: int, length: int | None = None):
-  """Left-pads prompts to `length` (default: the longest) -> (ids [B, T] int32, mask [B, T] int32, 1 = real)."""
+  """Left-pads prompts to `length` (default: the longest) -> (ids [B, P] int32, mask [B, P] int32, 1 = real)."""
   longest = max((len(x) for x in prompt_ids), default=0)
   length = longest if length is None else length
   if longest > length:

@@ -1,7 +1,7 @@
 """Rotary position embedding, transformers' variants: the default RoPE and Llama 3's frequency scaling
 (`rope_type: "llama3"`), read from and written to a Hugging Face config.json.
 
-Shapes: B batch, T positions, N heads, H head dim.
+Shapes (docs/shapes.md): B batch rows, T query positions, N heads, H head dim.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ class RewardScorer:
     with RewardScorer(num_workers=2, timeout_s=10) as scorer:
       scores, stats = scorer.score_batch(responses, answers, data_sources)
 
-  scores: float32 [N]; stats: {"errors", "timeouts"} counts for that batch (`totals` keeps the
+  scores: float32 [B] (one per response); stats: {"errors", "timeouts"} counts for that batch (`totals` keeps the
   run's sums). Synthetic data sources are scored in this process (cheap and trusted); the pool
   starts on the first item that needs it. An item that runs past `timeout_s` scores 0.0 and its
   worker is killed and replaced; a worker that dies scores its item 0.0 (an error) likewise.

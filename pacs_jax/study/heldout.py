@@ -22,7 +22,7 @@ def problems(task: synthetic.GradedSumTask, count: int, terms: tuple[int, ...]) 
 
 
 def correct_counts(trainer, records: list[dict], n: int, seed: int) -> np.ndarray:
-  """Correct samples out of `n` per problem [P] of the trainer's policy at its rollout temperature; each problem's
+  """Correct samples out of `n` per problem [U] of the trainer's policy at its rollout temperature; each problem's
   samples depend on (seed, problem text) alone."""
   task = synthetic.get_task(trainer.cfg.data.train)
   prompt_ids = [ids.tolist() for ids in prompts_lib.encode_prompts(trainer.tokenizer, [r["problem"] for r in records],
