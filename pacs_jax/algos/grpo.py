@@ -17,7 +17,8 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 def group_advantages(rewards: jax.Array, *, group_size: int, norm_adv_by_std: bool = True,
                      eps: float = 1e-6) -> jax.Array:
-  """A_i [B] = (R_i − mean_{j in i's group} R_j) / (std_j R_j + eps) (std unbiased, ddof=1), or R_i − mean without std.
+  """A_i [B] = (R_i − mean_j R_j) / (std_j R_j + eps) over the j of i's group (std unbiased, ddof=1), or
+  R_i − mean_j R_j without std.
 
   A constant: rewards carry no gradient. (verl gives a single-response group mean 0, std 1; here n >= 2.)
   """

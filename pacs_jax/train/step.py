@@ -88,7 +88,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     return algo.critic_loss(cfg, response_values(critic, micro["input_ids"], micro["attention_mask"], R), micro)
 
   def accumulate(loss_fn, params, minibatch, weight_fn):
-    """Σ_j c_j ∇L_j / Σ_j c_j over micro-batches j (c_j = the loss normaliser of micro-batch j); the metrics
+    """Σ_j c_j ∇loss_j / Σ_j c_j over micro-batches j (c_j = the loss normaliser of micro-batch j); the metrics
     averaged with the same weights."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
