@@ -63,7 +63,7 @@ def compile_train_step(cfg, topology: str = ""):
   mesh, state, policy, progs, batch, tokens = _abstract(cfg, topology)
   critic = 2.0 if progs.value_fn is not None else 1.0
   report, compiled = _compile("train_step", 6.0 * aot.matmul_params(policy) * tokens * critic, mesh,
-                              lambda: progs.train_step.lower(state, batch))
+                              lambda: progs.train_step.lower(state, batch, programs_lib.ends_step_shape(mesh)))
   return report, compiled, mesh, batch
 
 

@@ -1,6 +1,7 @@
 """GRPO baseline: group-normalised outcome advantages and verl's clipped-ratio policy loss (core_algos.py).
 
-Shapes: N responses = G groups × n (`group_size`) contiguous rows; T response positions.
+Shapes: B responses = U prompts × n samples (`group_size`), contiguous rows; R response positions (a subscripted
+R_i is response i's outcome reward).
 """
 
 from __future__ import annotations
@@ -17,31 +18,32 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 def group_advantages(rewards: jax.Array, *, group_size: int, norm_adv_by_std: bool = True,
                      eps: float = 1e-6) -> jax.Array:
-  """A_i [N] = (R_i − mean_group R) / (std_group R + eps) (std unbiased, ddof=1), or R_i − mean without std.
+  """A_i [B] = (R_i − mean_j R_j) / (std_j R_j + eps) over the j of i's group (std unbiased, ddof=1), or
+  R_i − mean_j R_j without std.
 
   A constant: rewards carry no gradient. (verl gives a single-response group mean 0, std 1; here n >= 2.)
   """
-  groups = groups_lib.split_groups(jax.lax.stop_gradient(rewards.astype(jnp.float32)), group_size)  # [G, n]
+  groups = groups_lib.split_groups(jax.lax.stop_gradient(rewards.astype(jnp.float32)), group_size)  # [U, n]
   return groups_lib.mean_std_normalise(groups, norm_adv_by_std, eps).reshape(-1)
 
 
 def agg_loss(loss_mat: jax.Array, loss_mask: jax.Array, loss_agg_mode: str = "token-mean",
              micro_batch_rows: int = 1) -> jax.Array:
-  """A scalar from per-token losses [N, T] (verl's agg_loss; masked positions never count).
+  """A scalar from per-token losses [B, R] (verl's agg_loss; masked positions never count).
 
     token-mean:               Σ_{i,t} m·ℓ / Σ_{i,t} m
     seq-mean-token-sum:       mean_i Σ_t m·ℓ
     seq-mean-token-mean:      mean_i (Σ_t m·ℓ / Σ_t m)
-    seq-mean-token-sum-norm:  b · mean_i (Σ_t m·ℓ / T),  T = loss_mat.shape[-1] (the max response length, Dr. GRPO)
+    seq-mean-token-sum-norm:  b · mean_i (Σ_t m·ℓ / R),  R = loss_mat.shape[-1] (the max response length, Dr. GRPO)
 
-  verl's last mode divides the micro-batch *sum* by T, and verl then averages its micro-batches of b rows
+  verl's last mode divides the micro-batch *sum* by R, and verl then averages its micro-batches of b rows
   (dp_actor.update_policy: loss / gradient_accumulation, FSDP averages the ranks): the released gradient is
   b = ppo_micro_batch_size_per_gpu times the per-sequence mean. `micro_batch_rows` is that b, a number of the
   recipe, so the scale does not depend on how this project splits a mini-batch for memory.
   """
   if loss_agg_mode == "token-mean":
     return masked_mean(loss_mat, loss_mask)
-  seq_sums = masked_sum(loss_mat, loss_mask, axis=-1)  # [N]
+  seq_sums = masked_sum(loss_mat, loss_mask, axis=-1)  # [B]
   if loss_agg_mode == "seq-mean-token-sum":
     return jnp.mean(seq_sums)
   if loss_agg_mode == "seq-mean-token-mean":
@@ -52,7 +54,7 @@ def agg_loss(loss_mat: jax.Array, loss_mask: jax.Array, loss_agg_mode: str = "to
 
 
 def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, kl_type: str = "low_var_kl") -> jax.Array:
-  """Per-token KL estimate [N, T] (Schulman's estimators, verl's kl_penalty).
+  """Per-token KL estimate [B, R] (Schulman's estimators, verl's kl_penalty).
 
     kl / k1:          logp − ref
     abs:              |logp − ref|
@@ -76,12 +78,12 @@ def clipped_policy_loss(old_logprobs: jax.Array, logprobs: jax.Array, advantages
                         response_mask: jax.Array, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                         clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
                         micro_batch_rows: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """PPO clipped-ratio loss with dual clip (verl's compute_policy_loss_vanilla); all inputs [N, T].
+  """PPO clipped-ratio loss with dual clip (verl's compute_policy_loss_vanilla); all inputs [B, R].
 
     ρ = exp(clip(logp − old, −20, 20))
     ℓ₁ = max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high))
     ℓ = min(ℓ₁, −A·c) where A < 0 (dual clip: a negative advantage cannot push by more than c), else ℓ₁
-  `advantages` may be [N] (one per response) or [N, T]. Returns (agg_loss(ℓ), metrics).
+  `advantages` may be [B] (one per response) or [B, R]. Returns (agg_loss(ℓ), metrics).
   The released verl clamps nothing; the ±20 clamp of log ρ keeps exp finite (a 0 · inf would make the step NaN
   and skipped) and changes gradients by at most A·e⁻²⁰: beyond +20 the clip (A > 0) or dual clip (A < 0) holds ℓ
   constant, below −20 ρ is that small.
@@ -119,11 +121,11 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Ar
               entropy_coeff: float = 0.0, micro_batch_rows: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
   """GRPO actor loss: pg_loss(A = group_advantages(R)) + kl_coef · agg(KL(π_θ‖π_ref)) − ent_coef · agg(H).
 
-  logprobs, old_logprobs, ref_logprobs, response_mask, entropy: [N, T]; rewards: [N]. The KL term is used when
+  logprobs, old_logprobs, ref_logprobs, response_mask, entropy: [B, R]; rewards: [B]. The KL term is used when
   kl_loss_coef > 0 (needs ref_logprobs), the entropy bonus when entropy_coeff != 0 (needs entropy). Defaults
   are the paper's baseline: clip 0.2, seq-mean-token-sum-norm, no KL, no entropy; `micro_batch_rows`: see agg_loss.
   """
-  advantages = group_advantages(rewards, group_size=group_size, norm_adv_by_std=norm_adv_by_std)  # [N]
+  advantages = group_advantages(rewards, group_size=group_size, norm_adv_by_std=norm_adv_by_std)  # [B]
   loss, metrics = clipped_policy_loss(old_logprobs, logprobs, advantages, response_mask,
                                       clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
                                       clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,

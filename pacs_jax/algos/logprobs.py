@@ -1,5 +1,8 @@
 """Per-token log-probs and entropies from logits (or hidden states + lm head), in sequence chunks, so no
 fp32 `[B, T, V]` log-softmax (several times the bf16 logits at V = 151,936) is ever materialised.
+
+Shapes: B rows, T positions read (the trainer reads the R response positions), C positions per chunk,
+D model width, V vocabulary.
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ def _kept_chunk_stats(logits, tokens, temperature: float, with_entropy: bool):
   recomputing them.
 
   With the logits kept, autodiff's backward would redo logsumexp's max and sum over V (two passes over
-  [B, C, V]); here it is one elementwise pass, fused into the head's transposed matmul. x = logits / T,
+  [B, C, V]); here it is one elementwise pass, fused into the head's transposed matmul. x = logits / temperature,
   p = softmax(x) = exp(x − m) / s, lse = m + log s and H as in `token_stats`:
     d logp / dx_v = [v = token] − p_v,     d H / dx_v = p_v · (lse − x_v − H).
   """

@@ -1,6 +1,7 @@
 """The PACS loss (docs/algorithm.md): a BCE of the verified reward R on a score ψ built from the policy's own log-probs.
 
-Shapes: N responses = G prompt groups × n (`group_size`) contiguous rows; T response positions.
+Shapes: B responses = U prompts × n samples (`group_size`), contiguous rows; R response positions (a subscripted
+R_i is response i's verified reward).
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from pacs_jax.algos import groups as groups_lib, registry
+from pacs_jax.algos import batch as batch_lib, groups as groups_lib, registry
 from pacs_jax.algos.logprobs import masked_sum
 
-REWARD_METHODS = ("1", "2")
 ADV_ESTIMATORS = ("rloo", "grpo", "naive")
 WEIGHT_MODES = ("question", "only_positive", "only_negative")
 REWARD_METHODS = ("1", "2")  # "1": β Σ (log π − log π_ref); "2": β Σ log π / |o|
@@ -25,7 +25,7 @@ GRPO_EPS = groups_lib.GRPO_EPS
 
 def reward_proxy(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: jax.Array, *, beta: float = 1.0,
                  reward_method: str = "1", sum_mask: jax.Array | None = None) -> jax.Array:
-  """r̂_i [N] from per-token log-probs [N, T].
+  """r̂_i [B] from per-token log-probs [B, R].
 
     "1":  r̂_i = β · Σ_t s_t · (log π_θ − log π_ref)
     "2":  r̂_i = β · Σ_t s_t · log π_θ / |o_i|,   |o_i| = Σ_t mask_t  (ref unused)
@@ -39,25 +39,25 @@ def reward_proxy(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: ja
   if reward_method == "1":
     return beta * masked_sum(logprobs - ref_logprobs, sum_mask, axis=-1)
   if reward_method == "2":
-    length = jnp.sum((response_mask > 0).astype(jnp.float32), axis=-1)  # [N]
+    length = jnp.sum((response_mask > 0).astype(jnp.float32), axis=-1)  # [B]
     return beta * masked_sum(logprobs, sum_mask, axis=-1) / jnp.maximum(length, 1.0)
   raise ValueError(f"reward_method must be one of {REWARD_METHODS}, got {reward_method!r}")
 
 
-rloo_advantage = groups_lib.rloo  # ψ_i = r̂_i − mean_{j≠i} r̂_j, [G, n] -> [G, n]
+rloo_advantage = groups_lib.rloo  # ψ_i = r̂_i − mean_{j≠i} r̂_j, [U, n] -> [U, n]
 
 
 def grpo_advantage(groups: jax.Array, norm_adv_by_std: bool = True, eps: float = GRPO_EPS) -> jax.Array:
-  """ψ_i = (r̂_i − mean r̂) / (std r̂ + eps) (std unbiased, ddof=1), or r̂_i − mean r̂ without std; [G, n]."""
+  """ψ_i = (r̂_i − mean r̂) / (std r̂ + eps) (std unbiased, ddof=1), or r̂_i − mean r̂ without std; [U, n]."""
   return groups_lib.mean_std_normalise(groups, norm_adv_by_std, eps)
 
 
 def score(reward_proxy_values: jax.Array, *, group_size: int, adv_estimator: str = "rloo",
           norm_adv_by_std: bool = True) -> jax.Array:
-  """ψ [N] from r̂ [N]: "rloo" | "grpo" (± std) | "naive" (ψ = r̂). Gradients flow through the baselines."""
+  """ψ [B] from r̂ [B]: "rloo" | "grpo" (± std) | "naive" (ψ = r̂). Gradients flow through the baselines."""
   if adv_estimator == "naive":
     return reward_proxy_values
-  groups = groups_lib.split_groups(reward_proxy_values, group_size)  # [G, n]
+  groups = groups_lib.split_groups(reward_proxy_values, group_size)  # [U, n]
   if adv_estimator == "rloo":
     return rloo_advantage(groups).reshape(-1)
   if adv_estimator == "grpo":
@@ -67,7 +67,7 @@ def score(reward_proxy_values: jax.Array, *, group_size: int, adv_estimator: str
 
 def class_weights(rewards: jax.Array, *, group_size: int, use_weight: bool = True,
                   weight_mode: str = "question") -> jax.Array:
-  """Per-response BCE weights w [N] (constants: they depend on labels only).
+  """Per-response BCE weights w [B] (constants: they depend on labels only).
 
     use_weight False:  w = 1
     "question":        per group with both labels, sklearn "balanced" w_c = n / (2 · count_c);
@@ -76,16 +76,16 @@ def class_weights(rewards: jax.Array, *, group_size: int, use_weight: bool = Tru
   """
   if weight_mode not in WEIGHT_MODES:
     raise ValueError(f"weight_mode must be one of {WEIGHT_MODES}, got {weight_mode!r}")
-  positive = (rewards > 0.5).astype(jnp.float32)  # [N]
+  positive = (rewards > 0.5).astype(jnp.float32)  # [B]
   if not use_weight:
     return jnp.ones_like(positive)
   if weight_mode == "only_positive":
     return positive
   if weight_mode == "only_negative":
     return 1.0 - positive
-  groups = groups_lib.split_groups(positive, group_size)  # [G, n]
+  groups = groups_lib.split_groups(positive, group_size)  # [U, n]
   n = group_size
-  num_pos = jnp.sum(groups, axis=-1, keepdims=True)  # [G, 1]
+  num_pos = jnp.sum(groups, axis=-1, keepdims=True)  # [U, 1]
   num_neg = n - num_pos
   balanced = jnp.where(groups > 0, n / (2.0 * jnp.maximum(num_pos, 1.0)), n / (2.0 * jnp.maximum(num_neg, 1.0)))
   mixed = (num_pos > 0) & (num_neg > 0)
@@ -106,20 +106,20 @@ def pacs_loss(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: jax.A
               group_size: int, beta: float = 1.0, reward_method: str = "1", adv_estimator: str = "rloo",
               norm_adv_by_std: bool = True, use_weight: bool = True, weight_mode: str = "question",
               sum_mask: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """L = (1/N) Σ_i w_i · BCEWithLogits(ψ_i, R_i)  (mean over N, not divided by Σ w).
+  """loss = (1/B) Σ_i w_i · BCEWithLogits(ψ_i, R_i)  (mean over the B responses, not divided by Σ w).
 
-  logprobs, ref_logprobs, response_mask: [N, T]; rewards: [N] in {0, 1}. ref_logprobs carries no gradient.
-  `sum_mask`: the positions r̂ sums (see `reward_proxy`). ∇L = −(1/N) Σ_i w_i (R_i − σ(ψ_i)) ∇ψ_i.
+  logprobs, ref_logprobs, response_mask: [B, R]; rewards: [B] in {0, 1}. ref_logprobs carries no gradient.
+  `sum_mask`: the positions r̂ sums (see `reward_proxy`). ∇loss = −(1/B) Σ_i w_i (R_i − σ(ψ_i)) ∇ψ_i.
   Returns (loss, metrics).
   """
   logprobs = logprobs.astype(jnp.float32)
   ref_logprobs = jax.lax.stop_gradient(ref_logprobs.astype(jnp.float32))
   rewards = rewards.astype(jnp.float32)
   r_hat = reward_proxy(logprobs, ref_logprobs, response_mask, beta=beta, reward_method=reward_method,
-                       sum_mask=sum_mask)  # [N]
-  psi = score(r_hat, group_size=group_size, adv_estimator=adv_estimator, norm_adv_by_std=norm_adv_by_std)  # [N]
-  weights = class_weights(rewards, group_size=group_size, use_weight=use_weight, weight_mode=weight_mode)  # [N]
-  per_response = bce_with_logits(psi, rewards)  # [N]
+                       sum_mask=sum_mask)  # [B]
+  psi = score(r_hat, group_size=group_size, adv_estimator=adv_estimator, norm_adv_by_std=norm_adv_by_std)  # [B]
+  weights = class_weights(rewards, group_size=group_size, use_weight=use_weight, weight_mode=weight_mode)  # [B]
+  per_response = bce_with_logits(psi, rewards)  # [B]
   loss = jnp.mean(weights * per_response)
 
   sg = jax.lax.stop_gradient
@@ -149,7 +149,7 @@ def pacs_loss(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: jax.A
 
 def padding_replication_inputs(input_ids: np.ndarray, attention_mask: np.ndarray, response_len: int,
                                pack_rows: int) -> tuple[np.ndarray, np.ndarray]:
-  """(log-prob targets [N, R], sum mask [N, R]) that make r̂ the released one, term for term.
+  """(log-prob targets [B, R], sum mask [B, R]) that make r̂ the released one, term for term.
 
   The released actor (dp_actor._forward_micro_batch, use_remove_padding) packs a micro-batch's real tokens
   into one row (unpad_input), reads each position's log-prob of the next packed token (torch.roll by −1),
@@ -159,16 +159,16 @@ def padding_replication_inputs(input_ids: np.ndarray, attention_mask: np.ndarray
   are packed in groups of `pack_rows` (ppo_micro_batch_size_per_gpu). The targets are the response tokens with
   that token at position ℓ, and the sum mask is the response mask plus position ℓ.
 
-  input_ids, attention_mask: [N, P + R] host arrays, prompts left-padded, responses right-padded.
+  input_ids, attention_mask: [B, P + R] host arrays, prompts left-padded, responses right-padded.
   """
-  N, L = input_ids.shape
+  B, L = input_ids.shape
   P = L - response_len
-  if N % pack_rows:
-    raise ValueError(f"{N} rows do not split into verl micro-batches of {pack_rows} rows")
-  first = input_ids[np.arange(N), np.argmax(attention_mask > 0, axis=1)]  # [N] first real token of each row
-  following = np.arange(N) + 1
+  if B % pack_rows:
+    raise ValueError(f"{B} rows do not split into verl micro-batches of {pack_rows} rows")
+  first = input_ids[np.arange(B), np.argmax(attention_mask > 0, axis=1)]  # [B] first real token of each row
+  following = np.arange(B) + 1
   following[pack_rows - 1::pack_rows] -= pack_rows  # the last row of each packed micro-batch wraps to its first
-  lengths = attention_mask[:, P:].sum(axis=1)  # [N] response lengths
+  lengths = attention_mask[:, P:].sum(axis=1)  # [B] response lengths
   targets = input_ids[:, P:].copy()
   sum_mask = attention_mask[:, P:].astype(np.float32)
   early = np.nonzero(lengths < response_len)[0]
@@ -202,7 +202,10 @@ class Pacs(registry.Algorithm):
     return registry.Reference(cfg.pacs.reference_policy)  # "frozen" | "rollout"
 
   def extra_fields(self, cfg):
-    return {"logprob_targets": np.int32, "proxy_mask": np.float32} if cfg.pacs.exact_padding_replication else {}
+    if not cfg.pacs.exact_padding_replication:
+      return ()
+    return (batch_lib.per_response("logprob_targets", jnp.int32, batch_lib.HOST),
+            batch_lib.per_response("proxy_mask", jnp.float32, batch_lib.HOST))
 
   def host_inputs(self, cfg: ml_collections.ConfigDict, input_ids, attention_mask, response_len):
     if not cfg.pacs.exact_padding_replication:
@@ -210,6 +213,9 @@ class Pacs(registry.Algorithm):
     targets, proxy_mask = padding_replication_inputs(input_ids, attention_mask, response_len,
                                                      cfg.train.verl_micro_batch_rows)
     return {"logprob_targets": targets, "proxy_mask": proxy_mask}
+
+  def logprob_targets(self, cfg, batch):
+    return batch["logprob_targets"] if cfg.pacs.exact_padding_replication else None
 
   def loss(self, cfg, logprobs, entropy, micro):
     p = cfg.pacs

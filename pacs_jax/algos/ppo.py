@@ -1,6 +1,7 @@
 """PPO baseline: a critic (the policy family's backbone + scalar value head), GAE, clipped value loss (verl's core_algos.py).
 
-Shapes: N responses, T response positions, D hidden. The actor loss is GRPO's clipped-ratio loss.
+Shapes: B rows (responses), L = P + R tokens, R response positions, D model width. The actor loss is GRPO's
+clipped-ratio loss.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pacs_jax.algos import registry
+from pacs_jax.algos import batch as batch_lib, registry
 from pacs_jax.algos.grpo import ClippedRatio, agg_loss, clipped_policy_loss
 from pacs_jax.algos.logprobs import masked_mean
 from pacs_jax.models import registry as model_registry
@@ -33,19 +34,19 @@ class Critic(nnx.Module):
     self.value_bias = nnx.Param(jnp.zeros((1,), config.param_dtype), logical_axes=("value",))
 
   def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
-    """input_ids, attention_mask: [B, T] -> values [B, T] fp32."""
-    hidden = self.model(input_ids, attention_mask)  # [B, T, D]
+    """input_ids, attention_mask: [B, L] -> values [B, L] fp32."""
+    hidden = self.model(input_ids, attention_mask)  # [B, L, D]
     # fp32 head: a D x 1 matmul costs nothing, and bf16 values would quantise the regression target.
-    values = jnp.einsum("BTD,DO->BTO", hidden.astype(jnp.float32), self.value_kernel[...].astype(jnp.float32))
+    values = jnp.einsum("BLD,DO->BLO", hidden.astype(jnp.float32), self.value_kernel[...].astype(jnp.float32))
     return values[..., 0] + self.value_bias[...].astype(jnp.float32)[0]
 
 
 def outcome_token_rewards(rewards: jax.Array, response_mask: jax.Array) -> jax.Array:
-  """[N] outcome rewards -> [N, T] token rewards: R at each row's last response token, 0 elsewhere (verl)."""
-  valid = response_mask > 0  # [N, T]
-  T = valid.shape[-1]
-  last = T - 1 - jnp.argmax(valid[:, ::-1], axis=-1)  # [N] index of the last valid position
-  at_last = (jnp.arange(T)[None, :] == last[:, None]) & jnp.any(valid, axis=-1, keepdims=True)
+  """[B] outcome rewards -> [B, R] token rewards: the reward at each row's last response token, 0 elsewhere (verl)."""
+  valid = response_mask > 0  # [B, R]
+  R = valid.shape[-1]
+  last = R - 1 - jnp.argmax(valid[:, ::-1], axis=-1)  # [B] index of the last valid position
+  at_last = (jnp.arange(R)[None, :] == last[:, None]) & jnp.any(valid, axis=-1, keepdims=True)
   return jnp.where(at_last, rewards[:, None].astype(jnp.float32), 0.0)
 
 
@@ -68,11 +69,11 @@ def critic_mask(attention_mask: jax.Array, response_len: int) -> jax.Array:
 
 def gae_advantages(token_level_rewards: jax.Array, values: jax.Array, response_mask: jax.Array, *,
                    gamma: float = 1.0, lam: float = 1.0) -> tuple[jax.Array, jax.Array]:
-  """(advantages, returns), both [N, T], by the released verl's compute_gae_advantage_return (no gradient).
+  """(advantages, returns), both [B, R], by the released verl's compute_gae_advantage_return (no gradient).
 
   Backwards over every position t (the released version has no mask in the loop; values are zero past the
   critic mask, see `critic_mask`):
-    δ_t = r_t + γ·V_{t+1} − V_t  (V_T = 0),   Â_t = δ_t + γλ·Â_{t+1}
+    δ_t = r_t + γ·V_{t+1} − V_t  (V_R = 0),   Â_t = δ_t + γλ·Â_{t+1}
   returns = Â + V; the advantages are then whitened over `response_mask` (positions outside it set to 0; the
   actor loss never reads them).
   """
@@ -82,13 +83,13 @@ def gae_advantages(token_level_rewards: jax.Array, values: jax.Array, response_m
   mask = (response_mask > 0).astype(jnp.float32)
 
   def step(carry, xs):
-    next_value, next_gae = carry  # [N], [N]
-    r, v = xs  # [N] each: position t
+    next_value, next_gae = carry  # [B], [B]
+    r, v = xs  # [B] each: position t
     gae = r + gamma * next_value - v + gamma * lam * next_gae
     return (v, gae), gae
 
   zeros = jnp.zeros(rewards.shape[:1], jnp.float32)
-  _, advantages = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T), reverse=True)  # [T, N]
+  _, advantages = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T), reverse=True)  # [R, B]
   advantages = advantages.T
   returns = advantages + values
   advantages = jnp.where(mask > 0, masked_whiten(advantages, mask), 0.0)
@@ -98,7 +99,7 @@ def gae_advantages(token_level_rewards: jax.Array, values: jax.Array, response_m
 def clipped_value_loss(values_pred: jax.Array, returns: jax.Array, old_values: jax.Array,
                        mask: jax.Array, *, cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean",
                        micro_batch_rows: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """agg(max((v − R)², (v_clip − R)²)), v_clip = clip(v, old − c, old + c); inputs [N, T].
+  """agg(max((v − ret)², (v_clip − ret)²)), ret the returns, v_clip = clip(v, old − c, old + c); inputs [B, R].
 
   The released verl's compute_value_loss: no ½, the actor's loss_agg_mode (critic.loss_agg_mode follows it in
   ppo_trainer.yaml), and `mask` = `critic_mask`. The max means a prediction that moved more than c from the
@@ -141,14 +142,14 @@ class Ppo(ClippedRatio):
   """PPO: a critic trained beside the policy, token-level GAE advantages for the clipped-ratio actor."""
 
   has_critic = True
-  has_step_inputs = True
   # The actor's settings, read from the grpo block before PPO had its own (a resume upgrades such a checkpoint's
   # record from its saved grpo block; a config that still sets one there is refused, naming the new field).
   moved_settings = {f"ppo.{k}": f"grpo.{k}" for k in
                     ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "entropy_coeff")}
 
   def extra_fields(self, cfg):
-    return {"advantages": jnp.float32, "returns": jnp.float32}
+    return (batch_lib.per_response("advantages", jnp.float32, batch_lib.STEP),
+            batch_lib.per_response("returns", jnp.float32, batch_lib.STEP))
 
   def step_inputs(self, cfg, minibatches):
     return step_advantages(minibatches, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam)

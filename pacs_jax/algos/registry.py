@@ -6,7 +6,6 @@ module that subclasses `Algorithm` and calls `register` (as tunix's algo_core re
 
 from __future__ import annotations
 
-import enum
 import importlib
 from typing import Callable
 
@@ -14,6 +13,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+
+from pacs_jax.algos import batch as batch_lib
+from pacs_jax.algos.batch import Reference  # noqa: F401  (algorithms name it `registry.Reference`)
 
 Batch = dict[str, jax.Array]
 # check(condition, field, message): config validation's error reporter (raises naming the field).
@@ -24,25 +26,18 @@ _BUILTIN_MODULES = {"pacs": "pacs_jax.algos.pacs", "grpo": "pacs_jax.algos.grpo"
 _REGISTRY: dict[str, "Algorithm"] = {}
 
 
-class Reference(enum.Enum):
-  """Whose log-probs a micro-batch's `ref_logprobs` are (docs/algorithm.md, "The reference policy")."""
-  NONE = "none"  # no reference term
-  FROZEN = "frozen"  # a frozen copy of the initial policy, kept beside the trained one
-  ROLLOUT = "rollout"  # the policy that sampled this step: its old log-probs, computed before the first update
-
-
 class Algorithm:
   """An objective on the shared loop. Subclasses override what differs; the defaults are a critic-free,
   reference-free policy loss averaged over rows.
 
-  Every micro-batch field is [m, ...] (m rows = whole prompt groups): input_ids / attention_mask [m, P + R],
-  response_mask [m, R], rewards [m], plus what the algorithm asks for (old_logprobs, ref_logprobs, ...).
+  A micro-batch is [m, ...] of each `batch.TrainBatch` field (m rows = whole prompt groups): input_ids /
+  attention_mask [m, L], response_mask [m, R], rewards [m], plus what the algorithm asks for (old_logprobs,
+  ref_logprobs, old_values, its `extra_fields`).
   """
 
   name: str = ""
   min_group_size: int = 1  # responses per prompt the objective needs (group baselines need 2)
   has_critic: bool = False  # a value model trained beside the policy (old_values come with each mini-batch)
-  has_step_inputs: bool = False  # `step_inputs` adds fields computed over the whole step's batch
   # Settings that moved into this algorithm's block: {new field: the field older configs held it in}. A config that
   # still sets the old field (and not the new) is refused; a resume reads an older record's value from the old one.
   moved_settings: dict[str, str] = {}
@@ -63,18 +58,25 @@ class Algorithm:
     rollout reference)."""
     return self.reference(cfg) is Reference.ROLLOUT
 
-  def extra_fields(self, cfg: ml_collections.ConfigDict) -> dict[str, np.dtype]:
-    """Further [m, R] fields of a micro-batch: host inputs (`host_inputs`) and step inputs (`step_inputs`)."""
-    return {}
+  def extra_fields(self, cfg: ml_collections.ConfigDict) -> tuple[batch_lib.Field, ...]:
+    """The algorithm's own mini-batch fields (`batch.per_response`): host inputs (source `batch.HOST`, from
+    `host_inputs`) and step inputs (`batch.STEP`, from `step_inputs`)."""
+    return ()
 
   def host_inputs(self, cfg: ml_collections.ConfigDict, input_ids: np.ndarray, attention_mask: np.ndarray,
                   response_len: int) -> dict[str, np.ndarray]:
-    """Per-row [rows, R] numpy inputs built on the host from a process's rows (before batching)."""
+    """Per-row [rows, R] numpy inputs built on the host from a process's rows (before batching): the
+    `extra_fields` of source `batch.HOST`."""
     return {}
 
+  def logprob_targets(self, cfg: ml_collections.ConfigDict, batch: Batch) -> jax.Array | None:
+    """The tokens [..., R] whose log-probs the policy passes read (a micro- or mini-batch's field), or None: the
+    response tokens."""
+    return None
+
   def step_inputs(self, cfg: ml_collections.ConfigDict, minibatches: list[Batch]) -> list[Batch]:
-    """Fields computed over the whole step's batch (jitted), one dict per mini-batch [k, m, R]; after the
-    log-prob and value passes."""
+    """Fields computed over the whole step's batch (jitted), one dict per mini-batch [k, m, R]: the
+    `extra_fields` of source `batch.STEP`, after the log-prob and value passes."""
     return [{} for _ in minibatches]
 
   def entropy_has_grad(self, cfg: ml_collections.ConfigDict) -> bool:

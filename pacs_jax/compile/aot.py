@@ -195,12 +195,15 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     run(ProgramReport("values", "update", updates, 2.0 * N * mb_tokens),
         lambda: progs.value_fn.lower(state.critic_params, minibatch),
         lambda c: critic_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
+  if progs.step_inputs is not None:
     step_batch = [minibatch] * updates
-    run(ProgramReport("ppo_advantages", "update", 1, 0.0), lambda: progs.ppo_advantages.lower(step_batch),
+    run(ProgramReport("step_inputs", "update", 1, 0.0), lambda: progs.step_inputs.lower(step_batch),
         lambda c: per_chip_bytes(step_batch) + per_chip_bytes(outputs_of(c)))
   critic_factor = 2.0 if progs.value_fn is not None else 1.0
+  ends_step = programs_lib.ends_step_shape(mesh)
   run(ProgramReport("train_step", "update", updates, 6.0 * N * mb_tokens * critic_factor),
-      lambda: progs.train_step.lower(state, minibatch), lambda c: per_chip_bytes(state) + per_chip_bytes(minibatch))
+      lambda: progs.train_step.lower(state, minibatch, ends_step),
+      lambda c: per_chip_bytes(state) + per_chip_bytes(minibatch))
 
   always = {"policy params": params_bytes,
             "optimizer state": per_chip_bytes(state.opt_state)}

@@ -10,10 +10,10 @@ import dataclasses
 import jax
 import numpy as np
 
+from pacs_jax.algos import batch as batch_lib
 from pacs_jax.rollout import state as rollout_state
 from pacs_jax.train import multihost
 from pacs_jax.train import programs as programs_lib
-from pacs_jax.train import step as step_lib
 
 
 @dataclasses.dataclass
@@ -66,23 +66,21 @@ def pack_rows(prompts: list[list[int]], completions: list[rollout_state.Completi
   return input_ids, attention_mask, mask
 
 
-def to_minibatches(batch: RolloutBatch, mesh, num_minibatches: int, micro_per_minibatch: int) -> list[dict]:
-  """Splits local rows into mini-batches [k, m, ...] of whole groups, as global arrays over (data, fsdp); the
-  last one's `ENDS_STEP` flag is set (its update ends the training step)."""
-  arrays = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-            "response_mask": batch.response_mask, "rewards": batch.rewards, **batch.extra}
+def to_minibatches(batch: RolloutBatch, layout: batch_lib.TrainBatch, mesh, num_minibatches: int) -> list[dict]:
+  """Splits local rows into mini-batches of whole groups: the `layout`'s host fields [k, m, ...] each, as global
+  arrays over (data, fsdp)."""
+  arrays = layout.host_rows({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                             "response_mask": batch.response_mask, "rewards": batch.rewards, **batch.extra})
   rows = batch.rewards.shape[0]
   per_mb = rows // num_minibatches
   out = []
   for j in range(num_minibatches):
     mb = {}
     for name, a in arrays.items():
-      local = a[j * per_mb:(j + 1) * per_mb].reshape((micro_per_minibatch, per_mb // micro_per_minibatch) + a.shape[1:])
+      local = a[j * per_mb:(j + 1) * per_mb].reshape((layout.k, per_mb // layout.k) + a.shape[1:])
       global_shape = (local.shape[0], local.shape[1] * jax.process_count()) + local.shape[2:]
       mb[name] = jax.make_array_from_process_local_data(programs_lib.minibatch_sharding(mesh, local.ndim), local,
                                                         global_shape)
-    mb[step_lib.ENDS_STEP] = jax.make_array_from_process_local_data(
-        programs_lib.minibatch_sharding(mesh, 0), np.asarray(j == num_minibatches - 1), ())
     out.append(mb)
   return out
 

@@ -19,7 +19,7 @@ from flax import nnx
 from pacs_jax import config as config_lib
 from pacs_jax import paths
 from pacs_jax import sharding
-from pacs_jax.algos import registry
+from pacs_jax.algos import batch as batch_lib, registry
 from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import prompts as prompts_lib
 from pacs_jax.data import sources
@@ -145,7 +145,8 @@ class Trainer:
                                                self.engine.param_shardings)
     self.train_step, self.logprob_fn, self.value_fn = (self.programs.train_step, self.programs.logprob_fn,
                                                        self.programs.value_fn)
-    self.step_inputs, self.to_sample_params = self.programs.ppo_advantages, self.programs.to_sample_params
+    self.step_inputs, self.to_sample_params = self.programs.step_inputs, self.programs.to_sample_params
+    self.batch_layout = programs_lib.train_batch(cfg)
     self.checkpointer = checkpoint_lib.Checkpointer(paths.join(workdir, CHECKPOINT_DIR), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
 
@@ -217,25 +218,26 @@ class Trainer:
 
   def update(self, rb: batching.RolloutBatch) -> dict[str, Any]:
     """Reference / old log-probs for the whole step first, then one optimizer update per mini-batch."""
-    cfg = self.cfg
-    num_mb, k = programs_lib.updates_per_step(cfg), programs_lib.micro_batches(cfg)
+    layout = self.batch_layout
+    old, ref, values = batch_lib.OLD_LOGPROBS.name, batch_lib.REF_LOGPROBS.name, batch_lib.OLD_VALUES.name
+    passes = layout.names(batch_lib.PASS)
     with jax.set_mesh(self.mesh):
-      minibatches = batching.to_minibatches(rb, self.mesh, num_mb, k)
+      minibatches = batching.to_minibatches(rb, layout, self.mesh, programs_lib.updates_per_step(self.cfg))
       for mb in minibatches:
-        if self.algo.needs_old_logprobs(cfg):
-          mb["old_logprobs"] = self.logprob_fn(self.state.params, mb)
-        if self.ref_params is not None:
-          mb["ref_logprobs"] = self.logprob_fn(self.ref_params, mb)
-        elif self.algo.reference(cfg) is registry.Reference.ROLLOUT:
-          mb["ref_logprobs"] = mb["old_logprobs"]  # e.g. PACS "rollout": the policy that sampled this step
-        if self.algo.has_critic:
-          mb["old_values"] = self.value_fn(self.state.critic_params, mb)
+        if old in passes:
+          mb[old] = self.logprob_fn(self.state.params, mb)
+        if ref in passes:  # a frozen copy, or the policy that sampled this step (e.g. PACS "rollout")
+          mb[ref] = self.logprob_fn(self.ref_params, mb) if self.ref_params is not None else mb[old]
+        if values in passes:
+          mb[values] = self.value_fn(self.state.critic_params, mb)
       if self.step_inputs is not None:
         for mb, inputs in zip(minibatches, self.step_inputs(minibatches)):
           mb.update(inputs)
       all_metrics = []
-      for mb in minibatches:  # the last one's update moves the step counter and the RNG on
-        self.state, m = self.train_step(self.state, mb)
+      for j, mb in enumerate(minibatches):  # the last one's update moves the step counter and the RNG on
+        if sorted(mb) != sorted(layout.names()):
+          raise ValueError(f"mini-batch fields {sorted(mb)}, expected {sorted(layout.names())}")
+        self.state, m = self.train_step(self.state, mb, programs_lib.ends_step(self.mesh, j == len(minibatches) - 1))
         all_metrics.append(m)
     # Each mini-batch's own metrics, for inspection (e.g. r̂ = 0 on the first one with the rollout reference).
     self.minibatch_metrics = [{k: float(np.asarray(v)) for k, v in m.items()} for m in all_metrics]

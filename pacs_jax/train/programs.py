@@ -10,13 +10,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.algos import registry
+from pacs_jax.algos import batch as batch_lib, registry
 from pacs_jax.models import decoder
 from pacs_jax.models import registry as model_registry
 from pacs_jax.rollout import engine as engine_lib
@@ -79,32 +80,30 @@ def train_state_shardings(state: state_lib.TrainState, mesh, optimizer, critic_o
 
 
 def minibatch_sharding(mesh, ndim: int) -> NamedSharding:
-  """A mini-batch array [k micro-batches, m rows, ...]: rows over (data, fsdp); a scalar (`ENDS_STEP`) replicated."""
-  if ndim == 0:
-    return sharding.replicated(mesh)
+  """A mini-batch array [k micro-batches, m rows, ...]: rows over (data, fsdp)."""
   return NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (ndim - 2))))
+
+
+def train_batch(cfg: ml_collections.ConfigDict) -> batch_lib.TrainBatch:
+  """The run's mini-batch format: `mini_batch_prompts` groups of n rows, in `micro_batches` micro-batches."""
+  k = micro_batches(cfg)
+  return batch_lib.TrainBatch.of(cfg, registry.of(cfg), k, cfg.rollout.n * cfg.train.mini_batch_prompts // k)
 
 
 def minibatch_shapes(cfg: ml_collections.ConfigDict, mesh) -> dict[str, jax.ShapeDtypeStruct]:
   """The arrays of one mini-batch as the train step receives them (`Trainer.update` fills the log-prob,
-  value and advantage fields before the first update)."""
-  k = micro_batches(cfg)
-  m = cfg.rollout.n * cfg.train.mini_batch_prompts // k
-  P_, R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
-  fields = {"input_ids": ((k, m, P_ + R), jnp.int32), "attention_mask": ((k, m, P_ + R), jnp.int32),
-            "response_mask": ((k, m, R), jnp.float32), "rewards": ((k, m), jnp.float32)}
-  algo = registry.of(cfg)
-  if algo.needs_old_logprobs(cfg):
-    fields["old_logprobs"] = ((k, m, R), jnp.float32)
-  if algo.reference(cfg) is not registry.Reference.NONE:
-    fields["ref_logprobs"] = ((k, m, R), jnp.float32)
-  if algo.has_critic:
-    fields["old_values"] = ((k, m, R), jnp.float32)
-  for name, dtype in algo.extra_fields(cfg).items():
-    fields[name] = ((k, m, R), dtype)
-  fields[step_lib.ENDS_STEP] = ((), jnp.bool_)
-  return {name: jax.ShapeDtypeStruct(shape, dtype, sharding=minibatch_sharding(mesh, len(shape)))
-          for name, (shape, dtype) in fields.items()}
+  value and step-input fields before the first update)."""
+  return train_batch(cfg).abstract(lambda ndim: minibatch_sharding(mesh, ndim))
+
+
+def ends_step_shape(mesh) -> jax.ShapeDtypeStruct:
+  """The train step's `ends_step` argument: a replicated [] bool."""
+  return jax.ShapeDtypeStruct((), jnp.bool_, sharding=sharding.replicated(mesh))
+
+
+def ends_step(mesh, value: bool) -> jax.Array:
+  """`ends_step` as a global array (every process passes the same value)."""
+  return jax.make_array_from_process_local_data(sharding.replicated(mesh), np.asarray(value), ())
 
 
 def abstract_policy(cfg: ml_collections.ConfigDict) -> decoder.CausalLM:
@@ -145,11 +144,11 @@ def make_engine(cfg: ml_collections.ConfigDict, model: decoder.CausalLM, mesh, e
 @dataclasses.dataclass
 class Programs:
   """The trainer's jitted functions (the rollout engine holds the rollout ones)."""
-  train_step: Callable  # (state, minibatch) -> (state, metrics); the state is donated
+  train_step: Callable  # (state, minibatch, ends_step) -> (state, metrics); the state is donated
   logprob_fn: Callable  # (params, minibatch) -> log-probs [k, m, R]: reference and old log-probs
   value_fn: Callable | None  # (critic params, minibatch) -> values [k, m, R] (PPO)
   # (minibatches) -> [{field: [k, m, R]}]: the algorithm's step inputs (PPO's GAE), or None without any
-  ppo_advantages: Callable | None
+  step_inputs: Callable | None
   to_sample_params: Callable  # train-mode params -> rollout weights (compute dtype, sample layout)
 
 
@@ -159,13 +158,16 @@ def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, opt
   mesh = jax.tree.leaves(state_shardings)[0].mesh
   batch_shardings = {name: s.sharding for name, s in minibatch_shapes(cfg, mesh).items()}
   algo = registry.of(cfg)
+  targets = lambda minibatch: algo.logprob_targets(cfg, minibatch)
   # Rollout weights: sample-mode layout in the compute dtype. The model casts every weight to that
   # dtype before use, so sampling numerics are unchanged while memory and bandwidth drop.
   compute = config_lib.dtype(cfg.model.dtype)
   return Programs(
-      train_step=jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings),
+      train_step=jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings, sharding.replicated(mesh)),
                          out_shardings=(state_shardings, None), donate_argnums=(0,)),
-      logprob_fn=jax.jit(step_lib.make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.train.logits_chunk)),
-      value_fn=jax.jit(step_lib.make_value_fn(critic_graphdef)) if critic_graphdef is not None else None,
-      ppo_advantages=jax.jit(lambda mbs: algo.step_inputs(cfg, mbs)) if algo.has_step_inputs else None,
+      logprob_fn=jax.jit(step_lib.make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.train.logits_chunk, targets)),
+      value_fn=(jax.jit(step_lib.make_value_fn(critic_graphdef, algo.critic_mask)) if critic_graphdef is not None
+                else None),
+      step_inputs=(jax.jit(lambda mbs: algo.step_inputs(cfg, mbs)) if train_batch(cfg).names(batch_lib.STEP)
+                   else None),
       to_sample_params=jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute), p), out_shardings=sample_shardings))

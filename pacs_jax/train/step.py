@@ -1,11 +1,15 @@
-"""The pure train step `(state, minibatch) -> (state, metrics)` and the jitted log-prob / value passes it needs.
+"""The pure train step `(state, minibatch, ends_step) -> (state, metrics)` and the jitted log-prob / value passes
+it needs.
 
-A mini-batch has a leading micro-batch axis: every array is [k, m, ...] with k micro-batches of m rows
-(whole prompt groups). Gradients are accumulated over micro-batches weighted by each one's share of
-the loss normaliser (responses for PACS, tokens or sequences for GRPO/PPO), so k micro-batches give
-exactly the unsplit mini-batch's gradient. A training step is several such updates; its last one
-(`ENDS_STEP`) also advances `state.step` and the RNG. Shapes: L = P + R tokens (prompt left-padded to P,
-response right-padded to R).
+A mini-batch (`algos.batch.TrainBatch`) has a leading micro-batch axis: every array is [k, m, ...] with k
+micro-batches of m rows (whole prompt groups). Gradients are accumulated over micro-batches weighted by each
+one's share of the loss normaliser (the algorithm's `normaliser`), so k micro-batches give exactly the unsplit
+mini-batch's gradient. A training step is several such updates; its last one (`ends_step`, a traced [] bool
+argument: one compiled step for every update) also advances `state.step` and the RNG. What differs between
+algorithms comes from their registry hooks; this module knows none by name.
+
+Shapes: B rows, L = P + R tokens (prompt left-padded to P, response right-padded to R), D model width,
+V vocabulary.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from pacs_jax.algos import logprobs as logprobs_lib, ppo, registry
+from pacs_jax.algos import logprobs as logprobs_lib, registry
 from pacs_jax.train import state as state_lib
 from pacs_jax.train.state import TrainState
 
@@ -46,23 +50,19 @@ def response_logprobs(model, input_ids, attention_mask, response_len: int, tempe
 
 
 def response_values(critic, input_ids, attention_mask, response_len: int):
-  """V [B, R] of the states before each response token (aligned with `response_logprobs`)."""
+  """Values [B, R] of the states before each response token (aligned with `response_logprobs`)."""
   values = critic(input_ids, attention_mask)  # [B, L]
   L = input_ids.shape[1]
   return values[:, L - response_len - 1:L - 1]
 
 
-# A mini-batch's [] bool field: its update is the training step's last, so the step counter and the RNG advance
-# with it. A mini-batch without it is a whole training step.
-ENDS_STEP = "ends_step"
-
-
 def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.GradientTransformation,
                     critic_graphdef=None, critic_optimizer: optax.GradientTransformation | None = None,
                     optimizer_metrics: Callable[[Any], dict[str, jax.Array]] = state_lib.optimizer_metrics,
-                    ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-  """Builds the pure step: accumulate gradients over micro-batches, then one (possibly skipped) update; on the
-  training step's last mini-batch, `state.step` + 1 and the next RNG key.
+                    ) -> Callable[..., tuple[TrainState, dict]]:
+  """Builds the pure step `(state, minibatch, ends_step=True)`: accumulate gradients over micro-batches, then one
+  (possibly skipped) update; when `ends_step` (the training step's last mini-batch; by default the mini-batch is
+  a whole training step), `state.step` + 1 and the next RNG key.
 
   `optimizer_metrics(opt_state)`: the metrics read from the optimizer state (skipped updates, learning rate).
   """
@@ -73,7 +73,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     model = nnx.merge(graphdef, params)
     R = micro["response_mask"].shape[-1]
     logp, entropy = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
-                                      with_entropy=True, targets=micro.get("logprob_targets"),
+                                      with_entropy=True, targets=algo.logprob_targets(cfg, micro),
                                       logits_chunk=cfg.train.logits_chunk, keep_logits=cfg.train.keep_logits)
     # The entropy only carries gradient when it is part of the objective (GRPO's entropy bonus).
     loss, metrics = algo.loss(cfg, logp, entropy if algo.entropy_has_grad(cfg) else jax.lax.stop_gradient(entropy),
@@ -88,7 +88,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     return algo.critic_loss(cfg, response_values(critic, micro["input_ids"], micro["attention_mask"], R), micro)
 
   def accumulate(loss_fn, params, minibatch, weight_fn):
-    """Σ_j c_j ∇L_j / Σ_j c_j over micro-batches j (c_j = the loss normaliser of micro-batch j); the metrics
+    """Σ_j c_j ∇loss_j / Σ_j c_j over micro-batches j (c_j = the loss normaliser of micro-batch j); the metrics
     averaged with the same weights."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -115,9 +115,8 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  def train_step(state: TrainState, minibatch: Batch) -> tuple[TrainState, dict]:
-    ends_step = minibatch.get(ENDS_STEP, True)
-    minibatch = {k: v for k, v in minibatch.items() if k != ENDS_STEP}  # [k, m, ...] each
+  def train_step(state: TrainState, minibatch: Batch, ends_step: jax.Array | bool = True
+                 ) -> tuple[TrainState, dict]:  # minibatch: [k, m, ...] each
     grads, metrics = accumulate(micro_loss, state.params, minibatch, lambda m: algo.normaliser(cfg, m))
     metrics["grad_norm"] = optax.tree.norm(grads)
     params, opt_state = apply(optimizer, state.params, state.opt_state, grads)
@@ -136,10 +135,12 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
   return train_step
 
 
-def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = logprobs_lib.DEFAULT_CHUNK_SIZE
+def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = logprobs_lib.DEFAULT_CHUNK_SIZE,
+                    targets: Callable[[Batch], jax.Array | None] | None = None
                     ) -> Callable[[nnx.State, Batch], jax.Array]:
-  """(params, minibatch [k, m, ...]) -> log-probs [k, m, R] of the responses (or of `logprob_targets`), one
-  micro-batch at a time (`logits_chunk` as `response_logprobs`)."""
+  """(params, minibatch [k, m, ...]) -> log-probs [k, m, R] of the responses (or of `targets(minibatch)`
+  [k, m, R], e.g. the algorithm's `logprob_targets`), one micro-batch at a time (`logits_chunk` as
+  `response_logprobs`)."""
 
   def fn(params, minibatch):
     R = minibatch["response_mask"].shape[-1]
@@ -147,17 +148,21 @@ def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = logprobs_l
     def one(micro):  # merged inside the mapped function's trace, so no module crosses a trace boundary
       model = nnx.merge(graphdef, params)
       return response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
-                               targets=micro.get("logprob_targets"), logits_chunk=logits_chunk)
+                               targets=micro.get("targets"), logits_chunk=logits_chunk)
 
-    keys = ("input_ids", "attention_mask", "response_mask", "logprob_targets")
-    return jax.lax.map(one, {k: minibatch[k] for k in keys if k in minibatch})
+    mapped = {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")}
+    tokens = targets(minibatch) if targets is not None else None
+    if tokens is not None:
+      mapped["targets"] = tokens
+    return jax.lax.map(one, mapped)
 
   return fn
 
 
-def make_value_fn(critic_graphdef) -> Callable[[nnx.State, Batch], jax.Array]:
-  """(critic params, minibatch [k, m, ...]) -> values [k, m, R], zero outside `ppo.critic_mask` (as the released
-  dp_critic.compute_values: values * attention_mask[:, -R-1:-1])."""
+def make_value_fn(critic_graphdef, critic_mask: Callable[[Batch], jax.Array]
+                  ) -> Callable[[nnx.State, Batch], jax.Array]:
+  """(critic params, minibatch [k, m, ...]) -> values [k, m, R], zero outside `critic_mask(micro)` [m, R] (the
+  algorithm's; PPO's is attention_mask[:, -R-1:-1], as the released dp_critic.compute_values)."""
 
   def fn(critic_params, minibatch):
     R = minibatch["response_mask"].shape[-1]
@@ -165,7 +170,7 @@ def make_value_fn(critic_graphdef) -> Callable[[nnx.State, Batch], jax.Array]:
     def one(micro):
       critic = nnx.merge(critic_graphdef, critic_params)
       values = response_values(critic, micro["input_ids"], micro["attention_mask"], R)
-      return values * ppo.critic_mask(micro["attention_mask"], R).astype(values.dtype)
+      return values * critic_mask(micro).astype(values.dtype)
 
     return jax.lax.map(one, {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")})
 

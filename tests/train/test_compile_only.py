@@ -103,10 +103,11 @@ def test_compile_only_builds_the_programs_the_trainer_runs(report, tmp_path):
   cfg.model.remat, cfg.model.attention_chunk = True, 4
   cfg.train.micro_batch_prompts = 2
   trainer = loop.Trainer(cfg, str(tmp_path), devices=jax.devices()[:4])
-  seen = {}
+  seen, flags = {}, []
 
-  def record(state, minibatch):
+  def record(state, minibatch, ends_step):
     seen.update(minibatch)
+    flags.append(bool(ends_step))
     return state, {"loss": 0.0, "skipped_updates": 0.0}
 
   trainer.train_step = record
@@ -117,6 +118,7 @@ def test_compile_only_builds_the_programs_the_trainer_runs(report, tmp_path):
   trainer.update(rb)
   expected = programs_lib.minibatch_shapes(cfg, trainer.mesh)
   assert sorted(seen) == sorted(expected)
+  assert flags == [False] * (len(flags) - 1) + [True]  # the step's last update ends it
   for name, spec in expected.items():
     got = seen[name]
     assert (got.shape, got.dtype) == (spec.shape, spec.dtype), name
@@ -125,8 +127,10 @@ def test_compile_only_builds_the_programs_the_trainer_runs(report, tmp_path):
   for got, spec in zip(jax.tree.leaves(trainer.state), jax.tree.leaves(abstract), strict=True):
     assert (got.shape, got.dtype) == (spec.shape, spec.dtype)
     assert got.sharding.is_equivalent_to(spec.sharding, got.ndim)
-  real = trainer.programs.train_step.lower(trainer.state, seen).as_text()
-  assert trainer.programs.train_step.lower(abstract, expected).as_text() == real
+  flag = programs_lib.ends_step(trainer.mesh, True)
+  real = trainer.programs.train_step.lower(trainer.state, seen, flag).as_text()
+  flag_shape = programs_lib.ends_step_shape(trainer.mesh)
+  assert trainer.programs.train_step.lower(abstract, expected, flag_shape).as_text() == real
 
 
 def run_cli(*args, env=None):

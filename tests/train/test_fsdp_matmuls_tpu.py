@@ -41,7 +41,7 @@ def compiled():
     state, _, _, progs = aot.abstract_run(c, mesh)
     batch = programs_lib.minibatch_shapes(c, mesh)
     with jax.set_mesh(mesh), jax.default_matmul_precision("default"), aot_measure.persistent_cache_off():
-      yield {"train_step": progs.train_step.lower(state, batch).compile().as_text(),
+      yield {"train_step": progs.train_step.lower(state, batch, programs_lib.ends_step_shape(mesh)).compile().as_text(),
              "logprobs": progs.logprob_fn.lower(state.params, batch).compile().as_text(),
              "values": progs.value_fn.lower(state.critic_params, batch).compile().as_text()}
   finally:

@@ -71,8 +71,8 @@ def test_logprob_pass_is_the_same_with_remat():
 def test_value_pass_is_the_same_with_remat():
   graphdef, remat_graphdef, params = models(ppo.Critic)
   mb = minibatch()
-  plain = jax.jit(step_lib.make_value_fn(graphdef))(params, mb)
-  remat = jax.jit(step_lib.make_value_fn(remat_graphdef))(params, mb)
+  plain = jax.jit(step_lib.make_value_fn(graphdef, ppo.Ppo().critic_mask))(params, mb)
+  remat = jax.jit(step_lib.make_value_fn(remat_graphdef, ppo.Ppo().critic_mask))(params, mb)
   np.testing.assert_allclose(remat, plain, atol=1e-6, rtol=0)
 
 

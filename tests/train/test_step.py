@@ -146,14 +146,15 @@ def test_jitted_step_advances_the_step_counter_and_the_rng():
   step = jax.jit(step_lib.make_train_step(cfg, graphdef, opt))
   batch = split(make_batch(), 2)
 
-  mid, _ = step(state, dict(batch, **{step_lib.ENDS_STEP: jnp.asarray(False)}))
+  mid, _ = step(state, batch, jnp.asarray(False))
   assert int(mid.step) == 7 and np.array_equal(np.asarray(mid.rng), rng_before)
   assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(mid.params)))
 
-  last, _ = step(mid, dict(batch, **{step_lib.ENDS_STEP: jnp.asarray(True)}))
+  last, _ = step(mid, batch, jnp.asarray(True))
   assert last.step.dtype == jnp.int32 and int(last.step) == 8
   assert not np.array_equal(np.asarray(last.rng), rng_before)
   np.testing.assert_array_equal(np.asarray(last.rng), np.asarray(jax.random.key_data(carry)))
+  assert step._cache_size() == 1  # `ends_step` is a traced argument: one compiled step for every update
 
 
 TRAIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "pacs_jax",

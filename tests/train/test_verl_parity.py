@@ -213,7 +213,7 @@ def test_update_equals_verl_micro_batch_accumulation(tmp_path, algorithm):
     token_rewards[torch.arange(len(ids)), response_mask.sum(-1).long() - 1] = torch.tensor(rewards)
     tb["advantages"] = compute_grpo_outcome_advantage(token_rewards, response_mask, np.arange(len(ids)) // N)
   else:
-    value_fn = step_lib.make_value_fn(nnx.split(critic, nnx.Param)[0])
+    value_fn = step_lib.make_value_fn(nnx.split(critic, nnx.Param)[0], ppo.Ppo().critic_mask)
     values = np.asarray(value_fn(nnx.state(critic, nnx.Param), mb)).reshape(-1, R)
     with torch.no_grad():  # dp_critic.compute_values: values * attention_mask[:, -R-1:-1]
       want = (forward(torch_critic, tb, critic=True) * tb["attention_mask"][:, -R - 1:-1]).numpy()

@@ -1,0 +1,125 @@
+"""`TrainBatch`: the training mini-batch format, every field named once with its dtype, shape and origin.
+
+A mini-batch is a dict {field name: array [k, m, *per-row axes]}: k micro-batches of m rows (whole prompt
+groups, rows prompt-major: row = prompt * n + sample). The host packs the rollout's fields (`batching`), the
+compile-only path builds the same fields abstractly (`programs.minibatch_shapes`), the trainer fills the rest
+before the first update, and the step reads them. Which fields a run has follows from its algorithm: the
+shared ones below, plus what the algorithm declares (`Algorithm.extra_fields`, in the same terms). Control
+flags (the update that ends a training step) are arguments of the step, never fields.
+
+Shapes: k micro-batches, m rows per micro-batch, L = P + R tokens (prompt left-padded to P, response
+right-padded to R), R response positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING, Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+if TYPE_CHECKING:  # (the registry imports this module for `Field`)
+  from pacs_jax.algos.registry import Algorithm
+
+# Where a field comes from.
+HOST = "host"  # packed on the host from the step's rollout (`batching.to_minibatches`)
+PASS = "pass"  # a log-prob or value pass over the mini-batch before the step's first update
+STEP = "step"  # the algorithm's `step_inputs`, over the whole step's batch (after the passes)
+SOURCES = (HOST, PASS, STEP)
+
+
+class Reference(enum.Enum):
+  """Whose log-probs a mini-batch's `ref_logprobs` are (docs/algorithm.md, "The reference policy")."""
+  NONE = "none"  # no reference term: no `ref_logprobs` field
+  FROZEN = "frozen"  # a frozen copy of the initial policy, kept beside the trained one
+  ROLLOUT = "rollout"  # the policy that sampled this step: its old log-probs, computed before the first update
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  """One mini-batch field: [k, m, *axes] of `dtype`, axes letters "L" (tokens) or "R" (response positions)."""
+  name: str
+  dtype: Any  # a numpy / jax.numpy dtype
+  axes: tuple[str, ...]
+  source: str
+
+  def __post_init__(self):
+    if self.source not in SOURCES or not set(self.axes) <= {"L", "R"}:
+      raise ValueError(f"field {self.name!r}: source one of {SOURCES}, axes of 'L' / 'R', got {self}")
+
+
+def per_response(name: str, dtype, source: str) -> Field:
+  """A [k, m, R] field (one value per response position): what an algorithm's extra inputs are."""
+  return Field(name, dtype, ("R",), source)
+
+
+INPUT_IDS = Field("input_ids", jnp.int32, ("L",), HOST)  # prompt then response tokens, padded with pad_id
+ATTENTION_MASK = Field("attention_mask", jnp.int32, ("L",), HOST)  # 1 on real tokens
+RESPONSE_MASK = per_response("response_mask", jnp.float32, HOST)  # 1 up to and including the first EOS
+REWARDS = Field("rewards", jnp.float32, (), HOST)  # the verifier's outcome reward of each response
+ROLLOUT_FIELDS = (INPUT_IDS, ATTENTION_MASK, RESPONSE_MASK, REWARDS)
+OLD_LOGPROBS = per_response("old_logprobs", jnp.float32, PASS)  # the sampling policy's (ratios, rollout ref)
+REF_LOGPROBS = per_response("ref_logprobs", jnp.float32, PASS)  # the reference policy's (`Algorithm.reference`)
+OLD_VALUES = per_response("old_values", jnp.float32, PASS)  # the critic's before the step's updates
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainBatch:
+  """One run's mini-batch format: its fields and sizes (k micro-batches of m rows, P + R tokens)."""
+  fields: tuple[Field, ...]
+  k: int
+  m: int
+  P: int
+  R: int
+
+  @classmethod
+  def of(cls, cfg: ml_collections.ConfigDict, algo: "Algorithm", k: int, m: int) -> "TrainBatch":
+    """The fields a run of `algo` under `cfg` has: the rollout's, the passes it needs, its own extra ones."""
+    fields = list(ROLLOUT_FIELDS)
+    if algo.needs_old_logprobs(cfg):
+      fields.append(OLD_LOGPROBS)
+    if algo.reference(cfg) is not Reference.NONE:
+      fields.append(REF_LOGPROBS)
+    if algo.has_critic:
+      fields.append(OLD_VALUES)
+    fields += algo.extra_fields(cfg)
+    names = [f.name for f in fields]
+    if len(set(names)) != len(names):
+      raise ValueError(f"{algo.name}: mini-batch fields named twice: {names}")
+    return cls(tuple(fields), k, m, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens)
+
+  def names(self, source: str | None = None) -> tuple[str, ...]:
+    """The fields' names (those from `source` only, if given)."""
+    return tuple(f.name for f in self.fields if source is None or f.source == source)
+
+  def row_shape(self, field: Field) -> tuple[int, ...]:
+    """The per-row axes' sizes of `field`."""
+    sizes = {"L": self.P + self.R, "R": self.R}
+    return tuple(sizes[a] for a in field.axes)
+
+  def abstract(self, sharding: Callable[[int], jax.sharding.Sharding]) -> dict[str, jax.ShapeDtypeStruct]:
+    """{name: ShapeDtypeStruct [k, m, *per-row axes]}, each in `sharding(ndim)`."""
+    out = {}
+    for f in self.fields:
+      shape = (self.k, self.m) + self.row_shape(f)
+      out[f.name] = jax.ShapeDtypeStruct(shape, f.dtype, sharding=sharding(len(shape)))
+    return out
+
+  def host_rows(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The host fields from `arrays` ({name: [rows, *per-row axes]}), in their dtypes; raises on a missing field
+    or a wrong per-row shape."""
+    out = {}
+    for f in self.fields:
+      if f.source != HOST:
+        continue
+      if f.name not in arrays:
+        raise ValueError(f"mini-batch field {f.name!r} is missing from the host rows (have {sorted(arrays)})")
+      a = np.asarray(arrays[f.name], f.dtype)
+      if a.shape[1:] != self.row_shape(f):
+        raise ValueError(f"mini-batch field {f.name!r}: rows of shape {a.shape[1:]}, expected {self.row_shape(f)}")
+      out[f.name] = a
+    return out
