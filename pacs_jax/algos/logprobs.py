@@ -1,7 +1,7 @@
 """Per-token log-probs and entropies from logits (or hidden states + lm head), in sequence chunks, so no
 fp32 `[B, T, V]` log-softmax (several times the bf16 logits at V = 151,936) is ever materialised.
 
-Shapes: B rows, T positions read (the trainer reads the R response positions), C positions per chunk,
+Shapes: B rows, T query positions read (the trainer reads the R response positions), C positions per chunk,
 D model width, V vocabulary.
 """
 
