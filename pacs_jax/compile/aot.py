@@ -22,6 +22,7 @@ from flax import nnx
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.models import decoder
+from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.compile.aot_measure import ProgramReport, measure, outputs_of, per_chip_bytes, persistent_cache_off
@@ -47,7 +48,7 @@ def prefill_rows(requests_at_once: int, n: int, prompts: int) -> int:
   """Most distinct prompts one prefill call can hold: `requests_at_once` consecutive requests of groups of
   n span up to (requests - 1) // n + 2 prompts; the engine pads the count to a power of two."""
   distinct = requests_at_once if n == 1 else min(requests_at_once, (requests_at_once - 1) // n + 2)
-  return engine_lib.next_pow2(max(1, min(distinct, prompts)))
+  return budget_lib.next_pow2(max(1, min(distinct, prompts)))
 
 
 def decode_calls(engine: engine_lib.Engine, prompt_length: int, new_tokens: int) -> dict[int, int]:
@@ -98,7 +99,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   config_lib.validate(cfg, num_processes=tgt.num_processes, devices=tgt.devices, check_paths=False)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=tgt.devices)
   state, policy, engine, progs = abstract_run(cfg, mesh)
-  N = matmul_params(policy) / len(tgt.devices)  # per chip: the model FLOPs split evenly over the chips
+  n_params = matmul_params(policy) / len(tgt.devices)  # per chip: the model FLOPs split evenly over the chips
   n, P, R = cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
   B = engine.max_concurrent_decodes
   updates = programs_lib.updates_per_step(cfg)
@@ -136,7 +137,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     for T in engine.prefill_buckets[-1:] if largest_only else engine.prefill_buckets:
       longest = T == engine.prefill_buckets[-1]
       calls = calls_scale * -(-prompts // rows) if longest else 0.0  # bound: every prompt at the longest bucket
-      compiled = run(ProgramReport(f"{tag}prefill[B={rows},T={T}]", "rollout", calls, 2.0 * N * rows * T),
+      compiled = run(ProgramReport(f"{tag}prefill[B={rows},T={T}]", "rollout", calls, 2.0 * n_params * rows * T),
                      lambda T=T: engine.lower_prefill(sample_params, rows, T),
                      lambda c: rollout_weights)
       if longest and compiled is not None:
@@ -152,16 +153,16 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     budgets = [(b, calls_at.get(b, 0)) for b in engine.page_budgets]
     for page_budget, calls in budgets[-1:] if largest_only else budgets:
       run(ProgramReport(f"{tag}{decode_name(page_budget)}", "rollout", calls_scale * calls,
-                        2.0 * N * B * engine.steps_per_call),
+                        2.0 * n_params * B * engine.steps_per_call),
           lambda page_budget=page_budget: engine.lower_decode(sample_params, decode_state, page_budget, sampling),
           lambda c: rollout_weights + state_bytes)
 
   train_sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   rows = prefill_rows(B, n, cfg.train.batch_prompts)
-  requests = engine_lib.next_pow2(min(B, cfg.train.batch_prompts * n))
+  requests = budget_lib.next_pow2(min(B, cfg.train.batch_prompts * n))
   rollout_programs("", train_sampling, rows, requests, waves, cfg.train.batch_prompts)
   if one_step_decode:  # for comparison: a call of one step at the top page budget (no program of the run)
-    run(ProgramReport("decode_1_step", "rollout", 0, 2.0 * N * B),
+    run(ProgramReport("decode_1_step", "rollout", 0, 2.0 * n_params * B),
         lambda: engine.lower_decode(sample_params, decode_state, None, train_sampling, num_steps=1),
         lambda c: rollout_weights + state_bytes)
   if validation and cfg.data.val and cfg.eval_every:
@@ -172,25 +173,25 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     # Validation runs the same prefill and decode functions with more prompts at once and greedy sampling:
     # its largest shapes are compiled (the other buckets and page budgets differ from them only in size).
     rollout_programs("val_", sampling_lib.Greedy(), prefill_rows(min(B, val_prompts), 1, val_prompts),
-                     engine_lib.next_pow2(min(B, val_prompts)), 0.0, val_prompts, largest_only=True)
+                     budget_lib.next_pow2(min(B, val_prompts)), 0.0, val_prompts, largest_only=True)
 
   # -- update phase ----------------------------------------------------------------------------
   batch_bytes = updates * per_chip_bytes(minibatch)
   mb_tokens = mb_rows * (P + R)
   logprob_in = {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")}
-  run(ProgramReport("logprobs", "update", updates * logprob_passes, 2.0 * N * mb_tokens),
+  run(ProgramReport("logprobs", "update", updates * logprob_passes, 2.0 * n_params * mb_tokens),
       lambda: progs.logprob_fn.lower(state.params, minibatch), lambda c: params_bytes + per_chip_bytes(logprob_in)
       + per_chip_bytes(outputs_of(c)))
   if progs.value_fn is not None:
     critic_bytes = per_chip_bytes(state.critic_params)
-    run(ProgramReport("values", "update", updates, 2.0 * N * mb_tokens),
+    run(ProgramReport("values", "update", updates, 2.0 * n_params * mb_tokens),
         lambda: progs.value_fn.lower(state.critic_params, minibatch),
         lambda c: critic_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
     step_batch = [minibatch] * updates
     run(ProgramReport("ppo_advantages", "update", 1, 0.0), lambda: progs.ppo_advantages.lower(step_batch),
         lambda c: per_chip_bytes(step_batch) + per_chip_bytes(outputs_of(c)))
   critic_factor = 2.0 if progs.value_fn is not None else 1.0
-  run(ProgramReport("train_step", "update", updates, 6.0 * N * mb_tokens * critic_factor),
+  run(ProgramReport("train_step", "update", updates, 6.0 * n_params * mb_tokens * critic_factor),
       lambda: progs.train_step.lower(state, minibatch), lambda c: per_chip_bytes(state) + per_chip_bytes(minibatch))
 
   always = {"policy params": params_bytes,

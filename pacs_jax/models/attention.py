@@ -31,14 +31,14 @@ def attend_in_chunks(q, k, v, mask, chunk: int):
   memory changes, from [B, K, G, T, S] fp32 scores to [B, K, G, chunk, S].
   """
   B, T = q.shape[:2]
-  n = -(-T // chunk)
-  pad = n * chunk - T  # padded query rows see no key (a uniform softmax) and are dropped below
+  num_blocks = -(-T // chunk)
+  pad = num_blocks * chunk - T  # padded query rows see no key (a uniform softmax) and are dropped below
   q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
   mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
-  blocks = (jnp.moveaxis(q.reshape(B, n, chunk, *q.shape[2:]), 1, 0),  # [n, B, chunk, K, G, H]
-            jnp.moveaxis(mask.reshape(B, n, chunk, mask.shape[-1]), 1, 0))  # [n, B, chunk, S]
+  blocks = (jnp.moveaxis(q.reshape(B, num_blocks, chunk, *q.shape[2:]), 1, 0),  # [num_blocks, B, chunk, K, G, H]
+            jnp.moveaxis(mask.reshape(B, num_blocks, chunk, mask.shape[-1]), 1, 0))  # [num_blocks, B, chunk, S]
   out = jax.lax.map(jax.checkpoint(lambda block: attend(block[0], k, v, block[1])), blocks)
-  return jnp.moveaxis(out, 0, 1).reshape(B, n * chunk, *q.shape[2:])[:, :T]
+  return jnp.moveaxis(out, 0, 1).reshape(B, num_blocks * chunk, *q.shape[2:])[:, :T]
 
 
 # Prefill's dense KV cache (`kv_cache.KVCache`: k, v [layers, B, K, S, H]) as attention writes and reads it.

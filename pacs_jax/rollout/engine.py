@@ -29,9 +29,6 @@ from pacs_jax.rollout import pages as pages_lib
 from pacs_jax.rollout import state as state_lib
 from pacs_jax.rollout.state import ChunkOutput, DecodeState, FirstTokens
 
-next_pow2 = budget_lib.next_pow2
-
-
 def _i32(*shape) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, jnp.int32)
 

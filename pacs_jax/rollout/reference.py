@@ -1,7 +1,7 @@
 """What a dense KV cache (every slot L rows of its own) would read and hold for a rollout the paged cache ran: the
 reference figures tests and benchmarks compare page budgets with. Nothing in the rollout uses it.
 
-The dense cache read a window of its first W rows per slot and step, W the smallest power of two from
+The dense cache read a window of its first rows per slot and step, the window the smallest power of two from
 `min_window` (or L itself) that holds every busy slot for the call's steps, and held B x L rows.
 Shapes: B slots, L cache rows per slot.
 """
@@ -59,7 +59,7 @@ class DenseReference:
     return self._recording.calls
 
   def window(self, rows: np.ndarray, busy: np.ndarray) -> int:
-    """W: the dense window that holds every busy slot for a call's steps."""
+    """The dense window (rows a slot reads per step) that holds every busy slot for a call's steps."""
     need = int(np.minimum(rows + self.engine.steps_per_call, self.engine.cache_length)[busy].max())
     return next(w for w in self.windows if w >= need)
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec as Spec
 
 from pacs_jax import sharding
 from pacs_jax.models import hf, registry
@@ -363,7 +363,7 @@ def test_sharded_engine_matches_single_device(slots, model, prompts, greedy_32):
                           max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, mesh=mesh, page_size=8)
   params = eng.load_params(model)
   def laid_out(x, *spec):
-    return x.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec)), x.ndim)
+    return x.sharding.is_equivalent_to(NamedSharding(mesh, Spec(*spec)), x.ndim)
 
   def cache_laid_out(state):
     # pages [layers, A, ps, 2K, H] and page tables [B, M]: a pool of pages per batch shard, beside its slots

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec as Spec
 
 from pacs_jax import sharding
 from pacs_jax.models import registry
@@ -17,13 +17,13 @@ from pacs_jax.rollout import state as state_lib
 from pacs_jax.rollout.state import DecodeState, field_shardings
 
 BATCH = ("data", "fsdp")
-DECLARED = {"tokens": P(BATCH), "keys": P(BATCH, None), "lengths": P(BATCH), "steps": P(BATCH), "budgets": P(BATCH),
-            "active": P(BATCH)}
+DECLARED = {"tokens": Spec(BATCH), "keys": Spec(BATCH, None), "lengths": Spec(BATCH), "steps": Spec(BATCH),
+            "budgets": Spec(BATCH), "active": Spec(BATCH)}
 # pages [layers, A, page_size, 2 kv_heads, head_dim] and each shard's tables and free pages beside its slots.
-PAGED = {"pages": P(None, BATCH, None, "tensor", None), "page_table": P(BATCH, None), "free_pages": P(BATCH, None),
-         "free_count": P(BATCH)}
+PAGED = {"pages": Spec(None, BATCH, None, "tensor", None), "page_table": Spec(BATCH, None),
+         "free_pages": Spec(BATCH, None), "free_count": Spec(BATCH)}
 # Prefill's KV cache [layers, prompts, kv_heads, rows, head_dim]: prompts over the batch axes, kv heads over tensor.
-PREFILL = {"k": P(None, BATCH, "tensor", None, None), "v": P(None, BATCH, "tensor", None, None)}
+PREFILL = {"k": Spec(None, BATCH, "tensor", None, None), "v": Spec(None, BATCH, "tensor", None, None)}
 
 
 def _check_fields(fields, mesh) -> None:
@@ -80,4 +80,4 @@ def test_decode_state_carries_its_declared_shardings(setup):
   _check(state, mesh)
   # JetStream's prefix destination: the same declarations for one prompt (a batch of 1 is not split).
   prefix = jetstream.JetStreamEngine(engine).get_prefix_destination_sharding()
-  assert prefix.cache.k.spec == P(None, None, "tensor", None, None) and prefix.keys.spec == P(None, None)
+  assert prefix.cache.k.spec == Spec(None, None, "tensor", None, None) and prefix.keys.spec == Spec(None, None)
