@@ -56,6 +56,11 @@ def main():
   with reference.DenseReference(engine, min_window=args.page_size) as dense:
     completions = scheduler.generate(engine, params, prompts, stats=stats, **kw)
   print(f"paged rollout: {time.perf_counter() - start:.1f} s (compiles included)")
+  if args.kv_pages:  # a pool that runs short makes slots wait, never changes a token
+    roomy = engine_lib.Engine(model, page_size=args.page_size, **common)
+    same = scheduler.generate(roomy, roomy.load_params(model), prompts, **kw)
+    assert [c.tokens for c in completions] == [c.tokens for c in same], "a smaller page pool changed the tokens"
+    print(f"--kv_pages {args.kv_pages}: the same tokens as a pool of every slot's pages")
   lengths = np.array([len(c.tokens) for c in completions])
   print(f"backend={jax.default_backend()} preset={args.preset} slots={args.slots} requests={args.requests} "
         f"cache_rows={engine.cache_length} page_size={args.page_size}")
