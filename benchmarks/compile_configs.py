@@ -67,7 +67,7 @@ def gpu_summary(report, cfg) -> dict[str, str]:
       f"{logprobs.flops / 1e12:.0f} / {logprobs.model_flops / 1e12:.0f}")
   out["train step GB read + written per GPU (loops applied)"] = f"{train.bytes_accessed / GB:.0f}"
   decode = [p for p in report.programs if p.name.startswith("decode[")]
-  full = max(decode, key=lambda p: int(re.search(r"(?:W|pages)=(\d+)", p.name).group(1)))
+  full = max(decode, key=lambda p: int(re.search(r"pages=(\d+)", p.name).group(1)))
   out["decode call (16 steps) at the full budget: temporaries / GB read + written"] = (
       f"{full.temp / GB:.2f} / {full.bytes_accessed / GB:.0f}")
   cudnn = [c for c in train.custom_calls if c.startswith("__cudnn$fmha")]
@@ -92,13 +92,13 @@ def summary(report, cfg) -> dict[str, str]:
   out[f"log-prob passes: optimal time x {logprobs.calls:.0f}"] = (
       f"{logprobs.optimal_s:.2f} s x {logprobs.calls:.0f} = {logprobs.optimal_s * logprobs.calls:.1f} s")
   decode = [p for p in report.programs if p.name.startswith("decode[")]
-  full = max(decode, key=lambda p: int(re.search(r"(?:W|pages)=(\d+)", p.name).group(1)))
-  one = progs.get("decode_1_step[W=full]")
-  out["decode call at the full window: temporaries"] = gb(full.temp)
+  full = max(decode, key=lambda p: int(re.search(r"pages=(\d+)", p.name).group(1)))
+  one = progs.get("decode_1_step")
+  out["decode call at the top page budget: temporaries"] = gb(full.temp)
   if one is not None:
-    out["decode at the full window, compiler's estimate (loop body once): 16-step call / 1 step"] = (
+    out["decode at the top page budget, compiler's estimate (loop body once): 16-step call / 1 step"] = (
         f"{full.raw_optimal_s * 1e3:.1f} / {one.raw_optimal_s * 1e3:.1f} ms")
-  out["decode call (16 steps) at the full window: optimal time, loops applied"] = f"{full.optimal_s * 1e3:.0f} ms"
+  out["decode call (16 steps) at the top page budget: optimal time, loops applied"] = f"{full.optimal_s * 1e3:.0f} ms"
   rollout_s = sum(p.calls * p.optimal_s for p in report.programs if p.phase == "rollout" and p.calls)
   out["rollout, every response at max length: optimal time"] = f"{rollout_s:.0f} s"
   return out

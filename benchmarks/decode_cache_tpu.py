@@ -1,13 +1,13 @@
 """Ahead-of-time TPU compile of the rollout's decode call at a config's real shapes, from abstract weights
 (nothing allocated, no TPU needed: libtpu compiles for a topology on a CPU host). Prints per-chip memory
-and the compiler's bytes accessed and time estimate, as it reports them (each loop body once: a call of N
+and the compiler's bytes accessed and time estimate, as it reports them (each loop body once: a call of many
 steps costs about one step's layer when the cache is read and written in place) and with loop trip counts
 applied (`hlo_cost`: every layer of every step). The Pallas decode kernel's own reads are not in the
 compiler's figures (a custom call it cannot see into).
 
   JAX_PLATFORMS=cpu python benchmarks/decode_cache_tpu.py --config configs/qwen3b_v5p.py --topology v5p:2x4x4
-  JAX_PLATFORMS=cpu python benchmarks/decode_cache_tpu.py --config configs/qwen7b_v5p.py --kv_cache dense,paged:xla \
-      --steps 1 --windows full,half   # the dense cache's whole window vs the page pool, all or half of it read
+  JAX_PLATFORMS=cpu python benchmarks/decode_cache_tpu.py --config configs/qwen7b_v5p.py --attention xla,auto \
+      --steps 1 --page_budgets full,half   # the XLA gather vs the Pallas kernel, all or half of the pages read
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from pacs_jax.compile import aot_measure
 GB = 1e9
 
 
-def decode_figures(engine: engine_lib.Engine, params, window: int | None, sampling) -> dict[str, float]:
+def decode_figures(engine: engine_lib.Engine, params, page_budget: int | None, sampling) -> dict[str, float]:
   """Compiles one decode call from abstract params and state: per-chip memory, and the compiler's cost both
   as it reports it (each loop body once: one layer of one step) and with loop trip counts applied."""
   report = aot_measure.ProgramReport("decode", "rollout", calls=1, model_flops=0.0)
-  aot_measure.measure(report, lambda: engine.lower_decode(params, engine.abstract_decode_state(), window, sampling),
+  aot_measure.measure(report, lambda: engine.lower_decode(params, engine.abstract_decode_state(), page_budget, sampling),
                       resident=lambda compiled: 0.0)
   if report.error:
     raise RuntimeError(report.error)
@@ -48,11 +48,10 @@ def main():
   parser.add_argument("--config", default="configs/qwen3b_v5p.py")
   parser.add_argument("--topology", default="v5p:2x4x4", help="TPU topology of the config's slice (v5p:2x4x4 = v5p-64)")
   parser.add_argument("--steps", default="1,16", help="decode steps per call to compare")
-  parser.add_argument("--windows", default="full", help="comma-separated read budgets: decode windows (dense: cache "
-                      "rows read), live pages per batch shard (paged), or full / half (of the largest)")
-  parser.add_argument("--kv_cache", default=None, help="comma-separated KV caches to compile: dense, paged (decode "
-                      "attention as model.attention_impl picks: the Pallas kernel on TPU under 'auto'), paged:xla "
-                      "(the XLA gather over live pages); default: the config's rollout.kv_cache")
+  parser.add_argument("--page_budgets", default="full", help="comma-separated page budgets (live (slot, page) pairs "
+                      "a batch shard reads per step), or full / half (of the largest)")
+  parser.add_argument("--attention", default="auto", help="comma-separated decode attentions to compile: auto (as "
+                      "model.attention_impl picks: the Pallas kernel on TPU), xla (the XLA gather over live pages)")
   args = parser.parse_args()
 
   cfg = config_lib.load_config_file(args.config)
@@ -66,35 +65,35 @@ def main():
   method = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
   print(f"{args.config}: {cfg.model.preset} on {args.topology} ({len(devices)} chips), mesh {dict(mesh.shape)}, "
         f"{slots} slots x {cfg.data.max_prompt_length + cfg.rollout.max_new_tokens} cache rows")
-  header = ("kv_cache", "steps", "window", "compile_s", "argument_gb", "output_gb", "alias_gb", "temp_gb", "optimal_ms",
+  header = ("attention", "steps", "page_budget", "compile_s", "argument_gb", "output_gb", "alias_gb", "temp_gb", "optimal_ms",
             "bytes_accessed_gb", "optimal_ms_loops", "bytes_accessed_gb_loops", "gflops_loops")
   print(" ".join(f"{h:>17}" for h in header))
   results = {}
-  for kv_cache in (args.kv_cache or cfg.rollout.kv_cache).split(","):
-    model = models["xla" if kv_cache.endswith(":xla") else mc.attention_impl]
+  for attention in args.attention.split(","):
+    model = models["xla" if attention == "xla" else mc.attention_impl]
     for steps in (int(s) for s in args.steps.split(",")):
       engine = engine_lib.Engine(model, max_concurrent_decodes=slots, max_prefill_length=cfg.data.max_prompt_length,
                                  max_decode_length=cfg.rollout.max_new_tokens, mesh=mesh, steps_per_call=steps,
-                                 kv_cache=kv_cache.split(":")[0], page_size=cfg.rollout.page_size, kv_pages=cfg.rollout.kv_pages)
+                                 page_size=cfg.rollout.page_size, kv_pages=cfg.rollout.kv_pages)
       params = engine.abstract_params(mc.dtype)  # the rollout weights: compute dtype, sample layout
       if steps == int(args.steps.split(",")[0]):
         cache = engine.abstract_decode_state().cache
         per_chip = aot_measure.per_chip_bytes(cache)
-        print(f"{kv_cache} KV cache per chip: {per_chip / GB:.2f} GB (read budgets {engine.read_budgets}"
+        print(f"{attention}: KV cache per chip {per_chip / GB:.2f} GB (page budgets {engine.page_budgets}"
               f"{', Pallas kernel' if engine.decode_kernel else ''})")
-      top = engine.read_budgets[-1]
-      for w in args.windows.split(","):
-        window = {"full": top, "half": top // 2}.get(w) or int(w)
-        figures = decode_figures(engine, params, window, method)
-        results[(kv_cache, steps, w)] = figures
-        print(" ".join(f"{v:>17}" for v in (kv_cache, steps, window)) + " "
+      top = engine.page_budgets[-1]
+      for b in args.page_budgets.split(","):
+        page_budget = {"full": top, "half": top // 2}.get(b) or int(b)
+        figures = decode_figures(engine, params, page_budget, method)
+        results[(attention, steps, b)] = figures
+        print(" ".join(f"{v:>17}" for v in (attention, steps, page_budget)) + " "
               + " ".join(f"{figures[h]:>17.3f}" for h in header[3:]), flush=True)
   first, last = (int(s) for s in (args.steps.split(",")[0], args.steps.split(",")[-1]))
   if first != last:
-    for kv_cache, steps, w in results:
+    for attention, steps, b in results:
       if steps == first:
-        ratio = results[(kv_cache, last, w)]["optimal_ms"] / results[(kv_cache, first, w)]["optimal_ms"]
-        print(f"{kv_cache} window {w}: optimal time of a {last}-step call / a {first}-step call = {ratio:.2f}")
+        ratio = results[(attention, last, b)]["optimal_ms"] / results[(attention, first, b)]["optimal_ms"]
+        print(f"{attention} page budget {b}: optimal time of a {last}-step call / a {first}-step call = {ratio:.2f}")
 
 
 if __name__ == "__main__":

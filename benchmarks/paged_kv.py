@@ -1,6 +1,7 @@
-"""KV rows read per decode step and KV bytes held, paged cache vs the dense windowed cache, for a rollout whose
-response lengths are long-tailed: most short (up to new_tokens / 8), one in `--long_every` at the maximum
-(random weights, per-prompt token budgets, no EOS).
+"""KV rows read per decode step and KV bytes held by the paged cache, against what a dense windowed cache would read
+and hold in the same decode calls (`rollout/reference.py`), for a rollout whose response lengths are long-tailed:
+most short (up to new_tokens / 8), one in `--long_every` at the maximum (random weights, per-prompt token budgets,
+no EOS).
 
   python benchmarks/paged_kv.py                       # tiny model on CPU
   python benchmarks/paged_kv.py --kv_pages 160        # a pool of 160 pages of 16 rows (0.56x the dense cache)
@@ -19,7 +20,7 @@ from flax import nnx
 
 from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.rollout import sampling, scheduler
+from pacs_jax.rollout import reference, sampling, scheduler
 from pacs_jax.rollout.state import DecodeStats
 
 
@@ -46,34 +47,34 @@ def main():
   kw = dict(max_new_tokens=budgets.tolist(), sampling=sampling.Temperature(1.0), seed=0)
   common = dict(max_concurrent_decodes=args.slots, max_prefill_length=args.prompt_len,
                 max_decode_length=args.new_tokens, steps_per_call=args.steps_per_call)
-  engines = {
-      "paged": engine_lib.Engine(model, page_size=args.page_size, kv_pages=args.kv_pages, **common),
-      # The dense cache at its best: windows from one page up, so it reads no more than the longest row needs.
-      "dense windowed": engine_lib.Engine(model, kv_cache="dense", min_decode_window=args.page_size, **common),
-  }
+  engine = engine_lib.Engine(model, page_size=args.page_size, kv_pages=args.kv_pages, **common)
   row_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_size * jnp.dtype(config.dtype).itemsize
-  results = {}
-  for name, engine in engines.items():
-    params = engine.load_params(model)
-    stats = DecodeStats()
-    start = time.perf_counter()
-    results[name] = (scheduler.generate(engine, params, prompts, stats=stats, **kw), stats)
-    print(f"{name:>15}: {time.perf_counter() - start:.1f} s (compiles included)")
-  paged, dense = (results[k][0] for k in engines)
-  assert [c.tokens for c in paged] == [c.tokens for c in dense], "paged and dense rollouts differ"
-  lengths = np.array([len(c.tokens) for c in paged])
+  params = engine.load_params(model)
+  stats = DecodeStats()
+  start = time.perf_counter()
+  # The dense cache at its best: windows from one page up, so it reads no more than the longest row needs.
+  with reference.DenseReference(engine, min_window=args.page_size) as dense:
+    completions = scheduler.generate(engine, params, prompts, stats=stats, **kw)
+  print(f"paged rollout: {time.perf_counter() - start:.1f} s (compiles included)")
+  if args.kv_pages:  # a pool that runs short makes slots wait, never changes a token
+    roomy = engine_lib.Engine(model, page_size=args.page_size, **common)
+    same = scheduler.generate(roomy, roomy.load_params(model), prompts, **kw)
+    assert [c.tokens for c in completions] == [c.tokens for c in same], "a smaller page pool changed the tokens"
+    print(f"--kv_pages {args.kv_pages}: the same tokens as a pool of every slot's pages")
+  lengths = np.array([len(c.tokens) for c in completions])
   print(f"backend={jax.default_backend()} preset={args.preset} slots={args.slots} requests={args.requests} "
-        f"cache_rows={engines['paged'].cache_length} page_size={args.page_size}")
+        f"cache_rows={engine.cache_length} page_size={args.page_size}")
   print(f"response lengths: median {np.median(lengths):.0f}, p90 {np.percentile(lengths, 90):.0f}, "
         f"max {lengths.max()}, {np.mean(lengths == args.new_tokens):.0%} at the maximum of {args.new_tokens}")
-  for name, (_, stats) in results.items():
-    print(f"{name:>15}: {stats.rows_per_step:8,.0f} KV rows read per decode step (mean over {stats.steps} steps), "
-          f"{stats.peak_rows_held * row_bytes / 2**20:8.2f} MiB KV held at most ({stats.peak_rows_held:,} rows)")
-  ratio = results["paged"][1].rows_per_step / results["dense windowed"][1].rows_per_step
-  held = results["paged"][1].peak_rows_held / results["dense windowed"][1].peak_rows_held
-  pool = engines["paged"].page_shards * engines["paged"].pages_per_shard * args.page_size
-  print(f"paged / dense windowed: {ratio:.2f}x the rows read per step, {held:.2f}x the KV bytes held "
-        f"(page pool: {pool:,} rows allocated, {pool / results['dense windowed'][1].peak_rows_held:.2f}x)")
+  figures = {"paged": (stats.rows_per_step, stats.peak_rows_held), "dense windowed": (dense.rows_per_step,
+                                                                                       dense.rows_held)}
+  for name, (per_step, held) in figures.items():
+    print(f"{name:>15}: {per_step:8,.0f} KV rows read per decode step (mean over {stats.steps} steps), "
+          f"{held * row_bytes / 2**20:8.2f} MiB KV held at most ({held:,} rows)")
+  pool = engine.page_shards * engine.pages_per_shard * args.page_size
+  print(f"paged / dense windowed: {stats.rows_per_step / dense.rows_per_step:.2f}x the rows read per step, "
+        f"{stats.peak_rows_held / dense.rows_held:.2f}x the KV bytes held "
+        f"(page pool: {pool:,} rows allocated, {pool / dense.rows_held:.2f}x)")
 
 
 if __name__ == "__main__":

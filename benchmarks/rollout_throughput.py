@@ -46,9 +46,6 @@ def main():
   parser.add_argument("--memory_bandwidth_gbps", type=float, default=None,
                       help="memory bandwidth of one device in GB/s for the roofline (e.g. 3350 H100, 2765 v5p, 819 v5e)")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--min_decode_window", type=int, default=512,
-                      help="dense cache: smallest decode window (cache rows read per step); 0 = always the whole cache")
-  parser.add_argument("--kv_cache", default="paged", choices=engine_lib.KV_CACHES)
   parser.add_argument("--page_size", type=int, default=64)
   args = parser.parse_args()
 
@@ -56,50 +53,46 @@ def main():
   config = registry.preset(args.preset, param_dtype=dtype, dtype=dtype)
   mesh = sharding.make_mesh(fsdp=-1, tensor=args.tensor) if jax.device_count() > 1 else None
   model = sharding.create_sharded(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0)), mesh, "sample")
-  S, P, N = args.batch, args.prompt_len, args.new_tokens
-  engine = engine_lib.Engine(model, max_concurrent_decodes=S, max_prefill_length=P, max_decode_length=N,
-                             mesh=mesh, steps_per_call=args.steps_per_call,
-                             min_decode_window=args.min_decode_window or P + N, kv_cache=args.kv_cache,
-                             page_size=args.page_size)
+  B, P, R = args.batch, args.prompt_len, args.new_tokens
+  engine = engine_lib.Engine(model, max_concurrent_decodes=B, max_prefill_length=P, max_decode_length=R,
+                             mesh=mesh, steps_per_call=args.steps_per_call, page_size=args.page_size)
   params = engine.load_params(model)
   del model
   method, no_eos = sampling.Temperature(1.0), ()
-  prompts = np.random.default_rng(0).integers(0, config.vocab_size, size=(S, P)).astype(np.int32)
-  lengths = np.full((S,), P, np.int32)
+  prompts = np.random.default_rng(0).integers(0, config.vocab_size, size=(B, P)).astype(np.int32)
+  lengths = np.full((B,), P, np.int32)
 
-  # Prefill: S prompts of P tokens in one call.
+  # Prefill: B prompts of P tokens in one call.
   prefill_s = timed(lambda: engine.prefill_batch(params, prompts, lengths), args.repeats + 1)
 
-  # Decode: all slots busy for N steps, no EOS; the first (compiling) pass is not timed.
+  # Decode: all slots busy for R steps, no EOS; the first (compiling) pass is not timed.
   def fill():
     state = engine.init_decode_state()
-    state, _ = scheduler.prefill_insert(engine, params, state, prompts.tolist(), list(range(S)), list(range(S)),
-                                        list(range(S)), [0] * S, [N + 1] * S, 0, method, no_eos)
+    state, _ = scheduler.prefill_insert(engine, params, state, prompts.tolist(), list(range(B)), list(range(B)),
+                                        list(range(B)), [0] * B, [R + 1] * B, 0, method, no_eos)
     return jax.block_until_ready(state)
 
   def decode(state):
-    """Until every slot has generated N tokens (budget and cache both end there); returns the state,
-    the decode steps and the KV rows each step read (all slots, summed), with budgets chosen as `generate` does."""
-    steps, rows_read, rows, active = 0, 0, np.full(S, P), np.ones(S, bool)
+    """Until every slot has generated R tokens (budget and cache both end there); returns the state,
+    the decode steps and the KV rows each step read (all slots, summed), with page budgets chosen as `generate` does."""
+    steps, rows_read, rows, active = 0, 0, np.full(B, P), np.ones(B, bool)
     while active.any():
-      budget = engine.read_budget(rows, active)
-      state, out = engine.decode(params, state, S + 1, method, no_eos, budget)
+      page_budget = engine.policy.page_budget(rows, active)
+      state, out = engine.decode(params, state, B + 1, method, no_eos, page_budget)
       emitted, active, lengths = out.emitted, np.asarray(out.active), out.lengths
       done = int(np.asarray(emitted).any(axis=0).sum())  # the host reads results each call, as `generate` does
-      steps, rows_read = steps + done, rows_read + done * engine.rows_read(budget)
+      steps, rows_read = steps + done, rows_read + done * engine.policy.rows_read(page_budget)
       rows = np.asarray(lengths)
     return jax.block_until_ready(state), steps, rows_read
 
   # Bytes one device reads per decode step: its shard of every weight, and of every layer's KV cache
-  # rows in the step's window (the cached attention reads all of them, masked).
+  # rows in the step's page budget (live pages, padded to the budget).
   shard_bytes = lambda x: x.addressable_shards[0].data.nbytes
   param_bytes = sum(shard_bytes(x) for x in jax.tree.leaves(params))
   state = fill()
-  kv_array = state.cache.pages if engine.paged else state.cache.k
-  kv_bytes = sum(shard_bytes(x) for x in jax.tree.leaves((state.cache.pages,) if engine.paged else
-                                                         (state.cache.k, state.cache.v)))
-  kv_rows = kv_array.shape[1] * kv_array.shape[2] if engine.paged else S * engine.cache_length  # rows the cache holds
-  decode(state)  # compiles every window (the state is donated)
+  kv_bytes = shard_bytes(state.cache.pages)
+  kv_rows = state.cache.pages.shape[1] * state.cache.pages.shape[2]  # rows the page pool holds
+  decode(state)  # compiles every page budget (the state is donated)
   best = math.inf
   for _ in range(args.repeats):
     state = fill()
@@ -110,11 +103,11 @@ def main():
   kv_step_bytes = kv_bytes * rows_read / steps / kv_rows
 
   print(f"backend={jax.default_backend()} devices={jax.device_count()} preset={args.preset} dtype={dtype.name} "
-        f"slots={S} prompt_len={P} new_tokens={N} cache_rows={engine.cache_length} "
+        f"slots={B} prompt_len={P} new_tokens={R} cache_rows={engine.cache_length} "
         f"params={sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M")
-  print(f"prefill: {S * P / prefill_s:12,.0f} tokens/s  ({prefill_s * 1e3:.1f} ms for {S}x{P})")
-  print(f"decode:  {S / step_s:12,.0f} tokens/s  ({step_s * 1e3:.2f} ms/step, {S} slots)")
-  print(f"{args.kv_cache} cache, read budgets {engine.read_budgets}: {rows_read / steps:,.0f} of {kv_rows:,} KV rows "
+  print(f"prefill: {B * P / prefill_s:12,.0f} tokens/s  ({prefill_s * 1e3:.1f} ms for {B}x{P})")
+  print(f"decode:  {B / step_s:12,.0f} tokens/s  ({step_s * 1e3:.2f} ms/step, {B} slots)")
+  print(f"page budgets {engine.page_budgets}: {rows_read / steps:,.0f} of {kv_rows:,} KV rows "
         f"read per step on average")
   print(f"bytes read per decode step and device: weights {param_bytes / 1e6:,.1f} MB + KV cache "
         f"{kv_step_bytes / 1e6:,.1f} MB (whole cache {kv_bytes / 1e6:,.1f} MB)")

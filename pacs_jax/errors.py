@@ -177,11 +177,20 @@ def _flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
 
 
 def _config_message(e: BaseException, argv: list[str]) -> str:
-  """`config file <path>: <cause>`, or `config: <unknown field>` for a mistyped `--config.<field>`."""
-  if isinstance(e, KeyError):  # ml_collections: "'trian'\nDid you mean "train" instead of "trian"?"
-    text = str(e.args[0]) if e.args else str(e)
-    field = next((a.split("=")[0].removeprefix("--") for a in argv if a.startswith("--config.")
-                  and f"'{text.splitlines()[0].strip(chr(39))}'" in repr(a.split("=")[0].split("."))), None)
+  """`config file <path>: <cause>`, or `--config.<field>: no such config field` for a mistyped `--config.<field>`
+  (`was removed: <why>` for a field that was removed)."""
+  # ml_collections: "'trian'\nDid you mean "train" instead of "trian"?" (a KeyError at the top level; in a
+  # section, an AttributeError around that KeyError).
+  text, cause = "", e
+  while isinstance(cause, (KeyError, AttributeError)) and cause.args:
+    cause, text = cause.args[0], str(cause.args[0])
+  field = next((a.split("=")[0].removeprefix("--") for a in argv if text and a.startswith("--config.")
+                and f"'{text.splitlines()[0].strip(chr(39))}'" in repr(a.split("=")[0].split("."))), None)
+  if isinstance(e, KeyError) or field:
+    from pacs_jax.config import checks  # pylint: disable=import-outside-toplevel
+    removed = checks.REMOVED_FIELDS.get((field or "").removeprefix("config."))
+    if removed:
+      return f"--{field}: was removed: {removed}"
     hint = " ".join(line.strip() for line in text.splitlines()[1:])
     return f"--{field or 'config'}: no such config field{'; ' + hint if hint else ''}"
   lines = [line.strip() for line in str(e).splitlines() if line.strip()]

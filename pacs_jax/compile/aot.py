@@ -2,7 +2,7 @@
 abstract weights; per-program memory and cost per chip, the resident total per phase, a fits verdict.
 
 Nothing is materialised and no checkpoint or tokenizer is read (shapes come from `model.preset`). The
-programs are the trainer's own (`programs.make_programs`, the rollout engine's jitted calls), lowered
+programs are the trainer's own (`programs.make_programs`, the rollout engine's `lower_*` hooks), lowered
 with the shardings the trainer uses on `hardware.tpu_topology`'s abstract devices (libtpu compiles TPU
 programs on any machine) or `hardware.gpu_target` x `gpu_topology`'s (jax's CUDA plugin compiles GPU programs
 on a CPU host; nothing is autotuned there, so GPU reports give memory, FLOPs and bytes, never a time). Loop
@@ -15,7 +15,6 @@ import math
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
@@ -23,16 +22,13 @@ from flax import nnx
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.models import decoder
+from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.compile.aot_measure import ProgramReport, measure, outputs_of, per_chip_bytes, persistent_cache_off
 from pacs_jax.compile.report import Report, format_report
 from pacs_jax.compile.target import Target, TargetUnavailable, target
 from pacs_jax.train import programs as programs_lib
-
-
-def _i32(*shape) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,26 +48,25 @@ def prefill_rows(requests_at_once: int, n: int, prompts: int) -> int:
   """Most distinct prompts one prefill call can hold: `requests_at_once` consecutive requests of groups of
   n span up to (requests - 1) // n + 2 prompts; the engine pads the count to a power of two."""
   distinct = requests_at_once if n == 1 else min(requests_at_once, (requests_at_once - 1) // n + 2)
-  return engine_lib.next_pow2(max(1, min(distinct, prompts)))
+  return budget_lib.next_pow2(max(1, min(distinct, prompts)))
 
 
 def decode_calls(engine: engine_lib.Engine, prompt_length: int, new_tokens: int) -> dict[int, int]:
-  """Decode calls per read budget (dense: window; paged: live pages per shard) for one wave of slots that
-  start at `prompt_length` rows and all run to `new_tokens` (the trainer's choice: the busy rows plus a
-  call's steps)."""
+  """Decode calls per page budget for one wave of slots that start at `prompt_length` rows and all run to
+  `new_tokens` (the scheduler's choice: `budget.PagePolicy.page_budget` of the busy rows)."""
   calls: dict[int, int] = {}
   rows, steps = prompt_length, engine.steps_per_call
-  S = engine.max_concurrent_decodes
+  B = engine.max_concurrent_decodes
   for _ in range(-(-new_tokens // steps)):
-    budget = engine.read_budget(np.full(S, rows), np.ones(S, bool))
-    calls[budget] = calls.get(budget, 0) + 1
+    page_budget = engine.policy.page_budget(np.full(B, rows), np.ones(B, bool))
+    calls[page_budget] = calls.get(page_budget, 0) + 1
     rows += steps
   return calls
 
 
-def decode_name(engine: engine_lib.Engine, budget: int) -> str:
-  """A decode program's name: its window (dense) or live-page budget per shard (paged)."""
-  return f"decode[pages={budget}]" if engine.paged else f"decode[W={budget}]"
+def decode_name(page_budget: int) -> str:
+  """A decode program's name: its page budget (live (slot, page) pairs a batch shard reads per step)."""
+  return f"decode[pages={page_budget}]"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,16 +92,16 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
 
   Rollout programs are compiled at the largest shapes a step uses: each prefill bucket at the most
   prompts one call can hold, the insert program at the longest bucket, the decode chunk at every
-  window; validation's greedy programs at its longest bucket and the full window (`validation`).
+  page budget; validation's greedy programs at its longest bucket and the top page budget (`validation`).
   `one_step_decode` adds a decode call of one step, to compare with the chunk's figures.
   """
   tgt = tgt or target(cfg)
   config_lib.validate(cfg, num_processes=tgt.num_processes, devices=tgt.devices, check_paths=False)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=tgt.devices)
   state, policy, engine, progs = abstract_run(cfg, mesh)
-  N = matmul_params(policy) / len(tgt.devices)  # per chip: the model FLOPs split evenly over the chips
+  n_params = matmul_params(policy) / len(tgt.devices)  # per chip: the model FLOPs split evenly over the chips
   n, P, R = cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
-  S = engine.max_concurrent_decodes
+  B = engine.max_concurrent_decodes
   updates = programs_lib.updates_per_step(cfg)
   logprob_passes = int(programs_lib.needs_old_logprobs(cfg)) + int(programs_lib.needs_frozen_ref(cfg))
   minibatch = programs_lib.minibatch_shapes(cfg, mesh)
@@ -130,12 +125,11 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   sample_params = outputs_of(compiled) if compiled is not None else engine.abstract_params(
       config_lib.dtype(cfg.model.dtype))
   rollout_weights = per_chip_bytes(sample_params)
-  compiled = run(ProgramReport("init_decode_state", "rollout", 1, 0.0), lambda: engine._init_jit.lower(),
+  compiled = run(ProgramReport("init_decode_state", "rollout", 1, 0.0), engine.lower_init,
                  lambda c: per_chip_bytes(outputs_of(c)))
   decode_state = outputs_of(compiled) if compiled is not None else engine.abstract_decode_state()
   state_bytes = per_chip_bytes(decode_state)
-  eos = _i32(4)
-  waves = -(-(cfg.train.batch_prompts * n) // S)
+  waves = -(-(cfg.train.batch_prompts * n) // B)
 
   def rollout_programs(tag: str, sampling, rows: int, requests: int, calls_scale: float, prompts: int,
                        largest_only: bool = False):
@@ -143,56 +137,54 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     for T in engine.prefill_buckets[-1:] if largest_only else engine.prefill_buckets:
       longest = T == engine.prefill_buckets[-1]
       calls = calls_scale * -(-prompts // rows) if longest else 0.0  # bound: every prompt at the longest bucket
-      compiled = run(ProgramReport(f"{tag}prefill[B={rows},T={T}]", "rollout", calls, 2.0 * N * rows * T),
+      compiled = run(ProgramReport(f"{tag}prefill[B={rows},T={T}]", "rollout", calls, 2.0 * n_params * rows * T),
                      lambda T=T: engine.lower_prefill(sample_params, rows, T),
                      lambda c: rollout_weights)
       if longest and compiled is not None:
         prefill_out = outputs_of(compiled)
     if prefill_out is not None:
       cache, logits = prefill_out
-      args = (decode_state, cache, logits, _i32(rows), _i32(requests), _i32(requests),
-              jax.ShapeDtypeStruct((), jnp.uint32), _i32(requests), _i32(requests), _i32(requests), eos)
-      # The engine's jitted insert (no lowering hook of its own): requests into slots, the state donated.
+      # Requests into slots, the state donated.
       run(ProgramReport(f"{tag}insert[R={requests},T={engine.prefill_buckets[-1]}]", "rollout",
                         calls_scale * -(-prompts // rows), 0.0),
-          lambda: engine._insert_requests_jit.lower(*args, sampling=sampling), lambda c: state_bytes)
+          lambda: engine.lower_insert_requests(decode_state, cache, logits, requests, sampling),
+          lambda c: state_bytes)
     calls_at = decode_calls(engine, P, R)  # the bound's calls: slots starting at P rows (shorter prompts: fewer rows)
-    windows = [(w, calls_at.get(w, 0)) for w in engine.read_budgets]
-    for window, calls in windows[-1:] if largest_only else windows:
-      run(ProgramReport(f"{tag}{decode_name(engine, window)}", "rollout", calls_scale * calls,
-                        2.0 * N * S * engine.steps_per_call),
-          lambda window=window: engine.lower_decode(sample_params, decode_state, window, sampling),
+    budgets = [(b, calls_at.get(b, 0)) for b in engine.page_budgets]
+    for page_budget, calls in budgets[-1:] if largest_only else budgets:
+      run(ProgramReport(f"{tag}{decode_name(page_budget)}", "rollout", calls_scale * calls,
+                        2.0 * n_params * B * engine.steps_per_call),
+          lambda page_budget=page_budget: engine.lower_decode(sample_params, decode_state, page_budget, sampling),
           lambda c: rollout_weights + state_bytes)
 
   train_sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
-  rows = prefill_rows(S, n, cfg.train.batch_prompts)
-  requests = engine_lib.next_pow2(min(S, cfg.train.batch_prompts * n))
+  rows = prefill_rows(B, n, cfg.train.batch_prompts)
+  requests = budget_lib.next_pow2(min(B, cfg.train.batch_prompts * n))
   rollout_programs("", train_sampling, rows, requests, waves, cfg.train.batch_prompts)
-  if one_step_decode:  # for comparison: a call of one step at the full window (no program of the run)
-    run(ProgramReport("decode_1_step[W=full]", "rollout", 0, 2.0 * N * S),
-        lambda: engine._decode_chunk_jit.lower(sample_params, decode_state, jax.ShapeDtypeStruct((), jnp.int32), eos,
-                                               num_steps=1, sampling=train_sampling, window=engine.read_budgets[-1]),
+  if one_step_decode:  # for comparison: a call of one step at the top page budget (no program of the run)
+    run(ProgramReport("decode_1_step", "rollout", 0, 2.0 * n_params * B),
+        lambda: engine.lower_decode(sample_params, decode_state, None, train_sampling, num_steps=1),
         lambda c: rollout_weights + state_bytes)
   if validation and cfg.data.val and cfg.eval_every:
-    val_prompts = cfg.data.val_max_examples or S
+    val_prompts = cfg.data.val_max_examples or B
     if not cfg.data.val_max_examples:
-      notes.append(f"validation programs are compiled for {S} prompts at once (the slots; set "
+      notes.append(f"validation programs are compiled for {B} prompts at once (the slots; set "
                    "data.val_max_examples for the real count)")
     # Validation runs the same prefill and decode functions with more prompts at once and greedy sampling:
-    # its largest shapes are compiled (the other buckets and windows differ from them only in size).
-    rollout_programs("val_", sampling_lib.Greedy(), prefill_rows(min(S, val_prompts), 1, val_prompts),
-                     engine_lib.next_pow2(min(S, val_prompts)), 0.0, val_prompts, largest_only=True)
+    # its largest shapes are compiled (the other buckets and page budgets differ from them only in size).
+    rollout_programs("val_", sampling_lib.Greedy(), prefill_rows(min(B, val_prompts), 1, val_prompts),
+                     budget_lib.next_pow2(min(B, val_prompts)), 0.0, val_prompts, largest_only=True)
 
   # -- update phase ----------------------------------------------------------------------------
   batch_bytes = updates * per_chip_bytes(minibatch)
   mb_tokens = mb_rows * (P + R)
   logprob_in = {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")}
-  run(ProgramReport("logprobs", "update", updates * logprob_passes, 2.0 * N * mb_tokens),
+  run(ProgramReport("logprobs", "update", updates * logprob_passes, 2.0 * n_params * mb_tokens),
       lambda: progs.logprob_fn.lower(state.params, minibatch), lambda c: params_bytes + per_chip_bytes(logprob_in)
       + per_chip_bytes(outputs_of(c)))
   if progs.value_fn is not None:
     critic_bytes = per_chip_bytes(state.critic_params)
-    run(ProgramReport("values", "update", updates, 2.0 * N * mb_tokens),
+    run(ProgramReport("values", "update", updates, 2.0 * n_params * mb_tokens),
         lambda: progs.value_fn.lower(state.critic_params, minibatch),
         lambda c: critic_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
   if progs.step_inputs is not None:
@@ -201,7 +193,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
         lambda c: per_chip_bytes(step_batch) + per_chip_bytes(outputs_of(c)))
   critic_factor = 2.0 if progs.value_fn is not None else 1.0
   ends_step = programs_lib.ends_step_shape(mesh)
-  run(ProgramReport("train_step", "update", updates, 6.0 * N * mb_tokens * critic_factor),
+  run(ProgramReport("train_step", "update", updates, 6.0 * n_params * mb_tokens * critic_factor),
       lambda: progs.train_step.lower(state, minibatch, ends_step),
       lambda c: per_chip_bytes(state) + per_chip_bytes(minibatch))
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 from flax import nnx
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, PartitionSpec
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
@@ -34,7 +34,7 @@ def abstract_mesh(cfg: ml_collections.ConfigDict, num_devices: int) -> AbstractM
   return AbstractMesh(tuple(sizes[a] for a in sharding.MESH_AXES), sharding.MESH_AXES)
 
 
-def _shard_bytes(shape, dtype, spec: P, mesh_shape: dict[str, int]) -> float:
+def _shard_bytes(shape, dtype, spec: PartitionSpec, mesh_shape: dict[str, int]) -> float:
   parts = 1
   for axis in spec:
     if axis is None:
@@ -46,7 +46,7 @@ def _shard_bytes(shape, dtype, spec: P, mesh_shape: dict[str, int]) -> float:
 
 def tree_bytes_per_device(tree: Any, specs: Any, mesh_shape: dict[str, int]) -> float:
   leaves = jax.tree.leaves(tree)
-  spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
   return sum(_shard_bytes(x.shape, x.dtype, s, mesh_shape) for x, s in zip(leaves, spec_leaves, strict=True))
 
 
@@ -68,8 +68,8 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, floa
   opt_state = jax.eval_shape(optimizer.init, values)
   # Adam's moments are laid out like their parameters; counters and hyperparameters are scalars.
   opt_specs = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, train_specs,
-                                                  transform_non_params=lambda _: P(),
-                                                  is_leaf=lambda x: isinstance(x, P))
+                                                  transform_non_params=lambda _: PartitionSpec(),
+                                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
   out["optimizer"] = tree_bytes_per_device(opt_state, opt_specs, mesh_shape)
   algo = registry.of(cfg)
   out["reference"] = out["params"] if algo.reference(cfg) is registry.Reference.FROZEN else 0.0
@@ -81,16 +81,15 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, floa
 
   batch_shards = mesh_shape["data"] * mesh_shape["fsdp"]
   tensor = mesh_shape["tensor"]
-  L, K, H = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_size
-  T = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+  layers, K, H = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_size
+  L = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
   slots = cfg.rollout.slots or cfg.train.batch_prompts * cfg.rollout.n
   kv_tensor = tensor if K % tensor == 0 else 1
-  rows = (slots / batch_shards) * T  # dense: every slot's rows
-  if cfg.rollout.kv_cache == "paged":  # the pool of a batch shard (kv_pages = 0: every slot's pages and a null page)
-    ps, pages = cfg.rollout.page_size, cfg.rollout.kv_pages
-    rows = ps * (pages / batch_shards if pages else (slots / batch_shards) * -(-T // ps) + 1)
-  out["kv_cache"] = rows * L * 2 * (K / kv_tensor) * H * jnp.dtype(mc.dtype).itemsize
-  out["activations"] = activation_bytes(cfg, mc, batch_shards, tensor, T)
+  # The page pool of a batch shard (kv_pages = 0: every slot's pages and a null page).
+  ps, pages = cfg.rollout.page_size, cfg.rollout.kv_pages
+  rows = ps * (pages / batch_shards if pages else (slots / batch_shards) * -(-L // ps) + 1)
+  out["kv_cache"] = rows * layers * 2 * (K / kv_tensor) * H * jnp.dtype(mc.dtype).itemsize
+  out["activations"] = activation_bytes(cfg, mc, batch_shards, tensor, L)
   return out
 
 
@@ -108,11 +107,11 @@ def activation_bytes(cfg, mc: ModelConfig, batch_shards: int, tensor: int, T: in
   b = jnp.dtype(mc.dtype).itemsize
   D, F, N, V = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.vocab_size
   heads = N / tensor if N % tensor == 0 else N
-  L, K, H = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_size
-  residuals = (L if mc.remat else 0) * m * T * D * b
-  per_layer_saved = (0 if mc.remat else L) * m * T * (6 * D + 3 * F / tensor) * b
+  layers, K, H = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_size
+  residuals = (layers if mc.remat else 0) * m * T * D * b
+  per_layer_saved = (0 if mc.remat else layers) * m * T * (6 * D + 3 * F / tensor) * b
   if mc.remat and mc.remat_policy == "matmuls":
-    per_layer_saved = L * m * T * ((2 * heads + 2 * K / tensor) * H * b + 2 * D * b + 2 * F / tensor * b + heads * 4)
+    per_layer_saved = layers * m * T * ((2 * heads + 2 * K / tensor) * H * b + 2 * D * b + 2 * F / tensor * b + heads * 4)
   target = "tpu" if cfg.hardware.tpu_topology else "gpu" if cfg.hardware.gpu_target else None  # else this backend
   flash_kernel = flash.resolve(mc.attention_impl, target, mc.dtype) != "xla"
   queries = 0 if flash_kernel else min(T, mc.attention_chunk or T)  # query rows whose fp32 scores are live at once

@@ -63,9 +63,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.rollout.max_new_tokens = 4096
   c.rollout.slots = 0  # concurrent decode slots; 0 = the whole rollout batch
   c.rollout.val_max_new_tokens = 0  # 0 = max_new_tokens
-  # Decode KV cache: "paged" (pages of page_size rows taken as rows grow, returned when they finish; decode
-  # reads each slot's live pages) or "dense" (slots x max length rows, read up to the longest busy row).
-  c.rollout.kv_cache = "paged"
+  # The decode KV cache is paged: pages of page_size rows, taken as rows grow and returned when they finish;
+  # decode reads each slot's live pages.
   c.rollout.page_size = 64
   c.rollout.kv_pages = 0  # KV memory in pages, all batch shards together; 0 = enough for every slot at full length
   # Which tokens end a response, and how far the response mask runs (docs/algorithm.md "Padding and stopping"):

@@ -17,6 +17,13 @@ LR_SCHEDULES = ("constant", "cosine")
 RESTORE_MODES = ("latest", "never")
 
 
+# Fields that were removed, and why: a config (file, override) that still sets one fails naming it.
+REMOVED_FIELDS = {
+    "rollout.kv_cache": "the rollout always uses the paged KV cache (rollout.page_size and rollout.kv_pages size "
+                        "it); delete the setting",
+}
+
+
 class ConfigError(ValueError):
   """A config field has a bad value; the message names the field."""
 
@@ -97,7 +104,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(c.rollout.slots >= 0, "rollout.slots", f"must be >= 0 (0 = the whole rollout batch), got {c.rollout.slots}")
   _check(c.rollout.val_max_new_tokens >= 0, "rollout.val_max_new_tokens",
          f"must be >= 0 (0 = max_new_tokens), got {c.rollout.val_max_new_tokens}")
-  _check_enum(c.rollout.kv_cache, ("paged", "dense"), "rollout.kv_cache")
+  for field, why in REMOVED_FIELDS.items():
+    section, _, name = field.rpartition(".")
+    _check(name not in (get_field(c, section) if section else c), field, f"was removed: {why}")
   _check(c.rollout.page_size >= 1, "rollout.page_size", f"must be >= 1, got {c.rollout.page_size}")
   _check(c.rollout.kv_pages >= 0, "rollout.kv_pages", f"must be >= 0 (0 = enough for every slot), got {c.rollout.kv_pages}")
   _check(c.data.val_max_examples >= 0, "data.val_max_examples", f"must be >= 0 (0 = all), got {c.data.val_max_examples}")

@@ -31,39 +31,28 @@ def attend_in_chunks(q, k, v, mask, chunk: int):
   memory changes, from [B, K, G, T, S] fp32 scores to [B, K, G, chunk, S].
   """
   B, T = q.shape[:2]
-  n = -(-T // chunk)
-  pad = n * chunk - T  # padded query rows see no key (a uniform softmax) and are dropped below
+  num_blocks = -(-T // chunk)
+  pad = num_blocks * chunk - T  # padded query rows see no key (a uniform softmax) and are dropped below
   q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
   mask = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)))
-  blocks = (jnp.moveaxis(q.reshape(B, n, chunk, *q.shape[2:]), 1, 0),  # [n, B, chunk, K, G, H]
-            jnp.moveaxis(mask.reshape(B, n, chunk, mask.shape[-1]), 1, 0))  # [n, B, chunk, S]
+  blocks = (jnp.moveaxis(q.reshape(B, num_blocks, chunk, *q.shape[2:]), 1, 0),  # [num_blocks, B, chunk, K, G, H]
+            jnp.moveaxis(mask.reshape(B, num_blocks, chunk, mask.shape[-1]), 1, 0))  # [num_blocks, B, chunk, S]
   out = jax.lax.map(jax.checkpoint(lambda block: attend(block[0], k, v, block[1])), blocks)
-  return jnp.moveaxis(out, 0, 1).reshape(B, n * chunk, *q.shape[2:])[:, :T]
+  return jnp.moveaxis(out, 0, 1).reshape(B, num_blocks * chunk, *q.shape[2:])[:, :T]
 
 
-# The KV cache (`kv_cache.KVCache`: k, v [layers, B, K, S, H]) as attention writes and reads it.
+# Prefill's dense KV cache (`kv_cache.KVCache`: k, v [layers, B, K, S, H]) as attention writes and reads it.
 
 
-def write_kv(cache, layer: jax.Array, k: jax.Array, v: jax.Array, write_index=None):
-  """Writes one layer's new keys and values k, v [B, T, K, H] to cache rows write_index[b] + [0, T) of
-  sequence b (None: rows [0, T) of every sequence). Only those rows are written.
-
-  One scatter over (sequence, row) pairs: in a loop-carried, donated cache XLA writes it in place in
-  the cache's own layout (a per-sequence dynamic_update_slice under vmap makes it re-lay the whole
-  cache out around the loop instead).
-  """
-  B, T = k.shape[:2]
-  if write_index is None:
-    block = lambda new: jnp.swapaxes(new, 1, 2)[None]  # [1, B, K, T, H]
-    write = lambda buf, new: lax.dynamic_update_slice(buf, block(new).astype(buf.dtype), (layer, 0, 0, 0, 0))
-  else:
-    seq = jnp.arange(B)[:, None]  # [B, 1]
-    rows = write_index[:, None] + jnp.arange(T)[None, :]  # [B, T]
-    write = lambda buf, new: buf.at[layer, seq, :, rows, :].set(new.astype(buf.dtype))  # new [B, T, K, H]
+def write_kv(cache, layer: jax.Array, k: jax.Array, v: jax.Array):
+  """Writes one layer's keys and values k, v [B, T, K, H] to cache rows [0, T) of every sequence (one
+  dynamic_update_slice per buffer: in place in a loop-carried cache)."""
+  block = lambda new: jnp.swapaxes(new, 1, 2)[None]  # [1, B, K, T, H]
+  write = lambda buf, new: lax.dynamic_update_slice(buf, block(new).astype(buf.dtype), (layer, 0, 0, 0, 0))
   return cache.replace(k=write(cache.k, k), v=write(cache.v, v))
 
 
 def read_kv(cache, layer: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
-  """One layer's first `rows` cache rows: k, v [B, K, rows, H] (a decode window reads no further)."""
+  """One layer's first `rows` cache rows: k, v [B, K, rows, H]."""
   read = lambda buf: lax.dynamic_index_in_dim(buf, layer, axis=0, keepdims=False)[:, :, :rows]
   return read(cache.k), read(cache.v)

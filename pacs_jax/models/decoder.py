@@ -2,7 +2,7 @@
 (`CausalLM`), numerically transformers' `*ForCausalLM` of the family. Build them through
 `pacs_jax.models.registry` (it picks the family's decoder layer).
 
-Shapes: B batch, T query length, S key length (cache rows), W rows a decode window reads, D hidden, V vocab.
+Shapes: B batch, T query length, S key length (cache rows), D hidden, V vocab.
 """
 
 from __future__ import annotations
@@ -42,31 +42,28 @@ class Backbone(nnx.Module):
     positions = positions_from_mask(attention_mask)
     causal = jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]  # [1, T, S]
     mask = causal & (attention_mask[:, None, :] > 0)  # [B, T, S]
-    hidden, _ = self._layers(input_ids, positions, mask, None, None)
+    hidden, _ = self._layers(input_ids, positions, mask, None)
     return hidden
 
-  def forward_with_cache(self, input_ids, positions, cache: KVCache, write_index=None, window: int | None = None):
-    """Cached forward. input_ids, positions: [B, T]; the cache holds rows [0, S) of each sequence.
+  def forward_with_cache(self, input_ids, positions, cache: KVCache | paged.PagedStep):
+    """Cached forward. input_ids, positions: [B, T].
 
-    Sequence b's new keys go to cache rows write_index[b] + [0, T) (None: rows [0, T)); each query
-    attends to every cache row whose index is <= its position (rows are filled contiguously from 0,
-    without padding). Attention reads only the first `window` rows (default: all); every position must
-    be below it. A `paged.PagedStep` cache (one decode step, T = 1) carries its own positions and lengths.
+    Prefill (a dense `KVCache` of S >= T rows a sequence): the new keys go to cache rows [0, T) and each query
+    attends to every cache row whose index is <= its position (rows are filled contiguously from 0, without
+    padding). A decode step (a `paged.PagedStep`, T = 1) carries its own positions and lengths.
     Returns (hidden [B, T, D], new cache).
     """
     if isinstance(cache, paged.PagedStep):
-      return self._layers(input_ids, positions, None, cache, None)
-    W = cache.rows if window is None else window
-    mask = jnp.arange(W)[None, None, :] <= positions[:, :, None]  # [B, T, W]
-    return self._layers(input_ids, positions, mask, cache, write_index)
+      return self._layers(input_ids, positions, None, cache)
+    mask = jnp.arange(cache.rows)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    return self._layers(input_ids, positions, mask, cache)
 
-  def _layers(self, input_ids, positions, mask, cache, write_index):
+  def _layers(self, input_ids, positions, mask, cache):
     c = self.config
     x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(c.dtype)  # [B, T, D]
     x = sharding.constrain(x, ("batch", None, None))
     cos, sin = rope.cos_sin(positions, c.head_size, c.rope_theta, c.rope_scaling)
-    x, cache = layers.scan_layers(self.layers, x, cos, sin, mask, cache, write_index,
-                                  remat=c.remat and c.remat_policy)
+    x, cache = layers.scan_layers(self.layers, x, cos, sin, mask, cache, remat=c.remat and c.remat_policy)
     return self.norm(x), cache
 
 
@@ -94,9 +91,9 @@ class CausalLM(nnx.Module):
     """Logits [B, T, V]. Left-padded rows give the same logits on real tokens as unpadded ones."""
     return self.logits(self.model(input_ids, attention_mask))
 
-  def forward_with_cache(self, input_ids, positions, cache: KVCache, write_index=None, window: int | None = None):
+  def forward_with_cache(self, input_ids, positions, cache: KVCache | paged.PagedStep):
     """Cached forward (see `Backbone.forward_with_cache`); returns (logits [B, T, V], new cache)."""
-    hidden, cache = self.model.forward_with_cache(input_ids, positions, cache, write_index, window)
+    hidden, cache = self.model.forward_with_cache(input_ids, positions, cache)
     return self.logits(hidden), cache
 
 

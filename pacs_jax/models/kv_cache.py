@@ -1,4 +1,5 @@
-"""The dense KV cache: every layer's keys and values, stacked, in the layout decode reads (any family)."""
+"""Prefill's dense KV cache: every layer's keys and values of a batch of prompts, stacked (any family). The rollout
+copies its rows into the decode state's pages (`rollout/pages.py`); decode itself reads pages only."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from pacs_jax.models.model_config import ModelConfig
 
 @flax.struct.dataclass
 class KVCache:
-  """Keys and values of every layer, stacked, in the layout decode reads: [layers, B, K, S, H].
+  """Keys and values of every layer, stacked: [layers, B, K, S, H].
 
   Heads come before rows, so each (row, head) holds a contiguous [S, H] block: the minor dims tile well
-  on TPU whatever the number of kv heads per chip. A decode call writes only its new rows, in place (the
-  cache is carried through the layer scan and the decode loop, never re-laid out or copied).
+  on TPU whatever the number of kv heads per chip. The cache is carried through the layer scan, each layer
+  writing its rows in place.
   """
   k: jax.Array  # [layers, B, K, S, H]
   v: jax.Array  # [layers, B, K, S, H]

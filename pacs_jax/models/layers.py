@@ -86,13 +86,13 @@ class Attention(nnx.Module):
   def _o_weight(self):
     return sharding.matmul_weight(self.o_kernel[...], ("q_heads", "head_dim", "embed"), self.config.dtype)
 
-  def __call__(self, x, cos, sin, mask, cache: KVCache | None = None, layer=None, write_index=None):
+  def __call__(self, x, cos, sin, mask, cache: KVCache | paged.PagedStep | None = None, layer=None):
     """x: [B, T, D]; mask: [B, T, S] bool (True = may attend). Returns (y [B, T, D], cache).
 
-    Without a cache, S = T and keys are this call's tokens. With a cache (every layer's), this call's
-    keys/values are written to layer `layer` (see `attention.write_kv`), and attention reads that layer's first S
-    cache rows (S = the decode window). With a `paged.PagedStep` (T = 1, no mask) the step writes and reads
-    the layer's pages (`paged.paged_layer`).
+    Without a cache, S = T and keys are this call's tokens. With prefill's dense cache (every layer's), this
+    call's keys/values are written to rows [0, T) of layer `layer` (see `attention.write_kv`), and attention reads
+    that layer's first S cache rows. With a `paged.PagedStep` (a decode step: T = 1, no mask) the step writes and
+    reads the layer's pages (`paged.paged_layer`).
     """
     c = self.config
     q, k, v = self.project(x, cos, sin)
@@ -104,7 +104,7 @@ class Attention(nnx.Module):
     if cache is None:
       k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H]
     else:
-      cache = attention.write_kv(cache, layer, k, v, write_index)
+      cache = attention.write_kv(cache, layer, k, v)
       k, v = (t.astype(c.dtype) for t in attention.read_kv(cache, layer, mask.shape[-1]))  # [B, K, S, H]
     k = sharding.constrain(k, ("batch", "kv_heads", None, None))
     v = sharding.constrain(v, ("batch", "kv_heads", None, None))
@@ -171,9 +171,9 @@ class DecoderLayer(nnx.Module):
                                                   rngs=rngs)
     self.mlp = self.mlp_cls(c, rngs=rngs)
 
-  def __call__(self, x, cos, sin, mask, cache=None, layer=None, write_index=None):
+  def __call__(self, x, cos, sin, mask, cache=None, layer=None):
     """x [B, T, D] -> (x [B, T, D], cache): pre-norm attention and MLP, each added to the residual."""
-    attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, write_index)
+    attn_out, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
     x = x + attn_out.astype(x.dtype)
     x = x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype)
     return sharding.constrain(x, ("batch", None, None)), cache
@@ -214,7 +214,7 @@ def remat_policy(name: str):
   raise ValueError(f"model.remat_policy must be one of {REMAT_POLICIES}, got {name!r}")
 
 
-def scan_layers(layers: DecoderLayer, x, cos, sin, mask, cache: KVCache | None = None, write_index=None,
+def scan_layers(layers: DecoderLayer, x, cos, sin, mask, cache: KVCache | paged.PagedStep | None = None,
                 remat: bool | str = False):
   """Runs stacked `layers` over x [B, T, D]: one compiled layer body whatever the depth.
 
@@ -231,7 +231,7 @@ def scan_layers(layers: DecoderLayer, x, cos, sin, mask, cache: KVCache | None =
   def body(carry, xs):
     x, cache = carry
     layer_params, index = xs
-    return nnx.merge(graphdef, layer_params)(x, cos, sin, mask, cache, index, write_index), None
+    return nnx.merge(graphdef, layer_params)(x, cos, sin, mask, cache, index), None
 
   if remat:
     body = jax.checkpoint(body, policy=remat_policy(remat), prevent_cse=False)

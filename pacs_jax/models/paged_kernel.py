@@ -1,7 +1,8 @@
-"""Decode attention over the paged KV cache on TPU (jax's Pallas ragged paged attention kernel), and the
-per-shard dispatch that runs a paged-cache function on each batch / tensor shard under `jax.shard_map`.
+"""The TPU Pallas kernel for paged decode attention (jax's ragged paged attention), and the per-shard dispatch that
+runs a paged-cache function on each batch / tensor shard under `jax.shard_map`; the XLA path and the page writes are
+`paged.py`'s, page allocation `rollout/pages.py`'s.
 
-Shapes: S slots, N query heads, K kv heads, H head dim, P pages, ps page size, M pages per slot.
+Shapes: B slots, N query heads, K kv heads, H head dim, A pages, ps page size, M pages per slot.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ def kernel_unsupported(head_dim: int, combined_kv_heads: int, dtype) -> str | No
 def pallas_decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Array, kv_lens: jax.Array, *,
                             num_kv_pages_per_block: int | None = None,
                             num_queries_per_block: int | None = None) -> jax.Array:
-  """One query per slot over its own pages: q [S, N, H]; pages [P, ps, 2K, H] (k head i at 2i, v head i at
-  2i + 1); page_table [S, M] int32; kv_lens [S] int32 >= 1 (rows each slot attends to, its new row
-  included) -> [S, N, H]. Query head n reads kv head n // (N / K), as transformers' grouped attention.
+  """One query per slot over its own pages: q [B, N, H]; pages [A, ps, 2K, H] (k head i at 2i, v head i at
+  2i + 1); page_table [B, M] int32; kv_lens [B] int32 >= 1 (rows each slot attends to, its new row
+  included) -> [B, N, H]. Query head n reads kv head n // (N / K), as transformers' grouped attention.
 
   The kernel walks each slot's first ceil(kv_lens / ps) pages only: a step reads the rows in flight.
   Block sizes default to the kernel's tuned table on a TPU host; compiling ahead of time elsewhere (the
@@ -42,12 +43,12 @@ def pallas_decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Arra
   """
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 
-  S, _, H = q.shape
+  B, _, H = q.shape
   if jax.devices()[0].platform != "tpu":
     num_kv_pages_per_block = num_kv_pages_per_block or min(page_table.shape[1], max(1, 1024 // pages.shape[1]))
-    num_queries_per_block = num_queries_per_block or min(S, 32)
-  cu_q_lens = jnp.arange(S + 1, dtype=jnp.int32)  # one query token per slot
-  num_seqs = jnp.array([S], jnp.int32)
+    num_queries_per_block = num_queries_per_block or min(B, 32)
+  cu_q_lens = jnp.arange(B + 1, dtype=jnp.int32)  # one query token per slot
+  num_seqs = jnp.array([B], jnp.int32)
   # 16-bit tiles: products are exact in the fp32 accumulator at any precision, and Mosaic refuses a
   # "highest" (fp32) contraction of bf16 operands, so a global "highest" setting is not passed on.
   precision = jax.default_matmul_precision("default") if q.dtype != jnp.float32 else contextlib.nullcontext()
@@ -60,15 +61,15 @@ def pallas_decode_attention(q: jax.Array, pages: jax.Array, page_table: jax.Arra
 
 # Logical axes of the paged-cache arrays a per-shard function takes: slots and pages over the batch axes,
 # heads over tensor (sharding.ACTIVATION_RULES).
-SLOT_AXES = ("batch",)  # [S, ...]
-QUERY_AXES = ("batch", "heads", None)  # q [S, N, H]
-NEW_KV_AXES = ("batch", "kv_heads", None)  # new k or v [S, K, H]
-PAGE_AXES = ("batch", None, "kv_heads", None)  # one layer's pages [P, ps, 2K, H]
+SLOT_AXES = ("batch",)  # [B, ...]
+QUERY_AXES = ("batch", "heads", None)  # q [B, N, H]
+NEW_KV_AXES = ("batch", "kv_heads", None)  # new k or v [B, K, H]
+PAGE_AXES = ("batch", None, "kv_heads", None)  # one layer's pages [A, ps, 2K, H]
 
 
 def batch_shards(mesh_shape: dict[str, int], slots: int) -> int:
-  """D, the number of page pools: the mesh's batch shards when they divide the slots, else 1. Slot s
-  takes pages from pool s // (S / D) only; the pages array holds the D pools one after another."""
+  """Z, the number of page pools: the mesh's batch shards when they divide the slots, else 1. Slot s
+  takes pages from pool s // (B / Z) only; the pages array holds the Z pools one after another."""
   d = math.prod(mesh_shape.get(a, 1) for a in sharding.BATCH_AXES)
   return d if slots % d == 0 else 1
 

@@ -1,7 +1,10 @@
-"""Pure decode maths on a merged model: request keys, prefill, first-token sampling, slot insertion,
-one decode step and a chunk of them in one `lax.while_loop`, on a dense or a paged KV cache. The `Engine`
-jits them with params as an argument. Shapes: S slots, L cache rows per slot, B prompts, T bucket length,
-R requests, V vocab, D batch shards, M pages per slot."""
+"""Pure decode maths on a merged model: request keys, prefill (into a dense `KVCache` of the prompts), first-token
+sampling, slot insertion into the paged cache, one decode step and a chunk of them in one `lax.while_loop`. The
+`Engine` jits them with params as an argument.
+
+Shapes: B slots (or prompts in a prefill), T prompt bucket length, R requests, V vocab, L cache rows per slot,
+Z batch shards, M pages per slot, ps page size.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from pacs_jax.models.decoder import CausalLM
 from pacs_jax.models.kv_cache import KVCache
 from pacs_jax.rollout import pages as pages_lib
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.rollout.state import ChunkOutput, DecodeState, PagedCache, Prefix, StepOutput
+from pacs_jax.rollout.state import ChunkOutput, DecodeState, Prefix, StepOutput
 
 
 def request_keys(seed: jax.Array, prompt_index: jax.Array, sample_index: jax.Array) -> jax.Array:
@@ -65,154 +68,116 @@ def sample_first(logits: jax.Array, key_data: jax.Array, sampling: sampling_lib.
 
 
 def prefix_of_requests(cache: KVCache, logits: jax.Array, true_lengths: jax.Array, rows: jax.Array,
-                       key_data: jax.Array, sampling: sampling_lib.SamplingMethod,
-                       gather_cache: bool = True) -> Prefix:
+                       key_data: jax.Array, sampling: sampling_lib.SamplingMethod) -> Prefix:
   """R requests from B prefilled prompts (cache [layers, B, K, T, H], logits [B, V], true_lengths [B]):
-  request r continues prompt `rows[r]` with its first token sampled from key data `key_data[r]`. Without
-  `gather_cache` the prefix keeps the prompts' cache ([layers, B, ...], not one copy per request): pass
-  `rows` on to `insert_rows`, which reads each request's rows one layer at a time."""
+  request r continues prompt `rows[r]` with its first token sampled from key data `key_data[r]`. The prefix
+  keeps the prompts' cache ([layers, B, ...], not one copy per request): pass `rows` on to `insert_rows`, which
+  reads each request's rows one layer at a time."""
   first, logprobs = sample_first(logits[rows], key_data, sampling)
-  if gather_cache:
-    cache = KVCache(k=cache.k[:, rows], v=cache.v[:, rows])
   return Prefix(cache=cache, lengths=true_lengths[rows], tokens=first, logprobs=logprobs, keys=key_data,
                 steps=jnp.ones_like(rows))
 
 
 def insert_rows(state: DecodeState, prefix: Prefix, slots: jax.Array, budgets: jax.Array,
                 eos_ids: jax.Array, cache_rows: jax.Array | None = None) -> DecodeState:
-  """Writes prefix rows [R] into decode slots [R]; a slot index >= S is a padding row and is dropped.
-  `cache_rows` [R]: request r's rows are prefix.cache's row cache_rows[r] (a prefix of the prompts, see
-  `prefix_of_requests`); None: row r.
+  """Writes prefix rows [R] into decode slots [R]; a slot index >= B is a padding row and is dropped.
+  `cache_rows` [R]: request r's rows are prefix.cache's row cache_rows[r] (see `prefix_of_requests`); None:
+  row r.
 
-  A paged cache gives each request the pages its prompt rows fill (a request its shard has no pages for
-  is dropped; the scheduler checks first) and takes them back at once from a request that is already done.
+  Each request gets the pages its prompt rows fill (a request its shard has no pages for is dropped; the
+  scheduler checks first), and a request that is already done gives them back at once.
   """
   L = cache_length(state)
-  T = prefix.cache.rows
-  if isinstance(state.cache, PagedCache):
-    cache, slots = pages_lib.insert(state.cache, prefix.cache, prefix.lengths, slots, cache_rows)
-  else:  # only the slots' first T rows of every layer are written (in place: the decode state is donated)
-    rows_of = (lambda x: x) if cache_rows is None else (lambda x: x[:, cache_rows])
-    put_rows = lambda buf, rows: buf.at[:, slots, :, :T].set(rows_of(rows).astype(buf.dtype), mode="drop")
-    cache = KVCache(k=put_rows(state.cache.k, prefix.cache.k), v=put_rows(state.cache.v, prefix.cache.v))
+  cache, slots = pages_lib.insert(state.cache, prefix.cache, prefix.lengths, slots, cache_rows)
 
-  def put(buf, rows):  # buf [S, ...], rows [R, ...]
+  def put(buf, rows):  # buf [B, ...], rows [R, ...]
     return buf.at[slots].set(rows.astype(buf.dtype), mode="drop")
 
   sampled = prefix.steps > 0
   done = (sampled & is_eos(prefix.tokens, eos_ids)) | (prefix.steps >= budgets) | (prefix.lengths >= L)
-  state = DecodeState(cache=cache, lengths=put(state.lengths, prefix.lengths), tokens=put(state.tokens, prefix.tokens),
-                      keys=put(state.keys, prefix.keys), steps=put(state.steps, prefix.steps),
-                      budgets=put(state.budgets, budgets), active=put(state.active, ~done))
-  if isinstance(cache, PagedCache):
-    state = state.replace(cache=pages_lib.release(cache, put(jnp.zeros_like(state.active), done)))
-  return state
+  return DecodeState(cache=pages_lib.release(cache, put(jnp.zeros_like(state.active), done)),
+                     lengths=put(state.lengths, prefix.lengths), tokens=put(state.tokens, prefix.tokens),
+                     keys=put(state.keys, prefix.keys), steps=put(state.steps, prefix.steps),
+                     budgets=put(state.budgets, budgets), active=put(state.active, ~done))
 
 
 def cache_length(state: DecodeState) -> int:
   """L: cache rows a slot can hold."""
-  if isinstance(state.cache, PagedCache):
-    return state.cache.page_table.shape[1] * state.cache.page_size
-  return state.cache.rows
+  return state.cache.page_table.shape[1] * state.cache.page_size
 
 
-def _paged_forward(model: CausalLM, state: DecodeState, live_pages: int | None):
-  """The paged cache's step: a page for each active slot whose pending token starts a new page (a slot
-  its shard has none for waits: it does not step), then the forward. Returns (logits [S, 1, V], cache,
-  stepped [S] bool)."""
+def _paged_forward(model: CausalLM, state: DecodeState, page_budget: int | None):
+  """A page for each active slot whose pending token starts a new page (a slot its shard has none for waits:
+  it does not step), then the forward. Returns (logits [B, 1, V], cache, stepped [B] bool)."""
   cache = state.cache
-  S, M = cache.page_table.shape
-  ps, D = cache.page_size, cache.shards
+  B, M = cache.page_table.shape
+  ps, Z = cache.page_size, cache.shards
   needs = state.active & (state.lengths % ps == 0)  # the slot holds ceil(lengths / ps) pages
   page, granted, free_count = pages_lib.take(cache, needs)
-  table = cache.page_table.at[jnp.arange(S), jnp.where(granted, state.lengths // ps, M)].set(page, mode="drop")
+  table = cache.page_table.at[jnp.arange(B), jnp.where(granted, state.lengths // ps, M)].set(page, mode="drop")
   stepped = state.active & (~needs | granted)
   # Slots that do not step attend to one row of their shard's null page and write there.
-  position = jnp.where(stepped, state.lengths, 0)  # [S]
+  position = jnp.where(stepped, state.lengths, 0)  # [B]
   step = paged.PagedStep(pages=cache.pages, page_table=jnp.where(stepped[:, None], table, 0), positions=position,
-                         kv_lens=position + 1, live_pages=(S // D) * M if live_pages is None else live_pages,
-                         shards=D)
+                         kv_lens=position + 1, page_budget=(B // Z) * M if page_budget is None else page_budget,
+                         shards=Z)
   logits, step = model.forward_with_cache(state.tokens[:, None], position[:, None], step)
   return logits, cache.replace(pages=step.pages, page_table=table, free_count=free_count), stepped
 
 
 def decode_step(model: CausalLM, state: DecodeState, sampling: sampling_lib.SamplingMethod,
-                eos_ids: jax.Array, window: int | None = None) -> tuple[DecodeState, StepOutput]:
+                eos_ids: jax.Array, page_budget: int | None = None) -> tuple[DecodeState, StepOutput]:
   """Feeds every slot's pending token and samples the next one; only active slots emit and advance.
 
-  A slot stops at an EOS id, at its budget, or when its cache is full. On a dense cache attention reads
-  the first `window` cache rows (default: all); every active slot's position must be below it. On a paged
-  cache `window` is the live-page budget per shard (default: every page; see `pages.live_pages_needed`),
-  an active slot that gets no page waits (emits nothing, does not advance), and a finished slot's pages
-  go back to its shard's pool in the same step.
+  A slot stops at an EOS id, at its budget, or when its cache is full. Attention reads `page_budget` live
+  (slot, page) pairs per shard (default: every page; see `pages.live_pages_needed`). An active slot that gets no
+  page waits (emits nothing, does not advance), and a finished slot's pages go back to its shard's pool in the
+  same step.
   """
   L = cache_length(state)
-  if isinstance(state.cache, PagedCache):
-    logits, cache, emitted = _paged_forward(model, state, window)
-  else:
-    W = L if window is None else window
-    # Finished slots may sit at L; clamp so their (ignored) write stays inside the window.
-    position = jnp.minimum(state.lengths, W - 1)  # [S]
-    logits, cache = model.forward_with_cache(state.tokens[:, None], position[:, None], state.cache, position, W)
-    emitted = state.active
-  logits = logits[:, 0].astype(jnp.float32)  # [S, V]
+  logits, cache, emitted = _paged_forward(model, state, page_budget)
+  logits = logits[:, 0].astype(jnp.float32)  # [B, V]
   tokens, logprobs = sampling.sample_with_logprobs(logits, step_keys(state.keys, state.steps))
   steps = state.steps + emitted
   lengths = state.lengths + emitted
   finished = emitted & (is_eos(tokens, eos_ids) | (steps >= state.budgets) | (lengths >= L))
-  if isinstance(cache, PagedCache):
-    cache = pages_lib.release(cache, finished)
-  state = state.replace(cache=cache, lengths=lengths, tokens=jnp.where(emitted, tokens, state.tokens),
-                        steps=steps, active=state.active & ~finished)
+  state = state.replace(cache=pages_lib.release(cache, finished), lengths=lengths,
+                        tokens=jnp.where(emitted, tokens, state.tokens), steps=steps, active=state.active & ~finished)
   return state, StepOutput(tokens=tokens, logprobs=logprobs, emitted=emitted, logits=logits)
 
 
 def decode_chunk(model: CausalLM, state: DecodeState, num_steps: int, stop_after_finished: jax.Array,
                  sampling: sampling_lib.SamplingMethod, eos_ids: jax.Array,
-                 window: int | None = None) -> tuple[DecodeState, ChunkOutput]:
+                 page_budget: int | None = None) -> tuple[DecodeState, ChunkOutput]:
   """Up to `num_steps` decode steps in one device call (`lax.while_loop`).
 
-  Stops early when no slot is active or once `stop_after_finished` slots have finished, so the host
-  can refill them. With a `window` W < L, the steps attend over (and write) only the first W cache rows:
-  each step reads W rows per slot instead of L. The loop then also stops before any active slot would
-  need row W, so a window chosen too small costs an early return, never a wrong token. The cache stays
-  whole and is carried through the loop: each step writes its new rows in place, nothing is copied.
-  On a paged cache `window` is the live-page budget per shard: the loop stops before a step would need
-  more (an early return, never a wrong token), and after a step in which every active slot waited for a
-  page (no progress: the host sees it and reports the pool too small).
+  Stops early when no slot is active or once `stop_after_finished` slots have finished, so the host can refill
+  them. Each step reads `page_budget` live (slot, page) pairs per shard (default: every page): the loop stops
+  before a step would need more (an early return, never a wrong token), and after a step in which every active
+  slot waited for a page (no progress: the host sees it and reports the pool too small). The cache is carried
+  through the loop: each step writes its new rows in place, nothing is copied.
   """
-  S = state.tokens.shape[0]
-  L = cache_length(state)
-  is_paged = isinstance(state.cache, PagedCache)
-  if is_paged:
-    D = state.cache.shards
-    W = (S // D) * state.cache.page_table.shape[1] if window is None else window
-  else:
-    W = L if window is None else min(window, L)
-  out = (jnp.zeros((S, num_steps), jnp.int32), jnp.zeros((S, num_steps), jnp.float32),
-         jnp.zeros((S, num_steps), bool))  # tokens, logprobs, emitted [S, num_steps]
+  B = state.tokens.shape[0]
+  Z = state.cache.shards
+  J = (B // Z) * state.cache.page_table.shape[1] if page_budget is None else page_budget
+  out = (jnp.zeros((B, num_steps), jnp.int32), jnp.zeros((B, num_steps), jnp.float32),
+         jnp.zeros((B, num_steps), bool))  # tokens, logprobs, emitted [B, num_steps]
 
   def cond(carry):
     i, state, _, finished, moved, _ = carry
-    if is_paged:
-      fits = jnp.all(pages_lib.live_pages_needed(state.lengths, state.active, state.cache.page_size, D) <= W) & moved
-    else:
-      fits = jnp.all(~state.active | (state.lengths < W))  # always true when W == L
+    fits = jnp.all(pages_lib.live_pages_needed(state.lengths, state.active, state.cache.page_size, Z) <= J) & moved
     return (i < num_steps) & jnp.any(state.active) & (finished < stop_after_finished) & fits
 
   def body(carry):
     i, state, (out_tokens, out_logprobs, out_emitted), finished, _, fewest = carry
-    new_state, step = decode_step(model, state, sampling, eos_ids, window=W)
-    if is_paged:
-      fewest = jnp.minimum(fewest, new_state.cache.free_count)
+    new_state, step = decode_step(model, state, sampling, eos_ids, page_budget=J)
+    fewest = jnp.minimum(fewest, new_state.cache.free_count)
     column = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], i, axis=1)
     out = (column(out_tokens, step.tokens), column(out_logprobs, step.logprobs), column(out_emitted, step.emitted))
     finished = finished + jnp.sum(state.active & ~new_state.active)
     return i + 1, new_state, out, finished, jnp.any(step.emitted), fewest
 
-  free = state.cache.free_count if is_paged else jnp.zeros((0,), jnp.int32)
-  init = (jnp.int32(0), state, out, jnp.int32(0), jnp.bool_(True), free)
+  init = (jnp.int32(0), state, out, jnp.int32(0), jnp.bool_(True), state.cache.free_count)
   _, state, (tokens, logprobs, emitted), _, _, fewest = jax.lax.while_loop(cond, body, init)
-  free = state.cache.free_count if is_paged else free
   return state, ChunkOutput(tokens=tokens, logprobs=logprobs, emitted=emitted, active=state.active,
-                            lengths=state.lengths, free_pages=free, fewest_free_pages=fewest)
+                            lengths=state.lengths, free_pages=state.cache.free_count, fewest_free_pages=fewest)

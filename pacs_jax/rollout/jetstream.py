@@ -1,9 +1,12 @@
 """Adapter from the rollout `Engine` to google-jetstream's `engine_api.Engine` (the optional `jetstream`
-extra, 0.2.2), so JetStream's orchestrator (`Driver` + `LLMOrchestrator`) can serve the policy."""
+extra, 0.2.2), so JetStream's orchestrator (`Driver` + `LLMOrchestrator`) can serve the policy, one request at a time
+(`single.SingleRequest`).
+
+Shapes: B slots (or prompts in a prefill), T prompt bucket length.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +19,7 @@ from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_p
 from pacs_jax.models import kv_cache
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout.decode import request_keys
+from pacs_jax.rollout.single import SingleRequest
 from pacs_jax.rollout.state import DecodeState, Prefix, SlotTokens, field_shardings
 
 # JetStream prepends `bos_id` to every request without a session cache; Qwen has no BOS, so the
@@ -87,7 +91,7 @@ def _fix_orchestrator() -> None:
 
 @jax.jit
 def _result_data(out: SlotTokens) -> jax.Array:
-  return jnp.stack([out.tokens, out.valid.astype(jnp.int32), out.lengths], axis=-1)  # [S, 3]
+  return jnp.stack([out.tokens, out.valid.astype(jnp.int32), out.lengths], axis=-1)  # [B, 3]
 
 
 def result_tokens(out: SlotTokens) -> engine_api.ResultTokens:
@@ -110,7 +114,7 @@ class JetStreamEngine(engine_api.Engine):
   """Serves an `engine_lib.Engine` through JetStream 0.2.2's Engine ABC.
 
   JetStream 0.2.2 streams only the tokens `generate` returns, so `prefill` keeps the prompt's last
-  token pending and each generate step (`Engine.step`) emits one response token. Stop tokens end a
+  token pending and each generate step (`SingleRequest.step`) emits one response token. Stop tokens end a
   stream without being streamed (JetStream's convention; `scheduler.generate` keeps the EOS token).
   Request r (counted from 1) samples with key data `request_keys(engine.seed, r, 0)`.
   """
@@ -119,17 +123,15 @@ class JetStreamEngine(engine_api.Engine):
     if engine.max_prefill_length not in JETSTREAM_BUCKETS:
       raise ValueError(f"max_prefill_length {engine.max_prefill_length} must be one of JetStream's prefill "
                        f"buckets {JETSTREAM_BUCKETS}")
-    if engine.paged and engine.kv_pages:
+    if engine.kv_pages:
       raise ValueError(f"JetStream inserts without checking free KV pages: rollout.kv_pages must be 0 (enough "
                        f"pages for every slot), got {engine.kv_pages}")
     _fix_orchestrator()
     self.engine = engine
+    self.single = SingleRequest(engine)
     self._params = params
     self._tokenizer = tokenizer or TokenizerAdapter(engine.eos_ids)
     self._requests = 0
-
-  def _mesh_context(self):
-    return jax.set_mesh(self.engine.mesh) if self.engine.mesh is not None else contextlib.nullcontext()
 
   def load_params(self, params: Any = None, *args, **kwargs) -> Any:
     return self.engine.load_params(self._params if params is None else params)
@@ -148,15 +150,15 @@ class JetStreamEngine(engine_api.Engine):
     self._requests += 1
     key_data = request_keys(jnp.uint32(self.engine.seed), jnp.array([self._requests]), jnp.zeros((1,), jnp.int32))
     cache, _ = self.engine.prefill_batch(params, row, lengths)
-    with self._mesh_context():
+    with self.engine.mesh_context():
       return _deferred_prefix(cache, row, lengths, key_data)
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-    return self.engine.insert(prefix, decode_state, slot)
+    return self.single.insert(prefix, decode_state, slot)
 
   def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, engine_api.ResultTokens]:
-    decode_state, out = self.engine.step(params, decode_state)
-    with self._mesh_context():
+    decode_state, out = self.single.step(params, decode_state)
+    with self.engine.mesh_context():
       return decode_state, result_tokens(out)
 
   def get_prefix_destination_sharding(self) -> Any:

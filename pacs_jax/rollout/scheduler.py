@@ -1,5 +1,8 @@
 """Continuous batching: `generate`, the whole rollout the trainer and evaluator call, over an `Engine`'s
-slots (requests queue, take slots as others finish, and share their prompt's prefill)."""
+slots (requests queue, take slots as others finish, and share their prompt's prefill).
+
+Shapes: B slots (or prompts in a prefill), T prompt bucket length, R requests, Z batch shards.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +12,10 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.rollout.engine import Engine, next_pow2
+from pacs_jax.rollout.budget import next_pow2
+from pacs_jax.rollout.engine import Engine
 from pacs_jax.rollout.state import Completion, DecodeState, DecodeStats, FirstTokens
 
 
@@ -22,7 +27,7 @@ def prefill_insert(engine: Engine, params, decode_state: DecodeState, prompts: S
   """Prefills distinct `prompts` and inserts requests r into `slots[r]` from `prompts[prompt_rows[r]]`.
 
   One prefill per prompt-length bucket; prompt rows and requests are padded to powers of two
-  (padding requests target slot S and are dropped). The first tokens come back as device arrays, one
+  (padding requests target slot B and are dropped). The first tokens come back as device arrays, one
   `FirstTokens` per bucket, so the caller can read them after queueing more work.
   """
   by_bucket: dict[int, list[int]] = collections.defaultdict(list)
@@ -69,9 +74,10 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   the engine's `max_decode_length`). A decode call returns to the host early once `refill_fraction` of the slots
   have finished while requests wait.
 
-  On a paged cache a request enters a slot only when the slot's batch shard has free pages for its
-  prompt and a page of headroom per busy slot (the free counts come back with each decode call); a slot that finds no page for its next
-  token waits for others to return theirs. RuntimeError if every busy slot waits (the pool is too small
+  A request enters a slot only when the slot's batch shard has free pages for its prompt and a page of
+  headroom per busy slot (the free counts come back with each decode call); a slot that finds no page for its
+  next token waits for others to return theirs. Each decode call runs at the smallest page budget that holds
+  the busy slots' next steps (`budget.PagePolicy.page_budget`). RuntimeError if every busy slot waits (the pool is too small
   for the tokens in flight). `stats`, if given, accumulates the KV rows decode read and held. `on_finish()`, if
   given, is called as each response finishes (a progress bar's tick).
   """
@@ -90,20 +96,20 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
     raise ValueError(f"{len(prompt_ids)} prompt_ids for {len(prompts)} prompts")
   eos = tuple(sorted({int(e) for e in eos_ids}))
   eos_set = set(eos)
-  S = engine.max_concurrent_decodes
-  refill_at = max(1, int(S * refill_fraction))
+  B = engine.max_concurrent_decodes
+  refill_at = max(1, int(B * refill_fraction))
 
   queue = collections.deque((p, s) for p in range(len(prompts)) for s in range(n))
   if not queue:
     return []
-  slot_request: list[tuple[int, int] | None] = [None] * S
-  slot_rows = np.zeros(S, np.int64)  # filled cache rows of each busy slot (the pending token's position)
+  slot_request: list[tuple[int, int] | None] = [None] * B
+  slot_rows = np.zeros(B, np.int64)  # filled cache rows of each busy slot (the pending token's position)
   tokens: dict[tuple[int, int], list[int]] = {}
   logprobs: dict[tuple[int, int], list[float]] = {}
   done: dict[tuple[int, int], Completion] = {}
   state = engine.init_decode_state()
-  slots_per_shard = S // engine.page_shards
-  free_pages = np.full(engine.page_shards, engine.pages_per_shard - 1 if engine.paged else 0, np.int64)
+  slots_per_shard = B // engine.page_shards
+  free_pages = np.full(engine.page_shards, engine.pages_per_shard - 1, np.int64)
 
   def admit() -> tuple[list[tuple[int, int]], list[int]]:
     """Queued requests for free slots, in order, each into a slot whose shard has pages for its prompt and
@@ -113,11 +119,11 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
     busy = np.bincount([i // slots_per_shard for i, r in enumerate(slot_request) if r is not None],
                        minlength=engine.page_shards)
     while queue and free:
-      need = engine.prompt_pages(len(prompts[queue[0][0]]))
-      # The free slot on the shard with the most free pages (dense: the first free slot).
+      need = budget_lib.prompt_pages(len(prompts[queue[0][0]]), engine.page_size)
+      # The free slot on the shard with the most free pages.
       slot = max(free, key=lambda i: (free_pages[i // slots_per_shard], -i))
       d = slot // slots_per_shard
-      if engine.paged and free_pages[d] - need < (busy[d] + 1 if busy[d] else 0):
+      if free_pages[d] - need < (busy[d] + 1 if busy[d] else 0):
         break
       free_pages[d] -= need
       busy[d] += 1
@@ -152,10 +158,10 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
         slot_request[slot] = req
         slot_rows[slot] = len(prompts[req[0]])
         tokens[req], logprobs[req] = [], []
-    stop_after = min(refill_at, len(queue)) if queue else S + 1
+    stop_after = min(refill_at, len(queue)) if queue else B + 1
     busy = np.array([r is not None for r in slot_request])
-    budget = engine.read_budget(slot_rows, busy)
-    state, out = engine.decode(params, state, stop_after, sampling, eos, budget)
+    page_budget = engine.policy.page_budget(slot_rows, busy)
+    state, out = engine.decode(params, state, stop_after, sampling, eos, page_budget)
     # Host reads after the decode call is queued, so device work and transfers overlap.
     for first in firsts:
       for r, t, l in zip(first.requests, np.asarray(first.tokens).tolist(), np.asarray(first.logprobs).tolist()):
@@ -166,21 +172,18 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
     if stats is not None:
       steps = int(out.emitted.any(axis=0).sum())
       stats.steps += steps
-      stats.rows_read += steps * engine.rows_read(budget)
-      if engine.paged:  # the fewest free pages after any step of the call
-        held = (engine.page_shards * (engine.pages_per_shard - 1) - int(np.sum(out.fewest_free_pages))) * engine.page_size
-      else:
-        held = S * engine.cache_length
+      stats.rows_read += steps * engine.policy.rows_read(page_budget)
+      # The fewest free pages after any step of the call.
+      held = (engine.page_shards * (engine.pages_per_shard - 1) - int(np.sum(out.fewest_free_pages))) * engine.page_size
       stats.peak_rows_held = max(stats.peak_rows_held, held)
-    if engine.paged:
-      free_pages = np.array(out.free_pages, np.int64)
-      if out.active.any() and not out.emitted.any():
-        in_flight = int(slot_rows[out.active].sum())
-        raise RuntimeError(
-            f"every busy decode slot is waiting for a KV page: {int(out.active.sum())} slots hold {in_flight} "
-            f"tokens in flight, more than rollout.kv_pages={engine.kv_pages} pages of rollout.page_size="
-            f"{engine.page_size} rows ({engine.page_shards} batch shards of {engine.pages_per_shard} pages, one "
-            f"null each) can grow; raise rollout.kv_pages (0 = enough for every slot) or lower rollout.slots")
+    free_pages = np.array(out.free_pages, np.int64)
+    if out.active.any() and not out.emitted.any():
+      in_flight = int(slot_rows[out.active].sum())
+      raise RuntimeError(
+          f"every busy decode slot is waiting for a KV page: {int(out.active.sum())} slots hold {in_flight} "
+          f"tokens in flight, more than rollout.kv_pages={engine.kv_pages} pages of rollout.page_size="
+          f"{engine.page_size} rows ({engine.page_shards} batch shards of {engine.pages_per_shard} pages, one "
+          f"null each) can grow; raise rollout.kv_pages (0 = enough for every slot) or lower rollout.slots")
     for slot, req in enumerate(slot_request):
       if req is None:
         continue

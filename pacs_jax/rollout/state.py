@@ -1,6 +1,10 @@
-"""The rollout engine's data: prefixes, the decode state (with a dense or a paged KV cache), step / chunk
-results, completions, and the sharding each state field is declared with (logical axes, resolved on a mesh by
-`field_shardings`)."""
+"""The rollout engine's data: prefixes (a prefill's dense `KVCache` of the prompts), the decode state (its paged
+KV cache), step / chunk results, completions, and the sharding each state field is declared with (logical axes,
+resolved on a mesh by `field_shardings`).
+
+Shapes: B slots (in a `Prefix`: prompts), R requests, T prompt bucket length, K kv heads, H head dim, A pages in
+the pool, ps page size, M pages per slot, Z batch shards, V vocab.
+"""
 
 from __future__ import annotations
 
@@ -28,27 +32,28 @@ def _axes(axes: tuple[str | None, ...]):
 
 @flax.struct.dataclass
 class Prefix:
-  """A prefilled prompt (or a batch of them), ready to be inserted into decode slots."""
+  """Prefilled prompts (B of them) as R requests, ready to be inserted into decode slots (R = B, request r on
+  prompt r, unless `insert_rows` is told each request's prompt row)."""
   cache: KVCache = _axes(kv_cache.CACHE_AXES)  # [layers, B, K, T, H]; rows >= lengths hold padding junk
-  lengths: jax.Array = _axes(_PER_ROW)  # [B] int32: cache rows holding the prompt = position of `tokens`
-  tokens: jax.Array = _axes(_PER_ROW)  # [B] int32: the next token to feed (first sampled, or last prompt token)
-  logprobs: jax.Array = _axes(_PER_ROW)  # [B] fp32: log-prob of `tokens` (0 for a prompt token)
-  keys: jax.Array = _axes(_KEY)  # [B, *key] uint32: each request's PRNG key data
-  steps: jax.Array = _axes(_PER_ROW)  # [B] int32: tokens generated so far (`tokens` included when sampled)
+  lengths: jax.Array = _axes(_PER_ROW)  # [R] int32: cache rows holding the prompt = position of `tokens`
+  tokens: jax.Array = _axes(_PER_ROW)  # [R] int32: the next token to feed (first sampled, or last prompt token)
+  logprobs: jax.Array = _axes(_PER_ROW)  # [R] fp32: log-prob of `tokens` (0 for a prompt token)
+  keys: jax.Array = _axes(_KEY)  # [R, *key] uint32: each request's PRNG key data
+  steps: jax.Array = _axes(_PER_ROW)  # [R] int32: tokens generated so far (`tokens` included when sampled)
 
 
 @flax.struct.dataclass
 class PagedCache:
   """The decode slots' KV cache in pages (see `models.paged`), with each batch shard's free-page stack.
 
-  Slot s of S belongs to batch shard d = s // (S / D) and holds the pages its table row lists (shard-local
-  indices; 0 = none: page 0 of a shard is its null page, never handed out). Shard d's free pages are
-  free_pages[d, :free_count[d]], taken from the top.
+  Slot b of B belongs to batch shard z = b // (B / Z) and holds the pages its table row lists (shard-local
+  indices; 0 = none: page 0 of a shard is its null page, never handed out). Shard z's free pages are
+  free_pages[z, :free_count[z]], taken from the top.
   """
-  pages: jax.Array = _axes(paged.PAGES_AXES)  # [layers, P, ps, 2K, H]
-  page_table: jax.Array = _axes(("batch", None))  # [S, M] int32
-  free_pages: jax.Array = _axes(("batch", None))  # [D, P / D] int32 stack of free shard-local pages
-  free_count: jax.Array = _axes(_PER_ROW)  # [D] int32
+  pages: jax.Array = _axes(paged.PAGES_AXES)  # [layers, A, ps, 2K, H]
+  page_table: jax.Array = _axes(("batch", None))  # [B, M] int32
+  free_pages: jax.Array = _axes(("batch", None))  # [Z, A / Z] int32 stack of free shard-local pages
+  free_count: jax.Array = _axes(_PER_ROW)  # [Z] int32
 
   @property
   def page_size(self) -> int:
@@ -62,43 +67,42 @@ class PagedCache:
 @flax.struct.dataclass
 class DecodeState:
   """Everything a decode step transforms, one row per slot."""
-  # dense [layers, S, K, L, H], or paged (whose own fields declare their axes)
-  cache: KVCache | PagedCache = _axes(kv_cache.CACHE_AXES)
-  lengths: jax.Array = _axes(_PER_ROW)  # [S] int32: filled cache rows = position of the pending token
-  tokens: jax.Array = _axes(_PER_ROW)  # [S] int32: pending token (last sampled), fed at the next step
-  keys: jax.Array = _axes(_KEY)  # [S, *key] uint32: request keys; token t of a request uses fold_in(key, t)
-  steps: jax.Array = _axes(_PER_ROW)  # [S] int32: tokens generated so far
-  budgets: jax.Array = _axes(_PER_ROW)  # [S] int32: most tokens the slot's request may generate
-  active: jax.Array = _axes(_PER_ROW)  # [S] bool: still generating
+  cache: PagedCache  # its own fields declare their axes
+  lengths: jax.Array = _axes(_PER_ROW)  # [B] int32: filled cache rows = position of the pending token
+  tokens: jax.Array = _axes(_PER_ROW)  # [B] int32: pending token (last sampled), fed at the next step
+  keys: jax.Array = _axes(_KEY)  # [B, *key] uint32: request keys; token t of a request uses fold_in(key, t)
+  steps: jax.Array = _axes(_PER_ROW)  # [B] int32: tokens generated so far
+  budgets: jax.Array = _axes(_PER_ROW)  # [B] int32: most tokens the slot's request may generate
+  active: jax.Array = _axes(_PER_ROW)  # [B] bool: still generating
 
 
 @flax.struct.dataclass
 class StepOutput:
   """One decode step (`decode.decode_step`): every slot samples; only active slots emit."""
-  tokens: jax.Array  # [S] int32 sampled
-  logprobs: jax.Array  # [S] fp32 of `tokens`
-  emitted: jax.Array  # [S] bool: the slot was active, so `tokens` belongs to its response
-  logits: jax.Array  # [S, V] fp32 the step sampled from
+  tokens: jax.Array  # [B] int32 sampled
+  logprobs: jax.Array  # [B] fp32 of `tokens`
+  emitted: jax.Array  # [B] bool: the slot was active, so `tokens` belongs to its response
+  logits: jax.Array  # [B, V] fp32 the step sampled from
 
 
 @flax.struct.dataclass
 class SlotTokens:
-  """`Engine.step`'s host-readable result: each slot's newest token (what JetStream streams)."""
-  tokens: jax.Array  # [S] int32
-  valid: jax.Array  # [S] bool: the slot emitted `tokens`
-  lengths: jax.Array  # [S] int32: tokens generated so far
+  """`single.SingleRequest.step`'s host-readable result: each slot's newest token (what JetStream streams)."""
+  tokens: jax.Array  # [B] int32
+  valid: jax.Array  # [B] bool: the slot emitted `tokens`
+  lengths: jax.Array  # [B] int32: tokens generated so far
 
 
 @flax.struct.dataclass
 class ChunkOutput:
-  """Tokens of up to N decode steps in one call (`decode.decode_chunk`), and the slots afterwards."""
-  tokens: jax.Array  # [S, N] int32
-  logprobs: jax.Array  # [S, N] fp32
-  emitted: jax.Array  # [S, N] bool: column n holds a response token of the slot
-  active: jax.Array  # [S] bool: still generating after the call
-  lengths: jax.Array  # [S] int32: filled cache rows after the call
-  free_pages: jax.Array  # [D] int32: free pages of each batch shard's pool after the call ([0] if dense)
-  fewest_free_pages: jax.Array  # [D] int32: the fewest after any step of the call ([0] if dense)
+  """Tokens of up to `steps` decode steps in one call (`decode.decode_chunk`), and the slots afterwards."""
+  tokens: jax.Array  # [B, steps] int32
+  logprobs: jax.Array  # [B, steps] fp32
+  emitted: jax.Array  # [B, steps] bool: column i holds a response token of the slot
+  active: jax.Array  # [B] bool: still generating after the call
+  lengths: jax.Array  # [B] int32: filled cache rows after the call
+  free_pages: jax.Array  # [Z] int32: free pages of each batch shard's pool after the call
+  fewest_free_pages: jax.Array  # [Z] int32: the fewest after any step of the call
 
 
 @flax.struct.dataclass
@@ -113,8 +117,8 @@ class FirstTokens:
 class DecodeStats:
   """What a rollout's decode calls read and held (`scheduler.generate(stats=...)` adds to it)."""
   steps: int = 0  # decode steps (device loop iterations that emitted a token)
-  rows_read: int = 0  # KV rows read, summed over steps and slots (per layer; the budget each call ran at)
-  peak_rows_held: int = 0  # most KV rows held at once (paged: pages in use x page size; dense: every slot's)
+  rows_read: int = 0  # KV rows read, summed over steps and slots (per layer; the page budget each call ran at)
+  peak_rows_held: int = 0  # most KV rows held at once (pages in use x page size)
 
   @property
   def rows_per_step(self) -> float:

@@ -137,8 +137,7 @@ def make_engine(cfg: ml_collections.ConfigDict, model: decoder.CausalLM, mesh, e
   slots = cfg.rollout.slots or (cfg.train.batch_prompts * cfg.rollout.n)
   return engine_lib.Engine(model, max_concurrent_decodes=slots, max_prefill_length=cfg.data.max_prompt_length,
                            max_decode_length=cfg.rollout.max_new_tokens, mesh=mesh, eos_ids=eos_ids,
-                           kv_cache=cfg.rollout.kv_cache, page_size=cfg.rollout.page_size,
-                           kv_pages=cfg.rollout.kv_pages)
+                           page_size=cfg.rollout.page_size, kv_pages=cfg.rollout.kv_pages)
 
 
 @dataclasses.dataclass

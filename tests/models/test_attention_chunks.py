@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pacs_jax import sharding
 from pacs_jax.models import kv_cache, qwen2, registry
@@ -13,7 +13,7 @@ CONFIG = qwen2.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128
                            num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0)
 
 # [B, T] inputs with rows over the batch axes (data, fsdp).
-ROWS = lambda mesh: NamedSharding(mesh, P(sharding.BATCH_AXES, None))
+ROWS = lambda mesh: NamedSharding(mesh, PartitionSpec(sharding.BATCH_AXES, None))
 
 
 def models(chunk):
@@ -48,7 +48,7 @@ def test_chunked_prefill_into_the_kv_cache_equals_unchunked():
   ids, _ = left_padded(2, 11)
   positions = jnp.broadcast_to(jnp.arange(11), (2, 11))
   outs = []
-  prefill = nnx.jit(lambda m, c: m.model.forward_with_cache(ids, positions, c, jnp.zeros(2, jnp.int32)))
+  prefill = nnx.jit(lambda m, c: m.model.forward_with_cache(ids, positions, c))
   for model in (whole, chunked):
     outs.append(prefill(model, kv_cache.init_cache(CONFIG, batch=2, length=16)))
   np.testing.assert_allclose(outs[1][0], outs[0][0], atol=1e-5, rtol=0)

@@ -9,15 +9,15 @@ import pytest
 from pacs_jax import sharding
 from pacs_jax.models import attention, paged
 
-S, K, G, H, PS, M = 5, 2, 3, 8, 4, 6  # slots, kv heads, query heads per kv head, head dim, page size, pages/slot
+B, K, G, H, PS, M = 5, 2, 3, 8, 4, 6  # slots, kv heads, query heads per kv head, head dim, page size, pages/slot
 L = PS * M
 
 
 def _paged_copy(rng, dense_k, dense_v, num_pages):
-  """Scatters dense k, v [S, K, L, H] into randomly assigned pages (page 0 left null): (pages, table)."""
-  perm = rng.permutation(np.arange(1, num_pages))[:S * M].reshape(S, M).astype(np.int32)
+  """Scatters dense k, v [B, K, L, H] into randomly assigned pages (page 0 left null): (pages, table)."""
+  perm = rng.permutation(np.arange(1, num_pages))[:B * M].reshape(B, M).astype(np.int32)
   pages = np.zeros((num_pages, PS, 2 * K, H), np.float32)
-  for s in range(S):
+  for s in range(B):
     for row in range(L):
       p, r = perm[s, row // PS], row % PS
       pages[p, r, 0::2] = dense_k[s, :, row]
@@ -28,25 +28,25 @@ def _paged_copy(rng, dense_k, dense_v, num_pages):
 @pytest.fixture
 def case():
   rng = np.random.default_rng(0)
-  k = rng.normal(size=(S, K, L, H)).astype(np.float32)
-  v = rng.normal(size=(S, K, L, H)).astype(np.float32)
-  q = rng.normal(size=(S, K * G, H)).astype(np.float32)
-  pages, table = _paged_copy(rng, k, v, S * M + 3)
+  k = rng.normal(size=(B, K, L, H)).astype(np.float32)
+  v = rng.normal(size=(B, K, L, H)).astype(np.float32)
+  q = rng.normal(size=(B, K * G, H)).astype(np.float32)
+  pages, table = _paged_copy(rng, k, v, B * M + 3)
   kv_lens = np.array([1, 7, L, 4, 13], np.int32)  # one page, a partial page, all pages, exactly one, ...
   return q, k, v, pages, table, kv_lens
 
 
 def _dense_attention(q, k, v, kv_lens):
-  mask = np.arange(L)[None, None, :] < kv_lens[:, None, None]  # [S, 1, L]
-  out = attention.attend(jnp.asarray(q).reshape(S, 1, K, G, H), k, v, mask)
-  return np.asarray(out).reshape(S, K * G, H)
+  mask = np.arange(L)[None, None, :] < kv_lens[:, None, None]  # [B, 1, L]
+  out = attention.attend(jnp.asarray(q).reshape(B, 1, K, G, H), k, v, mask)
+  return np.asarray(out).reshape(B, K * G, H)
 
 
 def test_write_pages_lands_in_each_slots_page(case):
   q, k, v, pages, table, _ = case
   rng = np.random.default_rng(1)
   positions = np.array([0, 5, L - 1, 4, 13], np.int32)
-  k_new, v_new = (rng.normal(size=(S, K, H)).astype(np.float32) for _ in range(2))
+  k_new, v_new = (rng.normal(size=(B, K, H)).astype(np.float32) for _ in range(2))
   def expected(base):
     out = base.copy()
     for s, pos in enumerate(positions):
@@ -67,13 +67,13 @@ def test_write_pages_lands_in_each_slots_page(case):
 def test_ragged_attention_equals_dense_masked_attention(case, slack):
   q, k, v, pages, table, kv_lens = case
   live = int(np.sum(-(-kv_lens // PS))) + slack  # exactly the live pages, or padded to a larger budget
-  fn = jax.jit(paged.ragged_decode_attention, static_argnames="live_pages")
-  out = fn(q, pages, table, kv_lens, live_pages=live)
+  fn = jax.jit(paged.ragged_decode_attention, static_argnames="page_budget")
+  out = fn(q, pages, table, kv_lens, page_budget=live)
   np.testing.assert_allclose(np.asarray(out), _dense_attention(q, k, v, kv_lens), atol=1e-5, rtol=1e-5)
   # Read from every layer's pages at one layer.
   stacked = np.stack([np.zeros_like(pages), pages])
-  out = jax.jit(paged.ragged_decode_attention, static_argnames="live_pages")(
-      q, stacked, table, kv_lens, live_pages=live, layer=jnp.int32(1))
+  out = jax.jit(paged.ragged_decode_attention, static_argnames="page_budget")(
+      q, stacked, table, kv_lens, page_budget=live, layer=jnp.int32(1))
   np.testing.assert_allclose(np.asarray(out), _dense_attention(q, k, v, kv_lens), atol=1e-5, rtol=1e-5)
 
 
@@ -97,7 +97,7 @@ def test_paged_layer_on_shard_local_tables(case):
   positions = kv_lens - 1
   k_new, v_new = k[np.arange(4), :, positions], v[np.arange(4), :, positions]  # rewrite the last row, same values
   step = paged.PagedStep(pages=jnp.asarray(both)[None], page_table=jnp.asarray(table), positions=jnp.asarray(positions),
-                         kv_lens=jnp.asarray(kv_lens), live_pages=int(np.sum(-(-kv_lens // PS))), shards=2)
+                         kv_lens=jnp.asarray(kv_lens), page_budget=int(np.sum(-(-kv_lens // PS))), shards=2)
   with jax.set_mesh(sharding.make_mesh(data=1, fsdp=2, tensor=1, devices=jax.devices()[:2])):
     out, new = jax.jit(paged.paged_layer)(step, jnp.int32(0), jnp.asarray(q), k_new, v_new)
   with pytest.raises(ValueError, match="2 page pools need the mesh"):

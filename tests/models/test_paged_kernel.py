@@ -17,7 +17,7 @@ N = K * G
 
 
 def dense_reference(q, pages, page_table, kv_lens):
-  """Softmax attention of each slot's query over its first kv_lens rows, read page by page: [S, N, H]."""
+  """Softmax attention of each slot's query over its first kv_lens rows, read page by page: [B, N, H]."""
   q, pages = np.asarray(q, np.float64), np.asarray(pages, np.float64)
   out = np.zeros_like(q)
   for s, (row_pages, n) in enumerate(zip(np.asarray(page_table), np.asarray(kv_lens))):
@@ -32,13 +32,13 @@ def dense_reference(q, pages, page_table, kv_lens):
 
 def gathered_attention(q, pages, page_table, kv_lens):
   """The same in jnp, one gather of each slot's whole table (a per-shard function for the sharding test)."""
-  (S, M), n, k = page_table.shape, q.shape[1], pages.shape[2] // 2  # per shard: its own heads
-  rows = pages[page_table].reshape(S, M * PS, 2 * k, H)  # [S, M * ps, 2K, H]
-  k_rows, v = rows[:, :, 0::2], rows[:, :, 1::2]  # [S, R, K, H]
-  scores = jnp.einsum("SKGH,SRKH->SKGR", q.reshape(S, k, n // k, H), k_rows, precision="highest") / np.sqrt(H)
+  (B, M), n, k = page_table.shape, q.shape[1], pages.shape[2] // 2  # per shard: its own heads
+  rows = pages[page_table].reshape(B, M * PS, 2 * k, H)  # [B, M * ps, 2K, H]
+  k_rows, v = rows[:, :, 0::2], rows[:, :, 1::2]  # [B, S, K, H]
+  scores = jnp.einsum("BKGH,BSKH->BKGS", q.reshape(B, k, n // k, H), k_rows, precision="highest") / np.sqrt(H)
   scores = jnp.where(jnp.arange(M * PS)[None, None, None, :] < kv_lens[:, None, None, None], scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1)
-  return jnp.einsum("SKGR,SRKH->SKGH", probs, v, precision="highest").reshape(S, n, H)
+  return jnp.einsum("BKGS,BSKH->BKGH", probs, v, precision="highest").reshape(B, n, H)
 
 
 def random_case(rng, slots, pages_per_slot, pool, kv_lens):
@@ -59,7 +59,7 @@ def test_kernel_equals_the_xla_path_and_softmax_attention_over_each_slots_pages(
     out = paged_kernel.pallas_decode_attention(q, pages, table, lens, num_kv_pages_per_block=2,
                                                num_queries_per_block=1)
   live = sum(-(-n // PS) for n in kv_lens)
-  xla = paged.ragged_decode_attention(q, pages, table, lens, live_pages=live + 3)  # 3 padding pairs
+  xla = paged.ragged_decode_attention(q, pages, table, lens, page_budget=live + 3)  # 3 padding pairs
   np.testing.assert_allclose(np.asarray(out), np.asarray(xla), rtol=0, atol=1e-5)
   np.testing.assert_allclose(np.asarray(out), dense_reference(q, pages, table, lens), rtol=0, atol=1e-5)
 
@@ -95,7 +95,7 @@ def test_on_shards_runs_each_pool_with_local_page_indices(mesh_shape):
   kv_lens = rng.integers(1, per_slot * PS + 1, size=slots)
   q = jnp.asarray(rng.normal(size=(slots, N, H)), jnp.float32)
   pages = jnp.asarray(rng.normal(size=(d * pool_local, PS, 2 * K, H)), jnp.float32)
-  local = np.stack([rng.permutation(np.arange(1, pool_local))[:per_slot] for _ in range(slots)])  # [S, M]
+  local = np.stack([rng.permutation(np.arange(1, pool_local))[:per_slot] for _ in range(slots)])  # [B, M]
   global_table = local + (np.arange(slots) // (slots // d) * pool_local)[:, None]
 
   kernel = gathered_attention

@@ -1,5 +1,6 @@
-"""Rollout engine: greedy equals transformers, cached == uncached logits, log-probs the trainer recomputes,
-reproducible sampling, continuous batching, weight swaps without recompiling, 8-device sharding."""
+"""Rollout engine (paged KV cache): greedy equals transformers, cached == uncached logits, log-probs the trainer
+recomputes, reproducible sampling, continuous batching, page budgets that change no token, weight swaps without
+recompiling, 8-device sharding."""
 
 import functools
 
@@ -11,7 +12,7 @@ import torch
 import transformers
 from flax import nnx
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import PartitionSpec as Spec
 
 from pacs_jax import sharding
 from pacs_jax.models import hf, registry
@@ -47,19 +48,16 @@ def model(hf_model_dir):
   return model
 
 
+def make_engine(model, page_size=8, **kw):
+  return engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
+                           max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, page_size=page_size,
+                           **kw)
+
+
 @pytest.fixture(scope="module")
 def engine(model):
-  # The paged cache (the default) in pages of 8 rows: 7 per slot, every test below reads live pages only.
-  return engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
-                           max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, page_size=8)
-
-
-@pytest.fixture(scope="module")
-def dense_engine(model):
-  # The dense cache with decode windows of 8, 16, 32 and all 56 cache rows.
-  return engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
-                           max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, min_decode_window=8,
-                           kv_cache="dense")
+  # Pages of 8 rows: 7 per slot, every test below reads live pages only.
+  return make_engine(model)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +78,7 @@ def greedy_32(engine, params, prompts):
 
 @pytest.fixture(scope="module")
 def uncached_logits(engine):
-  """Full-sequence forward without a cache (left padding): fp32 logits [8, W, V] for token lists."""
+  """Full-sequence forward without a cache (left padding): fp32 logits [8, L, V] for token lists."""
   width = MAX_PREFILL + MAX_DECODE
 
   @jax.jit
@@ -135,9 +133,16 @@ def test_greedy_matches_transformers(greedy_32, torch_model, prompts):
   assert [(c.prompt_index, c.sample_index) for c in greedy_32] == [(i, 0) for i in range(len(prompts))]
 
 
-def test_dense_cache_greedy_matches_transformers(dense_engine, params, torch_model, prompts):
-  out = scheduler.generate(dense_engine, params, prompts, max_new_tokens=32)
+def test_greedy_matches_transformers_when_slots_wait_for_pages(model, params, torch_model, prompts):
+  # 19 usable pages of 8 rows for 4 slots whose rows grow to 35-44 rows (5-6 pages each): slots wait for pages
+  # to grow, and the last request for a slot's pages to come back.
+  small = make_engine(model, kv_pages=20)
+  fewest = []
+  decode = small.decode
+  small.decode = lambda *a: (lambda r: fewest.append(int(np.asarray(r[1].fewest_free_pages).min())) or r)(decode(*a))
+  out = scheduler.generate(small, params, prompts, max_new_tokens=32)
   assert [c.tokens for c in out] == hf_greedy(torch_model, prompts, 32)
+  assert min(fewest) == 0  # the pool ran dry
 
 
 def test_greedy_stops_at_eos_like_transformers(engine, params, greedy_32, torch_model, prompts):
@@ -176,9 +181,10 @@ def test_rejects_lengths_beyond_the_cache(engine, params, prompts):
 # 2. Cached logits equal the uncached forward at every step
 
 
-@pytest.mark.parametrize("cache", ["paged", "dense"])
-def test_cached_logits_equal_uncached_forward(cache, request, params, prompts, uncached_logits):
-  engine = request.getfixturevalue("engine" if cache == "paged" else "dense_engine")
+@pytest.mark.parametrize("page_size", [8, 3], ids=["pages_of_8", "pages_of_3"])
+def test_cached_logits_equal_uncached_forward(page_size, model, params, prompts, uncached_logits):
+  # Pages of 3 rows: page boundaries fall inside every prefill bucket and at other steps than pages of 8.
+  engine = make_engine(model, page_size=page_size)
   steps = 24
   batch = prompts[:4]
   state = engine.init_decode_state()
@@ -274,51 +280,38 @@ def test_more_requests_than_slots_independent_of_order(engine, params, prompts):
 
 
 # ----------------------------------------------------------------------------------------------
-# Decode windows: reading only the cache rows in use changes no token and no log-prob
+# Page budgets: reading only the live pages changes no token and no log-prob
 
 
-def test_decode_windows_equal_reading_the_whole_cache(dense_engine, model, params, prompts, monkeypatch):
-  engine = dense_engine
-  assert engine.decode_windows == [8, 16, 32, MAX_PREFILL + MAX_DECODE]
-  whole = engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
-                            max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8,
-                            min_decode_window=MAX_PREFILL + MAX_DECODE, kv_cache="dense")
-  assert whole.decode_windows == [MAX_PREFILL + MAX_DECODE]
-  windows = []
-  decode = engine.decode
-  monkeypatch.setattr(engine, "decode", lambda *a: windows.append(a[-1]) or decode(*a))
-  kw = dict(n=3, max_new_tokens=MAX_DECODE, sampling=sampling.Temperature(1.0), seed=5, eos_ids=[1, 2, 3])
-  windowed, full = (scheduler.generate(e, params, prompts, **kw) for e in (engine, whole))
-  assert {16, 32, MAX_PREFILL + MAX_DECODE} <= set(windows), windows  # short rows read less
-  assert len({len(c.tokens) for c in windowed}) > 2
-  for a, b in zip(windowed, full):
-    assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
-    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-
-
-def test_live_page_budgets_equal_reading_every_page_and_the_dense_cache(engine, dense_engine, params, prompts,
+def test_page_budgets_equal_reading_every_page_and_the_uncached_forward(engine, params, prompts, uncached_logits,
                                                                         monkeypatch):
-  """The paged cache with the scheduler's live-page budgets gives the tokens and log-probs of a budget of
-  every page and of the dense cache."""
-  assert engine.live_page_buckets == [4, 6, 8, 12, 16, 24, 28]  # 4 slots x 7 pages of 8 rows
+  """The scheduler's page budgets give the tokens and log-probs of a budget of every page, and log-probs equal
+  to log_softmax(uncached forward / T) at every token."""
+  assert engine.page_budgets == (4, 6, 8, 12, 16, 24, 28)  # 4 slots x 7 pages of 8 rows
   kw = dict(n=3, max_new_tokens=MAX_DECODE, sampling=sampling.Temperature(1.0), seed=5, eos_ids=[1, 2, 3])
   budgets = []
   decode = engine.decode
   monkeypatch.setattr(engine, "decode", lambda *a: budgets.append(a[-1]) or decode(*a))
   live = scheduler.generate(engine, params, prompts, **kw)
   assert {8, 16} <= set(budgets), budgets  # short rows read fewer pages
-  monkeypatch.setattr(engine, "decode", lambda *a: decode(*a[:-1], engine.live_page_buckets[-1]))
+  monkeypatch.setattr(engine, "decode", lambda *a: decode(*a[:-1], engine.page_budgets[-1]))
   every = scheduler.generate(engine, params, prompts, **kw)
-  dense = scheduler.generate(dense_engine, params, prompts, **kw)
   assert len({len(c.tokens) for c in live}) > 2
-  for a, b, c in zip(live, every, dense):
-    assert a.tokens == b.tokens == c.tokens and a.finish_reason == b.finish_reason == c.finish_reason
+  for a, b in zip(live, every):
+    assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-    np.testing.assert_allclose(a.logprobs, c.logprobs, atol=1e-5)
+  for start in range(0, len(live), FORWARD_BATCH):
+    batch = live[start:start + FORWARD_BATCH]
+    sequences = [prompts[c.prompt_index] + c.tokens for c in batch]
+    full = uncached_logits(params, sequences)
+    for r, (c, seq) in enumerate(zip(batch, sequences)):
+      P = len(prompts[c.prompt_index])
+      rows = np.stack([logits_at(full, r, len(seq), P - 1 + j) for j in range(len(c.tokens))])
+      expected = jax.nn.log_softmax(rows, axis=-1)[np.arange(len(c.tokens)), c.tokens]
+      np.testing.assert_allclose(c.logprobs, expected, atol=1e-4)
 
 
-def test_a_window_too_small_returns_early_and_loses_nothing(dense_engine, params, prompts, greedy_32):
-  engine = dense_engine
+def test_a_page_budget_too_small_returns_early_and_loses_nothing(engine, params, prompts, greedy_32):
   state = engine.init_decode_state()
   state, firsts = scheduler.prefill_insert(engine, params, state, prompts[:2], [0, 1], [0, 1], [0, 1], [0, 0],
                                            [20, 20], 0, sampling.Greedy(), ())
@@ -326,8 +319,9 @@ def test_a_window_too_small_returns_early_and_loses_nothing(dense_engine, params
   for first in firsts:
     for r, t in zip(first.requests, np.asarray(first.tokens)):
       tokens[r].append(int(t))
-  # Prompts of 3 and 7 tokens: with a window of 8 rows, slot 1 can take one step (row 7), then needs row 8.
-  state, chunk = engine.decode(params, state, 5, sampling.Greedy(), (), 8)
+  # Prompts of 3 and 7 tokens in pages of 8 rows: a budget of 4 live pages (a page each, busy or idle) lets slot
+  # 1 take one step (row 7); then row 8 needs its second page.
+  state, chunk = engine.decode(params, state, 5, sampling.Greedy(), (), 4)
   out, emitted, active, rows = chunk.tokens, chunk.emitted, chunk.active, chunk.lengths
   assert np.asarray(emitted)[:2].sum(axis=1).tolist() == [1, 1]
   assert np.asarray(rows)[:2].tolist() == [4, 8] and np.asarray(active)[:2].all()
@@ -361,21 +355,18 @@ def test_new_params_reuse_compiled_programs(engine, params, prompts, greedy_32, 
 # 8. Sharded over 8 simulated devices (fsdp=4, tensor=2)
 
 
-@pytest.mark.parametrize("cache", ["paged", "dense"])
-def test_sharded_engine_matches_single_device(cache, model, prompts, greedy_32):
+@pytest.mark.parametrize("slots", [4, 8], ids=["a_slot_a_shard", "two_slots_a_shard"])
+def test_sharded_engine_matches_single_device(slots, model, prompts, greedy_32):
   assert jax.device_count() == 8
   mesh = sharding.make_mesh(data=1, fsdp=4, tensor=2)
-  eng = engine_lib.Engine(model, max_concurrent_decodes=4, max_prefill_length=MAX_PREFILL,
-                          max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, mesh=mesh,
-                          kv_cache=cache, page_size=8)
+  eng = engine_lib.Engine(model, max_concurrent_decodes=slots, max_prefill_length=MAX_PREFILL,
+                          max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, mesh=mesh, page_size=8)
   params = eng.load_params(model)
   def laid_out(x, *spec):
-    return x.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec)), x.ndim)
+    return x.sharding.is_equivalent_to(NamedSharding(mesh, Spec(*spec)), x.ndim)
 
   def cache_laid_out(state):
-    if cache == "dense":  # [layers, S, K, L, H]
-      return laid_out(state.cache.k, None, ("data", "fsdp"), "tensor", None, None)
-    # pages [layers, P, ps, 2K, H] and page tables [S, M]: a pool of pages per batch shard, beside its slots
+    # pages [layers, A, ps, 2K, H] and page tables [B, M]: a pool of pages per batch shard, beside its slots
     return (eng.page_shards == 4 and laid_out(state.cache.pages, None, ("data", "fsdp"), None, "tensor", None)
             and laid_out(state.cache.page_table, ("data", "fsdp"), None)
             and laid_out(state.cache.free_count, ("data", "fsdp")))

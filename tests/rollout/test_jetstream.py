@@ -15,6 +15,7 @@ from pacs_jax.rollout import engine as engine_lib
 
 # Must import (not skip): google-jetstream is installed with the `jetstream` extra in CI.
 from pacs_jax.rollout import jetstream as jetstream_adapter
+from pacs_jax.rollout.single import SingleRequest
 from pacs_jax.rollout.state import SlotTokens
 
 MAX_NEW = 12
@@ -46,7 +47,7 @@ def setup():
   params = jax.tree.map(lambda x: 4 * x, engine.load_params(model))
   reference = scheduler.generate(engine, params, prompts, max_new_tokens=MAX_NEW)
   # An EOS id that greedy emits mid-way for one prompt, so some streams stop early. The JetStream
-  # methods read `engine.eos_ids` (a traced argument: setting it recompiles nothing).
+  # methods (`SingleRequest`) read `engine.eos_ids` (a traced argument: setting it recompiles nothing).
   eos = reference[1].tokens[6]
   engine.eos_ids = (eos,)
   expected = scheduler.generate(engine, params, prompts, max_new_tokens=MAX_NEW, eos_ids=[eos])
@@ -62,20 +63,21 @@ def test_engine_api_prefill_insert_generate(setup):
   """One prompt, one slot, one step on the in-process engine, read through JetStream's ResultTokens:
   prefill samples the first token."""
   engine, params, prompts, expected = setup
+  single = SingleRequest(engine)
   state = engine.init_decode_state()
   streams = {}
   for slot, i in [(2, 0), (0, 3), (3, 1)]:
     padded = np.zeros(16, np.int32)
     padded[:len(prompts[i])] = prompts[i]
-    prefix = engine.prefill(params, padded, len(prompts[i]), decode.request_keys(0, np.array([i]), np.array([0])))
+    prefix = single.prefill(params, padded, len(prompts[i]), decode.request_keys(0, np.array([i]), np.array([0])))
     first = jetstream_adapter.result_tokens(SlotTokens(tokens=prefix.tokens, valid=prefix.steps > 0,
                                                        lengths=prefix.steps))
     tokens, valid, lengths = _columns(first.convert_to_numpy().get_result_at_slot(0))
     assert valid[0, 0] == 1 and lengths[0] == 1
     streams[slot] = (i, [int(tokens[0, 0])])
-    state = engine.insert(prefix, state, slot)
+    state = single.insert(prefix, state, slot)
   for _ in range(MAX_NEW - 1):
-    state, out = engine.step(params, state)
+    state, out = single.step(params, state)
     result = jetstream_adapter.result_tokens(out).convert_to_numpy()
     for slot, (_, stream) in streams.items():
       tokens, valid, lengths = _columns(result.get_result_at_slot(slot))

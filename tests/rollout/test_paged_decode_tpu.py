@@ -4,7 +4,6 @@ the Pallas ragged paged attention kernel per shard, and the pages are written an
 import math
 import re
 
-import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -26,11 +25,10 @@ def compiled():
     mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=sharding.tpu_topology_devices("v5p:2x2x1"))
     model = nnx.eval_shape(lambda: registry.causal_lm(CONFIG, rngs=nnx.Rngs(0)))
     engine = engine_lib.Engine(model, max_concurrent_decodes=SLOTS, max_prefill_length=PREFILL,
-                               max_decode_length=DECODE, mesh=mesh, steps_per_call=4, kv_cache="paged",
-                               page_size=PAGE)
+                               max_decode_length=DECODE, mesh=mesh, steps_per_call=4, page_size=PAGE)
     state = engine.abstract_decode_state()
     program = engine.lower_decode(engine.abstract_params(), state, None, sampling.Temperature(1.0)).compile()
-  assert engine.decode_kernel and engine.read_budgets == [SLOTS // 2 * engine.pages_per_slot]  # one program
+  assert engine.decode_kernel and engine.page_budgets == (SLOTS // 2 * engine.pages_per_slot,)  # one program
   return program, aot_measure.per_chip_bytes(state.cache.pages)
 
 

@@ -71,7 +71,7 @@ def assert_failed_in_lines(result, most: int, status: int, *expected: str):
 # 5. Bad paths and names: <= 3 lines naming the field or file, non-zero exit, no workdir created.
 
 @pytest.mark.parametrize("case", ["missing", "directory", "not_parquet", "prompts_too_long", "config_raises",
-                                  "config_missing", "unknown_field"])
+                                  "config_missing", "unknown_field", "unknown_field_in_a_section", "removed_field"])
 def test_a_bad_path_or_name_is_one_line_and_creates_nothing(case, tmp_path):
   (tmp_path / "adir").mkdir()
   (tmp_path / "fake.parquet").write_text("not parquet")
@@ -89,6 +89,10 @@ def test_a_bad_path_or_name_is_one_line_and_creates_nothing(case, tmp_path):
                          ["config file nonexistent.py: [Errno 2] No such file or directory"]),
       "unknown_field": (["--config.trian.lr=1"], errors.EXIT_CONFIG,
                         ["--config.trian.lr: no such config field", 'Did you mean "train"']),
+      "unknown_field_in_a_section": (["--config.rollout.slotz=1"], errors.EXIT_CONFIG,
+                                     ["--config.rollout.slotz: no such config field", 'Did you mean "slots"']),
+      "removed_field": (["--config.rollout.kv_cache=dense"], errors.EXIT_CONFIG,
+                        ["--config.rollout.kv_cache: was removed: the rollout always uses the paged KV cache"]),
   }[case]
   result = cli("pacs_jax.train", *RUN, "--workdir", "run", "--config.steps=1", *args, cwd=tmp_path)
   assert_failed_in_lines(result, 3, status, "train: ", *expected)

@@ -109,7 +109,7 @@ def test_prefill_and_decode_sample_the_same_tokens_with_remat():
   out = []
   for g in (graphdef, remat_graphdef):
     engine = engine_lib.Engine(nnx.merge(g, params), max_concurrent_decodes=4, max_prefill_length=16,
-                               max_decode_length=24, steps_per_call=8, min_prefill_bucket=8, min_decode_window=8)
+                               max_decode_length=24, steps_per_call=8, min_prefill_bucket=8)
     out.append(scheduler.generate(engine, engine.load_params(params), prompts, n=2, max_new_tokens=24,
                                    sampling=sampling.Temperature(1.0), seed=3, eos_ids=[1, 2]))
   for a, b in zip(*out):
