@@ -145,7 +145,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     if prefill_out is not None:
       cache, logits = prefill_out
       # Requests into slots, the state donated.
-      run(ProgramReport(f"{tag}insert[R={requests},T={engine.prefill_buckets[-1]}]", "rollout",
+      run(ProgramReport(f"{tag}insert[Q={requests},T={engine.prefill_buckets[-1]}]", "rollout",
                         calls_scale * -(-prompts // rows), 0.0),
           lambda: engine.lower_insert_requests(decode_state, cache, logits, requests, sampling),
           lambda c: state_bytes)

@@ -2,7 +2,7 @@
 sampling, slot insertion into the paged cache, one decode step and a chunk of them in one `lax.while_loop`. The
 `Engine` jits them with params as an argument.
 
-Shapes: B slots (or prompts in a prefill), T prompt bucket length, R requests, V vocab, L cache rows per slot,
+Shapes: B slots (or prompts in a prefill), T prompt bucket length, Q requests, V vocab, L cache rows per slot,
 Z batch shards, M pages per slot, ps page size.
 """
 
@@ -23,14 +23,14 @@ from pacs_jax.rollout.state import ChunkOutput, DecodeState, Prefix, StepOutput
 
 
 def request_keys(seed: jax.Array, prompt_index: jax.Array, sample_index: jax.Array) -> jax.Array:
-  """Key data [R, *key] of requests (prompt_index [R], sample_index [R]): independent of slot and order."""
+  """Key data [Q, *key] of requests (prompt_index [Q], sample_index [Q]): independent of slot and order."""
   base = jax.random.key(seed)
   one = lambda p, s: jax.random.key_data(jax.random.fold_in(jax.random.fold_in(base, p), s))
   return jax.vmap(one)(prompt_index, sample_index)
 
 
 def step_keys(key_data: jax.Array, steps: jax.Array) -> jax.Array:
-  """Keys [R] of token `steps` [R] of requests with key data [R, *key]."""
+  """Keys [Q] of token `steps` [Q] of requests with key data [Q, *key]."""
   return jax.vmap(lambda k, t: jax.random.fold_in(jax.random.wrap_key_data(k), t))(key_data, steps)
 
 
@@ -43,7 +43,7 @@ def eos_array(eos_ids: Sequence[int]) -> np.ndarray:
 
 
 def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
-  """tokens [R] -> [R] bool; the -1 padding of `eos_array` never matches a token."""
+  """tokens [Q] -> [Q] bool; the -1 padding of `eos_array` never matches a token."""
   return jnp.any(tokens[:, None] == eos_ids[None, :], axis=-1)
 
 
@@ -61,15 +61,15 @@ def prefill_forward(model: CausalLM, tokens: jax.Array, true_lengths: jax.Array)
 
 
 def sample_first(logits: jax.Array, key_data: jax.Array, sampling: sampling_lib.SamplingMethod):
-  """First response token (key step 0) of requests from their prompts' last logits [R, V]:
-  (tokens [R] int32, log-probs [R] fp32)."""
+  """First response token (key step 0) of requests from their prompts' last logits [Q, V]:
+  (tokens [Q] int32, log-probs [Q] fp32)."""
   keys = step_keys(key_data, jnp.zeros(key_data.shape[:1], jnp.int32))
   return sampling.sample_with_logprobs(logits, keys)
 
 
 def prefix_of_requests(cache: KVCache, logits: jax.Array, true_lengths: jax.Array, rows: jax.Array,
                        key_data: jax.Array, sampling: sampling_lib.SamplingMethod) -> Prefix:
-  """R requests from B prefilled prompts (cache [layers, B, K, T, H], logits [B, V], true_lengths [B]):
+  """Q requests from B prefilled prompts (cache [layers, B, K, T, H], logits [B, V], true_lengths [B]):
   request r continues prompt `rows[r]` with its first token sampled from key data `key_data[r]`. The prefix
   keeps the prompts' cache ([layers, B, ...], not one copy per request): pass `rows` on to `insert_rows`, which
   reads each request's rows one layer at a time."""
@@ -80,8 +80,8 @@ def prefix_of_requests(cache: KVCache, logits: jax.Array, true_lengths: jax.Arra
 
 def insert_rows(state: DecodeState, prefix: Prefix, slots: jax.Array, budgets: jax.Array,
                 eos_ids: jax.Array, cache_rows: jax.Array | None = None) -> DecodeState:
-  """Writes prefix rows [R] into decode slots [R]; a slot index >= B is a padding row and is dropped.
-  `cache_rows` [R]: request r's rows are prefix.cache's row cache_rows[r] (see `prefix_of_requests`); None:
+  """Writes prefix rows [Q] into decode slots [Q]; a slot index >= B is a padding row and is dropped.
+  `cache_rows` [Q]: request r's rows are prefix.cache's row cache_rows[r] (see `prefix_of_requests`); None:
   row r.
 
   Each request gets the pages its prompt rows fill (a request its shard has no pages for is dropped; the
@@ -90,7 +90,7 @@ def insert_rows(state: DecodeState, prefix: Prefix, slots: jax.Array, budgets: j
   L = cache_length(state)
   cache, slots = pages_lib.insert(state.cache, prefix.cache, prefix.lengths, slots, cache_rows)
 
-  def put(buf, rows):  # buf [B, ...], rows [R, ...]
+  def put(buf, rows):  # buf [B, ...], rows [Q, ...]
     return buf.at[slots].set(rows.astype(buf.dtype), mode="drop")
 
   sampled = prefix.steps > 0

@@ -3,7 +3,7 @@ argument, the decode state's layout on a mesh, and public `lower_*` hooks for ah
 cache is paged (`state.PagedCache`); which page budget a decode call runs at is `budget.PagePolicy`'s, and the
 one-request-at-a-time surface JetStream serves is `single.SingleRequest`.
 
-Shapes: B slots (or prompts in a prefill), T prompt bucket length, R requests, V vocab, L cache rows per slot.
+Shapes: B slots (or prompts in a prefill), T prompt bucket length, Q requests, V vocab, L cache rows per slot.
 """
 
 from __future__ import annotations
@@ -193,11 +193,11 @@ class Engine:
   def lower_insert_requests(self, state, cache, logits, requests: int, sampling=None):
     """The insert program for `requests` requests from a prefill's `cache` and `logits` (its outputs, e.g.
     `lower_prefill(...).compile()`'s) into `state` (may be abstract: `abstract_decode_state`)."""
-    R = requests
+    Q = requests
     B = logits.shape[0]
     with self.mesh_context():
-      return self._insert_requests_jit.lower(state, cache, logits, _i32(B), _i32(R), _i32(R),
-                                             jax.ShapeDtypeStruct((), jnp.uint32), _i32(R), _i32(R), _i32(R),
+      return self._insert_requests_jit.lower(state, cache, logits, _i32(B), _i32(Q), _i32(Q),
+                                             jax.ShapeDtypeStruct((), jnp.uint32), _i32(Q), _i32(Q), _i32(Q),
                                              _i32(decode_lib.eos_array(self.eos_ids).shape[0]),
                                              sampling=sampling or self.sampling)
 
@@ -232,9 +232,9 @@ class Engine:
 
   def _insert_requests_impl(self, state, cache, logits, true_lengths, rows, slots, seed, prompt_index,
                             sample_index, budgets, eos_ids, sampling):
-    """Inserts R requests from B prefilled prompts (several samples may share a prompt row)."""
+    """Inserts Q requests from B prefilled prompts (several samples may share a prompt row)."""
     key_data = decode_lib.request_keys(seed, prompt_index, sample_index)
-    # The insert reads each request's prompt rows layer by layer: no [layers, R, ...] copy of them.
+    # The insert reads each request's prompt rows layer by layer: no [layers, Q, ...] copy of them.
     prefix = decode_lib.prefix_of_requests(cache, logits, true_lengths, rows, key_data, sampling)
     state = self.constrain(decode_lib.insert_rows(state, prefix, slots, budgets, eos_ids, rows))
     return (state, *self.replicate((prefix.tokens, prefix.logprobs)))
@@ -257,7 +257,7 @@ class Engine:
                       prompt_index: np.ndarray, sample_index: np.ndarray, budgets: np.ndarray,
                       sampling: sampling_lib.SamplingMethod, eos_ids: Sequence[int],
                       requests: Sequence[int]) -> tuple[DecodeState, FirstTokens]:
-    """Inserts R requests into `slots` [R] from prompts prefilled together (`prefill_batch`'s cache and
+    """Inserts Q requests into `slots` [Q] from prompts prefilled together (`prefill_batch`'s cache and
     logits): request r continues prompt `rows[r]`, samples with key data `request_keys(seed, prompt_index[r],
     sample_index[r])` and generates at most `budgets[r]` tokens; a slot >= B marks a padding request, dropped.
     The first tokens come back on device, tagged with the caller's `requests` ids."""

@@ -2,7 +2,7 @@
 loops): take pages for slots that start a new page, return a finished slot's pages, place inserted prompts' rows in
 fresh pages, and the live-page count a decode step reads. The attention over pages is `models/paged.py`'s (the
 TPU kernel `models/paged_kernel.py`'s). Shapes: B slots, Z batch shards (B / Z slots each), M pages per slot,
-R requests, T prompt bucket length, ps page size."""
+Q requests, T prompt bucket length, ps page size."""
 
 from __future__ import annotations
 
@@ -54,47 +54,47 @@ def release(cache: PagedCache, slots: jax.Array) -> PagedCache:
 
 def insert(cache: PagedCache, prefix: KVCache, lengths: jax.Array, slots: jax.Array,
            cache_rows: jax.Array | None = None) -> tuple[PagedCache, jax.Array]:
-  """Gives request r (lengths [R]; its rows are prefix row cache_rows[r] of [layers, prompts, K, T, H], None:
+  """Gives request r (lengths [Q]; its rows are prefix row cache_rows[r] of [layers, prompts, K, T, H], None:
   row r) ceil(lengths[r] / ps) fresh pages of slot slots[r]'s shard and copies its first rows there (slots
   >= B: padding, dropped); the slots' old pages are returned first. A request its shard has no pages for is
-  dropped too (the scheduler checks free counts first). Returns (cache, slots [R] with dropped requests set
+  dropped too (the scheduler checks free counts first). Returns (cache, slots [Q] with dropped requests set
   to B).
 
   The rows are written one layer at a time in a loop over the donated pages: the program holds one layer
-  of the requests' rows at once, never a [layers, R, T] copy (78 GB per chip for qwen3b_v5p's 2,048).
+  of the requests' rows at once, never a [layers, Q, T] copy (78 GB per chip for qwen3b_v5p's 2,048).
   """
   Z, Az = cache.free_pages.shape
   B, M = cache.page_table.shape
   ps = cache.page_size
   layers, _, K, T, H = prefix.k.shape
-  R = lengths.shape[0]
+  Q = lengths.shape[0]
   n_t = -(-T // ps)
   cache = release(cache, jnp.zeros((B,), bool).at[slots].set(True, mode="drop"))
-  shard = slots // (B // Z)  # [R]; Z for padding requests
-  count = jnp.where(slots < B, -(-lengths // ps), 0)  # [R]
-  onehot = jax.nn.one_hot(shard, Z, dtype=jnp.int32) * count[:, None]  # [R, Z]
+  shard = slots // (B // Z)  # [Q]; Z for padding requests
+  count = jnp.where(slots < B, -(-lengths // ps), 0)  # [Q]
+  onehot = jax.nn.one_hot(shard, Z, dtype=jnp.int32) * count[:, None]  # [Q, Z]
   before = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * jax.nn.one_hot(shard, Z, dtype=jnp.int32), axis=1)
   free = cache.free_count[jnp.minimum(shard, Z - 1)]
-  ok = (slots < B) & (before + count <= free)  # [R]; per shard, the granted requests are a prefix
+  ok = (slots < B) & (before + count <= free)  # [Q]; per shard, the granted requests are a prefix
   j = jnp.arange(n_t)[None, :]  # [1, n_t]
   top = jnp.clip(free[:, None] - 1 - before[:, None] - j, 0, Az - 1)
-  page = jnp.take_along_axis(cache.free_pages[jnp.minimum(shard, Z - 1)], top, axis=1)  # [R, n_t]
+  page = jnp.take_along_axis(cache.free_pages[jnp.minimum(shard, Z - 1)], top, axis=1)  # [Q, n_t]
   has = ok[:, None] & (j < count[:, None])
   page = jnp.where(has, page, 0)
   slots = jnp.where(ok, slots, B)
-  rows = jnp.zeros((R, M), jnp.int32).at[:, :n_t].set(page[:, :M])
+  rows = jnp.zeros((Q, M), jnp.int32).at[:, :n_t].set(page[:, :M])
   table = cache.page_table.at[slots].set(rows, mode="drop")
   taken = jnp.zeros((Z,), jnp.int32).at[shard].add(jnp.where(ok, count, 0), mode="drop")
 
-  def blocks(x):  # [R, K, T, H] -> [R, n_t, ps, K, H]
+  def blocks(x):  # [Q, K, T, H] -> [Q, n_t, ps, K, H]
     x = jnp.pad(x, ((0, 0), (0, 0), (0, n_t * ps - T), (0, 0)))
-    return jnp.moveaxis(x.reshape(R, K, n_t, ps, H), 1, 3)
+    return jnp.moveaxis(x.reshape(Q, K, n_t, ps, H), 1, 3)
 
   A = cache.pages.shape[1]
   target = jnp.where(has, page + (jnp.minimum(shard, Z - 1) * Az)[:, None], A)  # global page ids; A = none
   of_requests = (lambda x: x) if cache_rows is None else (lambda x: x[cache_rows])
 
-  def write_layer(layer, pages):  # one layer's [R, n_t, ps, 2K, H] rows into their pages
+  def write_layer(layer, pages):  # one layer's [Q, n_t, ps, 2K, H] rows into their pages
     k, v = (of_requests(lax.dynamic_index_in_dim(x, layer, keepdims=False)) for x in (prefix.k, prefix.v))
     kv = paged.interleave_kv(blocks(k), blocks(v)).astype(pages.dtype)
     # Row by row ([2K, H] slices, the pages' own tiles): a scatter of whole pages re-lays the pool out.

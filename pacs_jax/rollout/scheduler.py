@@ -1,7 +1,7 @@
 """Continuous batching: `generate`, the whole rollout the trainer and evaluator call, over an `Engine`'s
 slots (requests queue, take slots as others finish, and share their prompt's prefill).
 
-Shapes: B slots (or prompts in a prefill), T prompt bucket length, R requests, Z batch shards.
+Shapes: B slots (or prompts in a prefill), T prompt bucket length, Q requests, Z batch shards.
 """
 
 from __future__ import annotations

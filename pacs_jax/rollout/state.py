@@ -2,7 +2,7 @@
 KV cache), step / chunk results, completions, and the sharding each state field is declared with (logical axes,
 resolved on a mesh by `field_shardings`).
 
-Shapes: B slots (in a `Prefix`: prompts), R requests, T prompt bucket length, K kv heads, H head dim, A pages in
+Shapes: B slots (in a `Prefix`: prompts), Q requests, T prompt bucket length, K kv heads, H head dim, A pages in
 the pool, ps page size, M pages per slot, Z batch shards, V vocab.
 """
 
@@ -32,14 +32,14 @@ def _axes(axes: tuple[str | None, ...]):
 
 @flax.struct.dataclass
 class Prefix:
-  """Prefilled prompts (B of them) as R requests, ready to be inserted into decode slots (R = B, request r on
+  """Prefilled prompts (B of them) as Q requests, ready to be inserted into decode slots (Q = B, request r on
   prompt r, unless `insert_rows` is told each request's prompt row)."""
   cache: KVCache = _axes(kv_cache.CACHE_AXES)  # [layers, B, K, T, H]; rows >= lengths hold padding junk
-  lengths: jax.Array = _axes(_PER_ROW)  # [R] int32: cache rows holding the prompt = position of `tokens`
-  tokens: jax.Array = _axes(_PER_ROW)  # [R] int32: the next token to feed (first sampled, or last prompt token)
-  logprobs: jax.Array = _axes(_PER_ROW)  # [R] fp32: log-prob of `tokens` (0 for a prompt token)
-  keys: jax.Array = _axes(_KEY)  # [R, *key] uint32: each request's PRNG key data
-  steps: jax.Array = _axes(_PER_ROW)  # [R] int32: tokens generated so far (`tokens` included when sampled)
+  lengths: jax.Array = _axes(_PER_ROW)  # [Q] int32: cache rows holding the prompt = position of `tokens`
+  tokens: jax.Array = _axes(_PER_ROW)  # [Q] int32: the next token to feed (first sampled, or last prompt token)
+  logprobs: jax.Array = _axes(_PER_ROW)  # [Q] fp32: log-prob of `tokens` (0 for a prompt token)
+  keys: jax.Array = _axes(_KEY)  # [Q, *key] uint32: each request's PRNG key data
+  steps: jax.Array = _axes(_PER_ROW)  # [Q] int32: tokens generated so far (`tokens` included when sampled)
 
 
 @flax.struct.dataclass
@@ -109,8 +109,8 @@ class ChunkOutput:
 class FirstTokens:
   """First response tokens of requests inserted together (`Engine.insert_requests`)."""
   requests: tuple[int, ...] = flax.struct.field(pytree_node=False)  # the caller's request ids, one per token
-  tokens: jax.Array  # [R] int32
-  logprobs: jax.Array  # [R] fp32
+  tokens: jax.Array  # [Q] int32
+  logprobs: jax.Array  # [Q] fp32
 
 
 @dataclasses.dataclass
