@@ -13,8 +13,8 @@ def describe_model(cfg: ml_collections.ConfigDict, model_config) -> str:
   """`preset tiny: qwen2 (2 layers, width 64, vocabulary 64, float32)`, or the checkpoint directory: its family
   (config.json's model_type) and the same figures."""
   source = cfg.model.hf_path or f"preset {cfg.model.preset}"
-  return (f"{source}: {model_config.model_type} ({model_config.num_hidden_layers} layers, width {model_config.hidden_size}, "
-          f"vocabulary {model_config.vocab_size}, {cfg.model.dtype})")
+  return (f"{source}: {model_config.model_type} ({model_config.num_hidden_layers} layers, "
+          f"width {model_config.hidden_size}, vocabulary {model_config.vocab_size}, {cfg.model.dtype})")
 
 
 def describe_tokenizer(cfg: ml_collections.ConfigDict, tokenizer) -> str:

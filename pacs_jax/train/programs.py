@@ -155,7 +155,9 @@ def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, opt
                   state_shardings: Any, sample_shardings: Any) -> Programs:
   step_fn = step_lib.make_train_step(cfg, graphdef, optimizer, critic_graphdef, critic_optimizer)
   mesh = jax.tree.leaves(state_shardings)[0].mesh
-  batch_shardings = {name: s.sharding for name, s in minibatch_shapes(cfg, mesh).items()}
+  layout = train_batch(cfg)
+  abstract = layout.abstract(lambda ndim: minibatch_sharding(mesh, ndim))
+  batch_shardings = {name: s.sharding for name, s in abstract.items()}
   algo = registry.of(cfg)
   targets = lambda minibatch: algo.logprob_targets(cfg, minibatch)
   # Rollout weights: sample-mode layout in the compute dtype. The model casts every weight to that
@@ -167,6 +169,5 @@ def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, opt
       logprob_fn=jax.jit(step_lib.make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.train.logits_chunk, targets)),
       value_fn=(jax.jit(step_lib.make_value_fn(critic_graphdef, algo.critic_mask)) if critic_graphdef is not None
                 else None),
-      step_inputs=(jax.jit(lambda mbs: algo.step_inputs(cfg, mbs)) if train_batch(cfg).names(batch_lib.STEP)
-                   else None),
+      step_inputs=jax.jit(lambda mbs: algo.step_inputs(cfg, mbs)) if layout.names(batch_lib.STEP) else None,
       to_sample_params=jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute), p), out_shardings=sample_shardings))
