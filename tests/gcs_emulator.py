@@ -177,6 +177,14 @@ class LocalGCS:
     response.read()
     return response.status == 200
 
+  def read(self, name: str) -> bytes | None:
+    """The object `name`'s bytes, or None if the bucket has none (asked of the emulator itself)."""
+    conn = http.client.HTTPConnection(*self._handler.upstream, timeout=10)
+    conn.request("GET", f"/storage/v1/b/{self.bucket}/o/{urllib.parse.quote(name, safe='')}?alt=media")
+    response = conn.getresponse()
+    body = response.read()
+    return body if response.status == 200 else None
+
   def close(self):
     self.stop_serving()
     self._emulator.stop()

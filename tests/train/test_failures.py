@@ -314,13 +314,24 @@ def test_an_outage_ends_in_a_few_lines_and_a_restart_resumes_without_duplicate_r
   workdir = f"gs://{local_gcs.bucket}/{prefix}"
   environ = env(**local_gcs.env)
   command = [sys.executable, "-m", "pacs_jax.train", *RUN, "--workdir", workdir]
-  # Without metrics rows to write, the first to meet the outage is a checkpoint save (failing in Orbax's thread).
-  quiet = ["--config.log_every=1000"] if first_to_fail == "checkpoint" else []
-  trainer = subprocess.Popen([*command, "--config.steps=1000", *quiet], stdout=subprocess.PIPE,
+  if first_to_fail == "checkpoint":
+    # Without metrics rows to write, the first to meet the outage is a checkpoint save (failing in Orbax's thread):
+    # the outage starts once the first checkpoint is complete.
+    only = ["--config.log_every=1000"]
+    started = lambda: local_gcs.exists(f"{prefix}/checkpoints/1/commit_success.txt")
+  else:
+    # A complete checkpoint (step 1) first; then a run that saves none before its end, so whenever the outage
+    # starts, the first to meet it is a metrics row (not a save that happens to fall in the same instant).
+    first = subprocess.run([*command, "--config.steps=1"], capture_output=True, text=True, cwd=tmp_path,
+                           env=environ, timeout=300)
+    assert first.returncode == 0, first.stderr
+    only = ["--config.checkpoint.every=1000"]
+    started = lambda: (local_gcs.read(f"{prefix}/metrics.jsonl") or b"").count(b"\n") >= 3  # it logs steps 2, 3
+  trainer = subprocess.Popen([*command, "--config.steps=1000", *only], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=environ)
   try:
     deadline = time.monotonic() + 240
-    while not local_gcs.exists(f"{prefix}/checkpoints/1/commit_success.txt"):  # the first checkpoint is complete
+    while not started():
       assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()
       time.sleep(0.2)
     local_gcs.stop_serving()
