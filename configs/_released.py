@@ -20,7 +20,7 @@ def released_recipe(preset: str, hf_path: str, algorithm: str = "pacs"):
   c.model.attention_chunk = 512  # 4,608-token rows: fp32 scores for 512 queries at a time, not all 4,608
   c.data.train = DEEPSCALER
   # Greedy validation every 5 steps, accuracy per data source. The released runs validate on GSM8K, MATH-500,
-  # AIME 2024/2025 and AMC23: pass --config.data.val_dir=DIR (a folder of <name>/test.jsonl, as ../shared/data)
+  # AIME 2024/2025 and AMC23: pass --config.data.val_dir=DIR (a folder of <name>/test.jsonl, as tests/fixtures/data)
   # to validate on all five; without it, MATH-500 from the hub. After training, `python -m pacs_jax.evaluate`
   # reports pass@k on them.
   c.data.val = MATH500

@@ -22,3 +22,25 @@ def test_quick_start_has_two_commands():
 def test_ci_runs_the_readme_test_command():
   ci = open(os.path.join(ROOT, ".ci", "run")).read()
   assert readme_commands()[1] in ci.splitlines()
+
+
+def test_ci_tests_a_clone_with_nothing_beside_it():
+  """A user's clone has no ../shared: CI runs the README's test command in a fresh clone in an empty folder."""
+  ci = open(os.path.join(ROOT, ".ci", "run")).read()
+  clone = ci.index("git clone")
+  assert 'clone="$(mktemp -d)/' in ci and ci.index('cd "$clone"') < ci.index(readme_commands()[1]), ci
+  assert clone < ci.index(readme_commands()[1])
+
+
+def test_nothing_reads_the_data_folder_beside_the_repo():
+  """Tests and the package read released data only from the repository (tests/fixtures/data)."""
+  beside = re.compile(r"""shared['"]?\s*[,/]\s*['"]?data|\.\./shared""")
+  offenders = []
+  for folder in ("pacs_jax", "tests", "benchmarks", "configs", "launch", "notebooks", ".ci"):
+    for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+      for name in files:
+        if name.endswith((".py", ".sh", ".ipynb", ".cfg")) or folder == ".ci":
+          path = os.path.join(dirpath, name)
+          if path != os.path.abspath(__file__) and beside.search(open(path, errors="replace").read()):
+            offenders.append(os.path.relpath(path, ROOT))
+  assert not offenders, offenders

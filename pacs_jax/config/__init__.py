@@ -52,7 +52,7 @@ def default_config() -> ml_collections.ConfigDict:
   c.data.skip_bad_rows = False
   c.data.val_max_examples = 0  # >0: evaluate on the first N validation problems only
   # A folder of the released evaluation sets (<name>/test.jsonl for gsm8k, math500, aime2024, aime2025,
-  # amc23, as in ../shared/data); every file found there is validated on, beside data.val.
+  # amc23, as in tests/fixtures/data); every file found there is validated on, beside data.val.
   c.data.val_dir = ""
 
   c.rollout = ml_collections.ConfigDict()

@@ -32,7 +32,7 @@ _KNOWN_SOURCES = (
 
 
 # The sets the released runs validate on (scripts/pacs/*.sh data.val_files), as <name>/test.jsonl in a folder
-# laid out like ../shared/data.
+# laid out like tests/fixtures/data (which holds a few rows of each).
 RELEASED_EVAL_SETS = ("gsm8k", "math500", "aime2024", "aime2025", "amc23")
 
 

@@ -1,4 +1,5 @@
-"""Readers of every shared data file, malformed rows, the released parquet format and its CLI."""
+"""Readers of every released data file (a few real rows of each: tests/fixtures/data), malformed rows, the released
+parquet format and its CLI."""
 
 import json
 import os
@@ -10,23 +11,23 @@ import pytest
 
 from pacs_jax.data import prompts, sources
 
-# (file under shared/data, records in SOURCES.md, data_source)
+# (file under tests/fixtures/data, its rows (tests/fixtures/data/SOURCES.md), data_source)
 SHARED_FILES = [
-    ("math500/test.jsonl", 500, "math_500"),
-    ("aime2024/test.jsonl", 30, "aime_2024"),
-    ("aime2025/test.jsonl", 30, "aime_2025"),
-    ("amc23/test.jsonl", 40, "amc23"),
-    ("gsm8k/test.jsonl", 1319, "gsm8k"),
-    ("deepscaler/train/aime.json", 975, "deepscaler"),
-    ("deepscaler/test/aime.json", 30, "deepscaler"),
-    ("deepscaler/test/amc.json", 83, "deepscaler"),
-    ("deepscaler/test/math.json", 500, "deepscaler"),
+    ("math500/test.jsonl", 20, "math_500"),
+    ("aime2024/test.jsonl", 10, "aime_2024"),
+    ("aime2025/test.jsonl", 20, "aime_2025"),
+    ("amc23/test.jsonl", 20, "amc23"),
+    ("gsm8k/test.jsonl", 20, "gsm8k"),
+    ("deepscaler/train/aime.json", 40, "deepscaler"),
+    ("deepscaler/test/aime.json", 20, "deepscaler"),
+    ("deepscaler/test/amc.json", 20, "deepscaler"),
+    ("deepscaler/test/math.json", 20, "deepscaler"),
 ]
 
 
 @pytest.mark.parametrize("relative_path, count, data_source", SHARED_FILES)
-def test_shared_file_reads_with_its_count(shared_data, relative_path, count, data_source):
-  records, skipped = sources.load_records(os.path.join(shared_data, relative_path))
+def test_released_file_reads_with_its_count(released_data, relative_path, count, data_source):
+  records, skipped = sources.load_records(os.path.join(released_data, relative_path))
   assert (len(records), skipped) == (count, 0)
   for record in records:
     assert set(record) == {"data_source", "problem", "answer"}
@@ -35,35 +36,37 @@ def test_shared_file_reads_with_its_count(shared_data, relative_path, count, dat
     assert isinstance(record["answer"], str) and record["answer"] and record["answer"] == record["answer"].strip()
 
 
-def test_deepscaler_math_train_has_four_rows_without_answers(shared_data):
-  # 7,474 rows (SOURCES.md), of which 2 have "answer": null and 2 "answer": "" (rows 886, 1009, 5328, 5330).
-  path = os.path.join(shared_data, "deepscaler/train/math.json")
-  with pytest.raises(sources.DataError, match=r"math\.json: row 886: answer is missing"):
+def test_deepscaler_math_train_has_four_rows_without_answers(released_data):
+  # The source's 7,474 rows have 2 with "answer": null and 2 with "answer": "" (its rows 886, 1009, 5328, 5330);
+  # the fixture keeps rows 0-39 and 886, 887, 1009, 5328, 5329, 5330, so they are its rows 40, 42, 43, 45.
+  path = os.path.join(released_data, "deepscaler/train/math.json")
+  with pytest.raises(sources.DataError, match=r"math\.json: row 40: answer is missing"):
     sources.load_records(path)
   records, skipped = sources.load_records(path, skip_bad_rows=True)
-  assert (len(records), skipped) == (7470, 4)
+  assert (len(records), skipped) == (42, 4)
   with open(path) as f:
     raw = json.load(f)
-  assert len(raw) == 7474
-  assert records[886]["problem"] == raw[887]["problem"]  # rows after a skipped one keep their order
+  assert len(raw) == 46
+  assert records[40]["problem"] == raw[41]["problem"]  # rows after a skipped one keep their order
+  assert records[41]["problem"] == raw[44]["problem"]
 
 
-def test_answers_are_normalised(shared_data):
-  amc, _ = sources.load_records(os.path.join(shared_data, "amc23/test.jsonl"))
+def test_answers_are_normalised(released_data):
+  amc, _ = sources.load_records(os.path.join(released_data, "amc23/test.jsonl"))
   assert amc[0]["answer"] == "27"  # 27.0 in the file
-  aime25, _ = sources.load_records(os.path.join(shared_data, "aime2025/test.jsonl"))
+  aime25, _ = sources.load_records(os.path.join(released_data, "aime2025/test.jsonl"))
   assert aime25[0]["answer"] == "70"  # an integer in the file
-  aime24, _ = sources.load_records(os.path.join(shared_data, "deepscaler/test/aime.json"))
+  aime24, _ = sources.load_records(os.path.join(released_data, "deepscaler/test/aime.json"))
   assert aime24[1]["answer"] == "025"  # strings are kept as written
-  gsm8k, _ = sources.load_records(os.path.join(shared_data, "gsm8k/test.jsonl"))
+  gsm8k, _ = sources.load_records(os.path.join(released_data, "gsm8k/test.jsonl"))
   assert gsm8k[0]["answer"] == "18"
   assert gsm8k[0]["problem"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
   assert all("," not in r["answer"] and "#" not in r["answer"] for r in gsm8k)
   assert sources.normalize_answer(0.5) == "0.5" and sources.normalize_answer(-3.0) == "-3"
 
 
-def test_data_source_can_be_overridden(shared_data):
-  records, _ = sources.load_records(os.path.join(shared_data, "amc23/test.jsonl"), data_source="amc")
+def test_data_source_can_be_overridden(released_data):
+  records, _ = sources.load_records(os.path.join(released_data, "amc23/test.jsonl"), data_source="amc")
   assert {r["data_source"] for r in records} == {"amc"}
 
 
@@ -130,9 +133,9 @@ def test_json_file_holding_json_lines(tmp_path):
                                                 {"data_source": "lines", "problem": "q", "answer": "1000"}]
 
 
-def test_parquet_round_trip(shared_data, tmp_path):
-  records = (sources.load_records(os.path.join(shared_data, "math500/test.jsonl")).records[:50]
-             + sources.load_records(os.path.join(shared_data, "gsm8k/test.jsonl")).records[:50])
+def test_parquet_round_trip(released_data, tmp_path):
+  records = (sources.load_records(os.path.join(released_data, "math500/test.jsonl")).records[:20]
+             + sources.load_records(os.path.join(released_data, "gsm8k/test.jsonl")).records[:20])
   path = str(tmp_path / "out" / "test.parquet")
   sources.write_parquet(records, path, split="test")
   assert sources.load_records(path) == (records, 0)
@@ -146,7 +149,7 @@ def test_parquet_round_trip(shared_data, tmp_path):
       "reward_model": {"style": "rule", "ground_truth": records[0]["answer"]},
       "extra_info": {"split": "test", "index": 0, "answer": records[0]["answer"]},
   }
-  assert [r["extra_info"]["index"] for r in rows] == list(range(100))
+  assert [r["extra_info"]["index"] for r in rows] == list(range(40))
 
 
 def test_released_parquet_written_by_pandas(tmp_path):
@@ -175,16 +178,16 @@ def test_hub_spec_goes_through_datasets(monkeypatch):
   assert calls == [("agentica-org/DeepScaleR-Preview-Dataset", None, "train"), ("owner/name", "config", "test")]
 
 
-def test_prepare_cli(shared_data, tmp_path):
+def test_prepare_cli(released_data, tmp_path):
   output = str(tmp_path / "amc.parquet")
   result = subprocess.run(
-      [sys.executable, "-m", "pacs_jax.data.prepare", "--input", os.path.join(shared_data, "amc23/test.jsonl"),
+      [sys.executable, "-m", "pacs_jax.data.prepare", "--input", os.path.join(released_data, "amc23/test.jsonl"),
        "--output", output, "--data_source", "amc23_1"],
       capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
   assert result.returncode == 0, result.stderr
-  assert "40 rows (40 records x 1), 0 skipped" in result.stdout
+  assert "20 rows (20 records x 1), 0 skipped" in result.stdout
   records, _ = sources.load_records(output)
-  expected, _ = sources.load_records(os.path.join(shared_data, "amc23/test.jsonl"), data_source="amc23_1")
+  expected, _ = sources.load_records(os.path.join(released_data, "amc23/test.jsonl"), data_source="amc23_1")
   assert records == expected
 
 
@@ -205,10 +208,10 @@ def released_preprocess(example, idx, source, repeat):
 @pytest.mark.parametrize("name, source, repeat", [("aime2024", "aime_2024", 2), ("aime2025", "aime_2025", 1),
                                                   ("amc23", "amc23", 8), ("math500", "math_500", 1),
                                                   ("gsm8k", "gsm8k", 1)])
-def test_prepare_writes_the_released_schema(shared_data, tmp_path, name, source, repeat):
+def test_prepare_writes_the_released_schema(released_data, tmp_path, name, source, repeat):
   """extra_info.answer and `--repeat` (rows repeated whole, `_{repeat}` suffix for AIME/AMC) as released."""
   import pandas as pd
-  src = os.path.join(shared_data, name, "test.jsonl")
+  src = os.path.join(released_data, name, "test.jsonl")
   output = str(tmp_path / f"{name}.parquet")
   result = subprocess.run([sys.executable, "-m", "pacs_jax.data.prepare", "--input", src, "--output", output,
                            "--repeat", str(repeat)], capture_output=True, text=True, timeout=120,
@@ -242,9 +245,9 @@ def normalize(answer: str, source: str) -> str:
   return sources.normalize_answer(answer.replace(",", "") if source == "gsm8k" else answer)
 
 
-def test_released_eval_files(shared_data, tmp_path):
-  paths = sources.released_eval_files(shared_data)
-  assert [os.path.relpath(p, shared_data) for p in paths] == [
+def test_released_eval_files(released_data, tmp_path):
+  paths = sources.released_eval_files(released_data)
+  assert [os.path.relpath(p, released_data) for p in paths] == [
       "gsm8k/test.jsonl", "math500/test.jsonl", "aime2024/test.jsonl", "aime2025/test.jsonl", "amc23/test.jsonl"]
   assert {sources.infer_data_source(p) for p in paths} == {"gsm8k", "math_500", "aime_2024", "aime_2025", "amc23"}
   with pytest.raises(FileNotFoundError, match="gsm8k"):

@@ -1,4 +1,4 @@
-"""pass@k evaluation on a tiny random model and ../shared/data subsets: the released file layouts (read back as
+"""pass@k evaluation on a tiny random model and the released data's fixture rows: the released file layouts (read back as
 the released inference.py does), pass@k consistent with the lines, every k <= n per data source, exact resume,
 other writers' lines left alone, refusals, and the CLI on a training workdir."""
 
@@ -91,11 +91,11 @@ def model_dir(tokenizer, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def data_dir(shared_data, tmp_path_factory):
-  """The first 6 problems of each set, in the shared layout (the runner's --limit takes 3)."""
+def data_dir(released_data, tmp_path_factory):
+  """The first 6 problems of each set, in the released layout (the runner's --limit takes 3)."""
   path = tmp_path_factory.mktemp("data")
   for name in NAMES:
-    with open(os.path.join(shared_data, name, "test.jsonl")) as f:
+    with open(os.path.join(released_data, name, "test.jsonl")) as f:
       lines = f.readlines()[:6]
     os.makedirs(path / name)
     (path / name / "test.jsonl").write_text("".join(lines))

@@ -43,9 +43,9 @@ def qwen_style_tokenizer(texts, vocab_size=400):
 
 
 @pytest.fixture(scope="module")
-def hf_model_dir(tmp_path_factory, shared_data):
+def hf_model_dir(tmp_path_factory, released_data):
   path = tmp_path_factory.mktemp("tiny_qwen")
-  with open(os.path.join(shared_data, "deepscaler", "train", "math.json")) as f:
+  with open(os.path.join(released_data, "deepscaler", "train", "math.json")) as f:
     problems = [r["problem"] + " " + str(r["answer"]) for r in json.load(f)[:300]]
   tokenizer = qwen_style_tokenizer(problems + ["Please reason step by step, and put your final answer within \\boxed{}."])
   torch.manual_seed(0)
@@ -57,11 +57,11 @@ def hf_model_dir(tmp_path_factory, shared_data):
   return str(path)
 
 
-def test_two_steps_on_deepscaler_with_math_verify(tmp_path, hf_model_dir, shared_data):
+def test_two_steps_on_deepscaler_with_math_verify(tmp_path, hf_model_dir, released_data):
   cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "tiny_cpu.py"), {
       "model.hf_path": hf_model_dir, "model.vocab_size": 0, "tokenizer": "",
-      "data.train": os.path.join(shared_data, "deepscaler", "train", "math.json"),
-      "data.val": os.path.join(shared_data, "math500", "test.jsonl"), "data.val_max_examples": 4,
+      "data.train": os.path.join(released_data, "deepscaler", "train", "math.json"),
+      "data.val": os.path.join(released_data, "math500", "test.jsonl"), "data.val_max_examples": 4,
       "data.instruction": config_lib.default_config().data.instruction,
       "data.skip_bad_rows": True, "data.max_prompt_length": 192, "rollout.n": 2, "rollout.max_new_tokens": 12,
       "train.batch_prompts": 4, "train.mini_batch_prompts": 2, "train.lr": 1e-5,
