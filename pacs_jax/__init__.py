@@ -28,7 +28,7 @@ _PUBLIC = {
     "Trainer": ("pacs_jax.train.loop", "Trainer"),
     "train": ("pacs_jax.train", None),  # the trainer package, callable: train(cfg, workdir)
     "load_pretrained": ("pacs_jax.api", "load_pretrained"),
-    "save_pretrained": ("pacs_jax.models.hf", "save_pretrained"),
+    "save_pretrained": ("pacs_jax.api", "save_pretrained"),
     "generate": ("pacs_jax.api", "generate"),
     "Algorithm": ("pacs_jax.algos.registry", "Algorithm"),
     "register_algorithm": ("pacs_jax.algos.registry", "register"),

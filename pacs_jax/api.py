@@ -1,6 +1,6 @@
 """The public API's own functions (`pacs_jax` re-exports them beside the library functions it names as they are):
-a config by name or path, a model with its tokenizer from a Hugging Face directory or a training workdir, and
-text generation from prompts (docs/api.md)."""
+a config by name or path, a model with its tokenizer from a Hugging Face directory or a training workdir and back
+to a Hugging Face directory, and text generation from prompts (docs/api.md)."""
 
 from __future__ import annotations
 
@@ -39,17 +39,38 @@ def load_pretrained(path: str, *, step: int | None = None, dtype: str | None = N
   tokenizer a transformers tokenizer with the checkpoint's chat template. `save_pretrained` writes them back.
   """
   from pacs_jax import paths
+  from pacs_jax.data import tokenizers
   from pacs_jax.models import hf
   from pacs_jax.storage import export, workdir
   if export.is_workdir(path):
     model, _ = export.load_policy(path, step)
     with paths.local_dir(workdir.model_dir(path)) as model_dir:
-      return model, hf.load_tokenizer(model_dir)
+      return model, tokenizers.load_tokenizer(model_dir)
   if step is not None:
     raise ValueError(f"{path}: step={step} names a checkpoint, but this is a Hugging Face directory, not a workdir")
   weights = config_lib.dtype(dtype or "float32")
   model, _ = hf.load_pretrained(path, dtype=weights, compute_dtype=weights)
-  return model, hf.load_tokenizer(hf.resolve_path(path))
+  return model, tokenizers.load_tokenizer(hf.resolve_path(path))
+
+
+def save_pretrained(model, out_dir: str, tokenizer=None, max_shard_size: int | str | None = "5GB", dtype=None,
+                    generation_config: dict | None = None) -> None:
+  """Writes a directory `transformers.AutoModelForCausalLM.from_pretrained` (and AutoTokenizer) loads unchanged:
+  the weights and config.json (`pacs_jax.models.hf.save_pretrained`), and with a tokenizer, the tokenizer and
+  `generation_config` (default: `tokenizers.generation_config(tokenizer)`) as generation_config.json.
+
+  All processes take part (the weights are gathered); only process 0 writes. Files are split at `max_shard_size`
+  with a `model.safetensors.index.json`, as transformers does. `dtype` (e.g. jnp.bfloat16) converts on the way
+  out.
+  """
+  import jax
+
+  from pacs_jax.data import tokenizers
+  from pacs_jax.models import hf
+  hf.save_pretrained(model, out_dir, max_shard_size=max_shard_size, dtype=dtype,
+                     token_ids=tokenizers.config_token_ids(tokenizer) if tokenizer is not None else None)
+  if tokenizer is not None and jax.process_index() == 0:
+    tokenizers.save_tokenizer(tokenizer, out_dir, generation_config)
 
 
 def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_tokens: int = 256,
@@ -65,14 +86,14 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
   the result depends on `seed` and the prompts alone.
   """
   from pacs_jax.data import prompts as prompts_lib
-  from pacs_jax.models import hf
   from pacs_jax.rollout import engine as engine_lib
   from pacs_jax.rollout import sampling as sampling_lib
   from pacs_jax.rollout import scheduler
+  from pacs_jax.rollout import stop_tokens as stop_tokens_lib
   prompt_ids = [ids.tolist() for ids in prompts_lib.encode_prompts(tokenizer, list(prompts), instruction)]
   if not prompt_ids:
     return []
-  eos_ids, _ = hf.stop_and_mask_ids(tokenizer, None, stop_tokens)
+  eos_ids, _ = stop_tokens_lib.stop_and_mask_ids(tokenizer, None, stop_tokens)
   engine = engine_lib.Engine(model, max_concurrent_decodes=min(slots, len(prompt_ids) * n),
                              max_prefill_length=max(map(len, prompt_ids)), max_decode_length=max_new_tokens,
                              eos_ids=eos_ids)

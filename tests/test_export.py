@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from pacs_jax import config as config_lib
-from pacs_jax.models import hf
+from pacs_jax.data import tokenizers
 from pacs_jax.storage import export as export_lib
 from pacs_jax.train import loop
 
@@ -30,7 +30,7 @@ def test_export_round_trip_through_transformers(tmp_path):
   assert step == 2
   reloaded = transformers.Qwen2ForCausalLM.from_pretrained(out).eval()
   # This project's loader gives back the demo's word-level tokenizer (the export holds a form AutoTokenizer reads).
-  tokenizer = hf.load_tokenizer(str(out))
+  tokenizer = tokenizers.load_tokenizer(str(out))
   assert isinstance(tokenizer, transformers.PreTrainedTokenizerFast)
   ids = tokenizer.apply_chat_template([{"role": "user", "content": "17 mod 3"}], add_generation_prompt=True)
   ids = np.asarray(ids if isinstance(ids[0], int) else ids["input_ids"], np.int64)[None]

@@ -148,11 +148,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
 
 def _check_sampling(c: ml_collections.ConfigDict) -> None:
   """The fields training and evaluation share: sampling, lengths, dtype, seed, reward workers."""
-  from pacs_jax.models import hf
+  from pacs_jax.rollout import stop_tokens
   _check(0 < c.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
   _check(c.rollout.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
   _check(c.rollout.top_k >= 0, "rollout.top_k", f"must be >= 0 (0 = off), got {c.rollout.top_k}")
-  _check(hf.parse_stop_tokens(c.rollout.stop_tokens) is not None, "rollout.stop_tokens",
+  _check(stop_tokens.parse_stop_tokens(c.rollout.stop_tokens) is not None, "rollout.stop_tokens",
          f'"released" | "chat" | comma-separated token ids, got {c.rollout.stop_tokens!r}')
   _check_enum(c.model.dtype, DTYPE_NAMES, "model.dtype")
   _check(c.data.max_prompt_length > 0, "data.max_prompt_length", "must be positive")

@@ -34,11 +34,13 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
   import jax
   from tqdm.auto import tqdm
 
+  from pacs_jax.data import tokenizers
   from pacs_jax.models import hf
   from pacs_jax.rewards import math as rewards_lib
   from pacs_jax.rollout import engine as engine_lib
   from pacs_jax.rollout import scheduler
   from pacs_jax.rollout import sampling as sampling_lib
+  from pacs_jax.rollout import stop_tokens
   from pacs_jax.storage import export as storage_export
 
   sampling = sampling_lib.from_config(settings.temperature, settings.top_k, settings.top_p)
@@ -47,7 +49,7 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
   out_dir = out_dir or model_dir
   paths.makedirs(out_dir)
   with paths.local_dir(model_dir, exclude=(".safetensors",)) as local_model:  # a gs:// model: a local copy
-    tokenizer = hf.load_tokenizer(local_model)
+    tokenizer = tokenizers.load_tokenizer(local_model)
   problems, dropped = problems_lib.load_problems(specs, tokenizer, settings.max_prompt_length, settings.limit)
   if not problems:
     raise ValueError(f"no problem of {specs} fits max_prompt_length={settings.max_prompt_length} "
@@ -77,7 +79,7 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
   chunk = settings.problems_per_chunk()
   with paths.local_dir(model_dir) as local_model, (
       jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
-    eos, _ = hf.stop_and_mask_ids(tokenizer, local_model, settings.stop_tokens)
+    eos, _ = stop_tokens.stop_and_mask_ids(tokenizer, local_model, settings.stop_tokens)
     policy, _ = hf.load_pretrained(local_model, dtype=dtype, mesh=mesh, compute_dtype=dtype)
   # No more slots than one chunk can fill (the KV cache is allocated per slot), and a multiple of the model
   # replicas so that the slots split evenly over them instead of being replicated.

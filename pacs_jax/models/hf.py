@@ -1,5 +1,5 @@
 """Hugging Face checkpoints <-> the NNX models of every registered family: safetensors (single or sharded with an
-index), both ways.
+index) and config.json, both ways (a model directory's tokenizer and generation config: `pacs_jax.data.tokenizers`).
 
 With a mesh, every tensor is read slice by slice (safetensors lazy slicing) straight into its sharding,
 so no process ever holds a full host copy of a large model.
@@ -21,7 +21,6 @@ from safetensors.numpy import save_file
 
 from pacs_jax import paths
 from pacs_jax import sharding
-from pacs_jax.data import synthetic
 from pacs_jax.models import hf_layout, registry
 from pacs_jax.models.decoder import CausalLM
 from pacs_jax.models.hf_layout import TensorMap, read_slice, to_hf
@@ -164,130 +163,6 @@ def load_pretrained(path: str, dtype=jnp.float32, mesh=None, compute_dtype=None,
   return nnx.merge(graphdef, state), config
 
 
-# Qwen2.5 ends a chat turn with <|im_end|> and a document with <|endoftext|>; both stop a response.
-QWEN_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
-
-
-def load_tokenizer(path: str):
-  """The checkpoint's tokenizer (with its chat template), via transformers.
-
-  A tokenizer saved as a plain `tokenizers` model (PreTrainedTokenizerFast / TokenizersBackend) is
-  loaded as exactly that: AutoTokenizer would pick the class from config.json's model_type (qwen2)
-  and rebuild a byte-level BPE from the vocabulary, silently changing a word-level tokenizer.
-  """
-  from transformers import AutoTokenizer, PreTrainedTokenizerFast
-  path = resolve_path(path)
-  tokenizer_config = os.path.join(path, "tokenizer_config.json")
-  if os.path.isfile(tokenizer_config):
-    with open(tokenizer_config) as f:
-      if json.load(f).get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend"):
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-        # An export's portable form of the synthetic tokenizer decodes without spaces: use the word-level one.
-        return synthetic.build_tokenizer() if synthetic.is_synthetic_vocab(tokenizer) else tokenizer
-  return AutoTokenizer.from_pretrained(path)
-
-
-GENERATION_CONFIG_FILE = "generation_config.json"
-
-
-def default_generation_config(tokenizer, model_dir: str | None = None) -> dict:
-  """generation_config.json for a model directory: the source model's own when it has one (the released stop
-  rule reads its eos_token_id), the synthetic task's EOS pair, else the tokenizer's ids (what transformers derives
-  from config.json)."""
-  if model_dir and os.path.isfile(os.path.join(model_dir, GENERATION_CONFIG_FILE)):
-    with open(os.path.join(model_dir, GENERATION_CONFIG_FILE)) as f:
-      return json.load(f)
-  if synthetic.is_synthetic_vocab(tokenizer):
-    return synthetic.generation_config(tokenizer)
-  return {k: v for k, v in (("bos_token_id", tokenizer.bos_token_id), ("eos_token_id", tokenizer.eos_token_id),
-                            ("pad_token_id", tokenizer.pad_token_id)) if v is not None}
-
-
-def eos_token_ids(tokenizer, model_dir: str | None = None) -> tuple[int, ...]:
-  """Ids that end a response: the tokenizer's EOS, Qwen's stop tokens, and generation_config.json's."""
-  ids = {tokenizer.eos_token_id} - {None}
-  vocab = tokenizer.get_vocab()
-  ids.update(vocab[token] for token in QWEN_STOP_TOKENS if token in vocab)
-  ids.update(generation_eos_ids(model_dir) or ())
-  if not ids:
-    raise ValueError("the tokenizer has no EOS token, so responses could not stop")
-  return tuple(sorted(ids))
-
-
-def _as_ids(value) -> tuple[int, ...] | None:
-  if isinstance(value, bool) or value is None:
-    return None
-  if isinstance(value, int):
-    return (value,)
-  if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
-    return tuple(value)
-  return None
-
-
-def generation_eos_ids(model_dir: str | None) -> tuple[int, ...] | None:
-  """`eos_token_id` of the model's generation config: generation_config.json, else config.json (None when
-  neither names one). verl's get_generation_config (verl/utils/model.py) and vLLM's try_get_generation_config
-  both read GenerationConfig.from_pretrained and fall back to GenerationConfig.from_model_config(config)."""
-  if not model_dir:
-    return None
-  for name in ("generation_config.json", "config.json"):
-    path = os.path.join(model_dir, name)
-    if os.path.isfile(path):
-      with open(path) as f:
-        return _as_ids(json.load(f).get("eos_token_id"))
-  return None
-
-
-def parse_stop_tokens(value) -> str | tuple[int, ...] | None:
-  """rollout.stop_tokens -> "released" | "chat" | a tuple of ids; None when it is none of these."""
-  if value in ("released", "chat"):
-    return value
-  if isinstance(value, int) and not isinstance(value, bool):
-    return (value,)
-  try:
-    ids = tuple(int(v) for v in str(value).split(",") if v.strip())
-  except ValueError:
-    return None
-  return ids if ids and min(ids) >= 0 else None
-
-
-def stop_and_mask_ids(tokenizer, model_dir: str | None, stop_tokens: str = "released"
-                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """(ids that stop a response, ids whose first occurrence ends the response mask) for `rollout.stop_tokens`.
-
-  "released" replicates verl's vLLM rollout (vllm_rollout_spmd.py) and fsdp_workers.generate_sequences: vLLM
-  stops on the tokenizer's EOS plus the generation config's EOS ids (SamplingParams.update_from_generation_config)
-  and keeps the stop token; the mask is get_response_mask(response, generation_config.eos_token_id), or the
-  tokenizer's EOS when the model has no generation config. "chat": `eos_token_ids`; explicit ids: those. For
-  both, the mask ends at the stop token.
-  """
-  mode = parse_stop_tokens(stop_tokens)
-  if mode is None:
-    raise ValueError(f'stop_tokens must be "released", "chat" or comma-separated ids, got {stop_tokens!r}')
-  if mode == "chat":
-    ids = eos_token_ids(tokenizer, model_dir)
-    return ids, ids
-  if mode != "released":
-    return tuple(sorted(set(mode))), tuple(sorted(set(mode)))
-  tokenizer_eos = {tokenizer.eos_token_id} - {None}
-  generation = generation_eos_ids(model_dir)
-  stop = tuple(sorted(tokenizer_eos | set(generation or ())))
-  mask = tuple(sorted(set(generation))) if generation else tuple(sorted(tokenizer_eos))
-  if not stop or not mask:
-    raise ValueError("neither the tokenizer nor the model's generation config names an EOS token, so responses "
-                     "could not stop")
-  return stop, mask
-
-
-def pad_token_id(tokenizer) -> int:
-  """The tokenizer's pad id, or its EOS when it has none (verl's set_pad_token_id)."""
-  if tokenizer.pad_token_id is not None:
-    return tokenizer.pad_token_id
-  if tokenizer.eos_token_id is None:
-    raise ValueError("the tokenizer has neither a pad nor an EOS token")
-  return tokenizer.eos_token_id
-
-
 # ----------------------------------------------------------------------------------------------
 # Saving
 
@@ -323,10 +198,11 @@ def _plan_shards(maps, flat, dtype, limit) -> list[list[TensorMap]]:
   return shards
 
 
-def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_size: int | str | None = "5GB",
-                    dtype=None, generation_config: dict | None = None) -> None:
-  """Writes a directory `transformers.AutoModelForCausalLM.from_pretrained` (and AutoTokenizer) loads unchanged, with
-  `generation_config` (default: `default_generation_config(tokenizer)`) as generation_config.json when there is a tokenizer.
+def save_pretrained(model: CausalLM, out_dir: str, max_shard_size: int | str | None = "5GB", dtype=None,
+                    token_ids: dict | None = None) -> None:
+  """Writes the weights and config.json of a directory `transformers.AutoModelForCausalLM.from_pretrained` loads
+  unchanged; `token_ids` (bos/eos/pad_token_id) go into config.json. `pacs_jax.save_pretrained` adds the
+  tokenizer and generation_config.json.
 
   Tensors are gathered to the host one file at a time (all processes take part in the gathers), and
   only process 0 writes. Files are split at `max_shard_size` with a `model.safetensors.index.json`,
@@ -360,14 +236,6 @@ def save_pretrained(model: CausalLM, out_dir: str, tokenizer=None, max_shard_siz
   if dtype is not None:
     hf_config["torch_dtype"] = "bfloat16" if np.dtype(dtype) == jnp.bfloat16 else str(np.dtype(dtype))
   hf_config["dtype"] = hf_config["torch_dtype"]
-  if tokenizer is not None:
-    hf_config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.pad_token_id)
+  hf_config.update(token_ids or {})
   with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
     json.dump(hf_config, f, indent=2)
-  if tokenizer is not None:
-    # AutoTokenizer makes a Qwen2Tokenizer of any qwen2 directory: the synthetic vocabulary goes in the form it reads.
-    (synthetic.portable_tokenizer() if synthetic.is_synthetic_vocab(tokenizer) else tokenizer).save_pretrained(out_dir)
-    with open(os.path.join(out_dir, GENERATION_CONFIG_FILE), "w") as f:
-      json.dump(generation_config if generation_config is not None else default_generation_config(tokenizer),
-                f, indent=2)

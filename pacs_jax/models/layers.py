@@ -8,6 +8,8 @@ heads, K kv heads, G = N // K, H head dim, F mlp width.
 
 from __future__ import annotations
 
+from typing import Callable, ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -132,11 +134,23 @@ def silu(x):
 
 
 class MLP(nnx.Module):
-  """The gated MLP: down(activation(gate(x)) * up(x))."""
+  """The gated MLP: down(activation(gate(x)) * up(x)), the activation config.json's `hidden_act`."""
+  # hidden_act -> the gate's nonlinearity: the activations this MLP implements. A family with another one gives
+  # its MLP subclass its own table; a config naming one the table lacks is refused (`check_activation`).
+  activations: ClassVar[dict[str, Callable]] = {"silu": silu}
+
+  @classmethod
+  def check_activation(cls, config: ModelConfig) -> None:
+    """ValueError unless this MLP implements `config.hidden_act`."""
+    if config.hidden_act not in cls.activations:
+      raise ValueError(f"hidden_act {config.hidden_act!r} is not supported for model_type {config.model_type!r} "
+                       f"(its MLP implements {', '.join(map(repr, cls.activations))})")
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.check_activation(config)
     D, F, pd = config.hidden_size, config.intermediate_size, config.param_dtype
     self.dtype = config.dtype
+    self.hidden_act = config.hidden_act
     self.gate_kernel = param(rngs, (D, F), ("embed", "mlp"), pd)
     self.up_kernel = param(rngs, (D, F), ("embed", "mlp"), pd)
     self.down_kernel = param(rngs, (F, D), ("mlp", "embed"), pd)
@@ -147,13 +161,9 @@ class MLP(nnx.Module):
     x = x.astype(dt)
     gate = jnp.einsum("BTD,DF->BTF", x, sharding.matmul_weight(self.gate_kernel[...], ("embed", "mlp"), dt))
     up = jnp.einsum("BTD,DF->BTF", x, sharding.matmul_weight(self.up_kernel[...], ("embed", "mlp"), dt))
-    h = sharding.constrain(self.activation(gate) * up, ("batch", None, "mlp"))
+    h = sharding.constrain(self.activations[self.hidden_act](gate) * up, ("batch", None, "mlp"))
 
     return jnp.einsum("BTF,FD->BTD", h, sharding.matmul_weight(self.down_kernel[...], ("mlp", "embed"), dt))
-
-  def activation(self, gate):
-    """The gate's nonlinearity (SiLU: SwiGLU); a family with another one overrides this."""
-    return silu(gate)
 
 
 class DecoderLayer(nnx.Module):

@@ -3,7 +3,9 @@ defaults and its translation from and to a Hugging Face config.json (see `pacs_j
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
@@ -30,6 +32,7 @@ class ModelConfig:
   max_position_embeddings: int = 32768
   attention_bias: bool = False  # biases on the q, k and v projections (Qwen2)
   qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3)
+  hidden_act: str = "silu"  # the MLP gate's nonlinearity, by transformers' name (the family's MLP implements it)
   # Numerics / memory; not part of the HF config.
   param_dtype: Any = jnp.float32
   dtype: Any = jnp.float32  # compute dtype of matmuls (bf16 on accelerators)
@@ -59,11 +62,9 @@ class ModelConfig:
   def from_hf_dict(cls, cfg: dict, **overrides) -> "ModelConfig":
     """Builds a config from a transformers `config.json` dict (transformers 4 and 5 layouts); a field the dict
     lacks takes this family's default, and so do the architecture flags (attention_bias, qk_norm). KeyError
-    names a required field that is missing."""
-    if cfg.get("hidden_act", "silu") != "silu":
-      raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
-    if cfg.get("use_sliding_window"):
-      raise ValueError("use_sliding_window=true is not supported (every layer attends to all earlier tokens)")
+    names a required field that is missing; ValueError an attention pattern the layer stack cannot run (the
+    registry refuses a `hidden_act` the family's MLP does not implement)."""
+    check_attention_pattern(cls.model_type, cls.attention_pattern(cfg), cfg)
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     theta, scaling = rope.from_hf(cfg)
     return cls(
@@ -74,6 +75,7 @@ class ModelConfig:
         num_attention_heads=cfg["num_attention_heads"],
         num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
         head_dim=cfg.get("head_dim"),
+        hidden_act=cfg.get("hidden_act", defaults["hidden_act"]),
         rms_norm_eps=cfg.get("rms_norm_eps", defaults["rms_norm_eps"]),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -81,6 +83,17 @@ class ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", defaults["max_position_embeddings"]),
         **overrides,
     )
+
+  @staticmethod
+  def attention_pattern(cfg: dict) -> tuple[str, ...]:
+    """Each layer's attention as config.json sets it, in transformers 5's words (`layer_types`: "full_attention",
+    "sliding_attention", ...). Without `layer_types`, read as Mistral reads it: a `sliding_window` (any value but
+    null) slides every layer; so does `use_sliding_window: true`. A family whose transformers class gates the
+    window otherwise (Qwen's `max_window_layers`) overrides this."""
+    if cfg.get("layer_types") is not None:
+      return tuple(cfg["layer_types"])
+    slides = cfg.get("sliding_window") is not None or bool(cfg.get("use_sliding_window"))
+    return ("sliding_attention" if slides else "full_attention",) * cfg["num_hidden_layers"]
 
   def to_hf_dict(self) -> dict:
     """The transformers config fields (written to `config.json` on export)."""
@@ -94,7 +107,7 @@ class ModelConfig:
         num_attention_heads=self.num_attention_heads,
         num_key_value_heads=self.num_key_value_heads,
         head_dim=self.head_size,
-        hidden_act="silu",
+        hidden_act=self.hidden_act,
         rms_norm_eps=self.rms_norm_eps,
         **rope.to_hf(self.rope_theta, self.rope_scaling),
         tie_word_embeddings=self.tie_word_embeddings,
@@ -102,6 +115,25 @@ class ModelConfig:
         attention_dropout=0.0,
         torch_dtype="float32" if jnp.dtype(self.param_dtype) == jnp.float32 else "bfloat16",
     )
+
+
+WINDOW_FIELDS = ("use_sliding_window", "sliding_window", "max_window_layers")
+
+
+def check_attention_pattern(model_type: str, kinds: tuple[str, ...], cfg: dict) -> None:
+  """ValueError unless every layer is "full_attention": the layer stack runs one layer body for all layers
+  (`layers.scan_layers`), and that body attends to every earlier token."""
+  counts = collections.Counter(kinds)
+  if set(counts) <= {"full_attention"}:
+    return
+  source = "layer_types" if cfg.get("layer_types") is not None else ", ".join(
+      f"{k}={json.dumps(cfg[k])}" for k in WINDOW_FIELDS if k in cfg)
+  if len(counts) > 1:
+    pattern = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    raise ValueError(f"layers of different kinds ({pattern}, from {source}) are not supported for model_type "
+                     f"{model_type!r}: its layer stack runs one layer body for every layer")
+  raise ValueError(f"{kinds[0]} in every layer (from {source}) is not supported for model_type {model_type!r}: "
+                   "every layer attends to all earlier tokens")
 
 
 def refuse_flags(cfg: dict, *names: str) -> None:

@@ -9,12 +9,26 @@ from pacs_jax.models.family import Family
 from pacs_jax.models.model_config import ModelConfig
 
 
+def qwen_attention_pattern(cfg: dict) -> tuple[str, ...]:
+  """Each layer's attention as transformers' Qwen2Config and Qwen3Config derive it: `layer_types` when given, else
+  a window (`sliding_window`, default 4096) only with `use_sliding_window`, and only from layer
+  `max_window_layers` (default 28) on. Qwen2.5's config.json names a window with `use_sliding_window: false`:
+  every layer attends to all earlier tokens."""
+  if cfg.get("layer_types") is not None:
+    return tuple(cfg["layer_types"])
+  window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+  first = cfg.get("max_window_layers", 28)
+  return tuple("sliding_attention" if window is not None and i >= first else "full_attention"
+               for i in range(cfg["num_hidden_layers"]))
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config(ModelConfig):
   model_type: ClassVar[str] = "qwen2"
   architecture: ClassVar[str] = "Qwen2ForCausalLM"
   rope_theta: float = 1_000_000.0
   attention_bias: bool = True  # transformers' Qwen2Attention always has them (no config field)
+  attention_pattern = staticmethod(qwen_attention_pattern)
 
   def to_hf_dict(self) -> dict:
     return {**super().to_hf_dict(), "use_sliding_window": False}

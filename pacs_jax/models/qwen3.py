@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from pacs_jax.models.family import Family
 from pacs_jax.models.model_config import ModelConfig, refuse_flags
+from pacs_jax.models.qwen2 import qwen_attention_pattern
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +16,7 @@ class Qwen3Config(ModelConfig):
   model_type: ClassVar[str] = "qwen3"
   architecture: ClassVar[str] = "Qwen3ForCausalLM"
   qk_norm: bool = True
+  attention_pattern = staticmethod(qwen_attention_pattern)
 
   @classmethod
   def from_hf_dict(cls, cfg: dict, **overrides) -> "Qwen3Config":

@@ -45,8 +45,12 @@ def backbone(config: ModelConfig, *, rngs: nnx.Rngs) -> decoder.Backbone:
 
 
 def config_from_hf(cfg: dict, **overrides) -> ModelConfig:
-  """A config.json dict -> its family's config; ValueError for a model_type no family has."""
-  return get(cfg.get("model_type")).config.from_hf_dict(cfg, **overrides)
+  """A config.json dict -> its family's config; ValueError for a model_type no family has, and for a part its
+  model lacks (a `hidden_act` its MLP does not implement, sliding windows...)."""
+  family = get(cfg.get("model_type"))
+  config = family.config.from_hf_dict(cfg, **overrides)
+  family.layer.mlp_cls.check_activation(config)
+  return config
 
 
 def preset(name: str, **overrides) -> ModelConfig:

@@ -1,4 +1,5 @@
-"""Checkpoint -> Hugging Face export: restores only the policy parameters and writes them with `hf.save_pretrained`.
+"""Checkpoint -> Hugging Face export: restores only the policy parameters and writes them with `hf.save_pretrained`,
+beside the run's tokenizer and generation config (`pacs_jax.data.tokenizers`).
 
 Workdirs and outputs may be local or `gs://`; reading a workdir never creates or deletes anything in it.
 """
@@ -15,6 +16,7 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import paths
+from pacs_jax.data import tokenizers
 from pacs_jax.models import decoder, hf, registry
 from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.storage import checkpoint as checkpoint_lib
@@ -29,8 +31,8 @@ def write_model_card(workdir: str, config: ModelConfig, tokenizer, source_dir: s
     return
   with paths.staged_dir(workdir_lib.model_dir(workdir), last=(hf.CONFIG_FILE,)) as local:
     tokenizer.save_pretrained(local)
-    with open(f"{local}/{hf.GENERATION_CONFIG_FILE}", "w") as f:
-      json.dump(hf.default_generation_config(tokenizer, source_dir), f, indent=2)
+    with open(f"{local}/{tokenizers.GENERATION_CONFIG_FILE}", "w") as f:
+      json.dump(tokenizers.generation_config(tokenizer, source_dir), f, indent=2)
     with open(f"{local}/{hf.CONFIG_FILE}", "w") as f:
       json.dump(config.to_hf_dict(), f, indent=2)
 
@@ -104,16 +106,17 @@ def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | Non
   previous = _previous_export(out_dir, overwrite)  # before the checkpoint is read: refuse early
   model, step = load_policy(workdir, step)
   with paths.local_dir(workdir_lib.model_dir(workdir)) as model_dir:
-    tokenizer = hf.load_tokenizer(model_dir)  # read whole: no file of it is needed afterwards
-    generation = hf.default_generation_config(tokenizer, model_dir)
+    tokenizer = tokenizers.load_tokenizer(model_dir)  # read whole: no file of it is needed afterwards
+    generation = tokenizers.generation_config(tokenizer, model_dir)
   local_parent = None if paths.is_remote(out_dir) else paths.parent(out_dir)
   if local_parent:
     os.makedirs(local_parent, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=f".{os.path.basename(paths.normalize(out_dir))}.partial-", dir=local_parent)
   try:
-    hf.save_pretrained(model, staging, tokenizer=tokenizer, max_shard_size=max_shard_size,
-                       dtype=config_lib.dtype(dtype) if dtype else None, generation_config=generation)
+    hf.save_pretrained(model, staging, max_shard_size=max_shard_size, dtype=config_lib.dtype(dtype) if dtype else None,
+                       token_ids=tokenizers.config_token_ids(tokenizer))
     if jax.process_index() == 0:
+      tokenizers.save_tokenizer(tokenizer, staging, generation)
       files = sorted(os.path.relpath(os.path.join(root, name), staging)
                      for root, _, names in os.walk(staging) for name in names)
       with open(os.path.join(staging, EXPORT_MARKER), "w") as f:

@@ -17,7 +17,7 @@ import tempfile
 import numpy as np
 
 from pacs_jax.data import prompts as prompts_lib
-from pacs_jax.data import synthetic
+from pacs_jax.data import synthetic, tokenizers
 
 DONE_FILE = "warmup.json"  # written last: a directory without it is an interrupted build
 
@@ -110,7 +110,8 @@ def base_model_dir(settings: WarmupSettings, cache_dir: str) -> str:
   model, loss = train_base_model(settings, tokenizer)
   os.makedirs(cache_dir, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=".warmup-", dir=cache_dir)
-  hf.save_pretrained(model, staging, tokenizer=tokenizer)
+  hf.save_pretrained(model, staging, token_ids=tokenizers.config_token_ids(tokenizer))
+  tokenizers.save_tokenizer(tokenizer, staging)
   with open(os.path.join(staging, DONE_FILE), "w") as f:
     json.dump({"settings": dataclasses.asdict(settings), "final_loss": loss}, f, indent=2)
   shutil.rmtree(out, ignore_errors=True)  # an interrupted build's leftovers

@@ -11,7 +11,7 @@ from flax import nnx
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.algos import registry
-from pacs_jax.data import synthetic
+from pacs_jax.data import synthetic, tokenizers
 from pacs_jax.models import decoder, hf
 from pacs_jax.models import registry as model_registry
 
@@ -20,7 +20,7 @@ def load_tokenizer(cfg: ml_collections.ConfigDict):
   name = cfg.tokenizer or cfg.model.hf_path
   if not name or name == "synthetic":
     return synthetic.build_tokenizer()
-  return hf.load_tokenizer(name)
+  return tokenizers.load_tokenizer(hf.resolve_path(name))
 
 
 def build_policy(cfg: ml_collections.ConfigDict, mesh) -> decoder.CausalLM:

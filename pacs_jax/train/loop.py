@@ -22,11 +22,12 @@ from pacs_jax import sharding
 from pacs_jax.algos import batch as batch_lib, registry
 from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import prompts as prompts_lib
-from pacs_jax.data import sources
+from pacs_jax.data import sources, tokenizers
 from pacs_jax.models import hf
 from pacs_jax.rewards import math as rewards_lib
 from pacs_jax.rollout import scheduler
 from pacs_jax.rollout import sampling as sampling_lib
+from pacs_jax.rollout import stop_tokens
 from pacs_jax.train import batching
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import export as export_lib
@@ -76,9 +77,9 @@ class Trainer:
     for warning in config_lib.advisories(cfg):
       logging.warning("%s", warning)
     # Ids that stop a response, and those whose first occurrence ends its mask (config.rollout.stop_tokens).
-    self.eos_ids, self.mask_eos_ids = hf.stop_and_mask_ids(
+    self.eos_ids, self.mask_eos_ids = stop_tokens.stop_and_mask_ids(
         self.tokenizer, cfg.model.hf_path and hf.resolve_path(cfg.model.hf_path), cfg.rollout.stop_tokens)
-    self.pad_id = hf.pad_token_id(self.tokenizer)
+    self.pad_id = tokenizers.pad_token_id(self.tokenizer)
     self.P, self.R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
 
     instruction = cfg.data.instruction or None

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from pacs_jax import api
 from pacs_jax.data import prompts, sources
 from pacs_jax.eval import passk, problems, results, runner
-from pacs_jax.models import hf, registry
+from pacs_jax.models import registry
 
 NAMES = ("math500", "aime2024", "aime2025", "amc23")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,7 +87,7 @@ def tokenizer(data_dir):
 @pytest.fixture(scope="module")
 def model_dir(tokenizer, tmp_path_factory):
   path = str(tmp_path_factory.mktemp("tiny_model"))
-  hf.save_pretrained(tiny_model(len(tokenizer)), path, tokenizer=tokenizer)
+  api.save_pretrained(tiny_model(len(tokenizer)), path, tokenizer=tokenizer)
   return path
 
 

@@ -192,7 +192,7 @@ def test_full_size_shapes_and_parameter_counts(name):
 @pytest.mark.parametrize("change, message", [
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3' needs"),
-    ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+    ({"sliding_window": 4096}, r"sliding_attention in every layer \(from sliding_window=4096\) is not supported"),
     ({"attention_bias": True}, "attention_bias=true is not supported for model_type 'llama'"),
     ({"mlp_bias": True}, "mlp_bias=true is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),

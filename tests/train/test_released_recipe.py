@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from pacs_jax import config as config_lib
-from pacs_jax.models import hf
+from pacs_jax.rollout import stop_tokens
 from pacs_jax.train import batching, loop
 from pacs_jax.train import state as state_lib
 
@@ -134,5 +134,5 @@ def test_exact_padding_needs_whole_verl_micro_batches():
   cfg.train.verl_micro_batch_rows = 3  # 1024 x 8 rows are not groups of 3
   with pytest.raises(config_lib.ConfigError, match="verl_micro_batch_rows"):
     config_lib.validate(cfg)
-  assert hf.parse_stop_tokens("151643, 151645") == (151643, 151645)
-  assert hf.parse_stop_tokens("chat") == "chat" and hf.parse_stop_tokens("x") is None
+  assert stop_tokens.parse_stop_tokens("151643, 151645") == (151643, 151645)
+  assert stop_tokens.parse_stop_tokens("chat") == "chat" and stop_tokens.parse_stop_tokens("x") is None

@@ -16,7 +16,8 @@ import pytest
 import torch
 from transformers import AutoConfig, GenerationConfig
 
-from pacs_jax.models import hf
+from pacs_jax.data import tokenizers
+from pacs_jax.rollout import stop_tokens
 from pacs_jax.rollout.state import Completion
 from pacs_jax.train import batching
 
@@ -94,16 +95,16 @@ CASES = {
 def test_released_stop_set_and_mask_ids(tmp_path, case):
   tokenizer_eos, generation, stop_expected, mask_expected = CASES[case]
   path = model_dir(tmp_path, case, tokenizer_eos, generation)
-  tokenizer = hf.load_tokenizer(path)
+  tokenizer = tokenizers.load_tokenizer(path)
   assert tokenizer.eos_token_id == (ENDOFTEXT if tokenizer_eos == "<|endoftext|>" else IM_END)
-  stop, mask = hf.stop_and_mask_ids(tokenizer, path, "released")
+  stop, mask = stop_tokens.stop_and_mask_ids(tokenizer, path, "released")
   assert set(stop) == verl_stop_set(tokenizer, path) == stop_expected
   generation_eos = verl_get_generation_config(path).eos_token_id  # what verl passes to get_response_mask
   assert set(mask) == set([generation_eos] if isinstance(generation_eos, int) else generation_eos) == mask_expected
   # "chat" (this project's option) stops on <|im_end|> and <|endoftext|> whatever the model says.
-  chat_stop, chat_mask = hf.stop_and_mask_ids(tokenizer, path, "chat")
+  chat_stop, chat_mask = stop_tokens.stop_and_mask_ids(tokenizer, path, "chat")
   assert set(chat_stop) == set(chat_mask) == {IM_END, ENDOFTEXT}
-  assert hf.stop_and_mask_ids(tokenizer, path, "7,9") == ((7, 9), (7, 9))
+  assert stop_tokens.stop_and_mask_ids(tokenizer, path, "7,9") == ((7, 9), (7, 9))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -111,9 +112,9 @@ def test_response_mask_equals_verl(tmp_path, case):
   """Packed rows get verl's attention/response masks for responses stopped by each stop id, and by length."""
   tokenizer_eos, generation, _, _ = CASES[case]
   path = model_dir(tmp_path, case, tokenizer_eos, generation)
-  tokenizer = hf.load_tokenizer(path)
-  stop, mask_ids = hf.stop_and_mask_ids(tokenizer, path, "released")
-  pad = hf.pad_token_id(tokenizer)
+  tokenizer = tokenizers.load_tokenizer(path)
+  stop, mask_ids = stop_tokens.stop_and_mask_ids(tokenizer, path, "released")
+  pad = tokenizers.pad_token_id(tokenizer)
   assert pad == tokenizer.pad_token_id == ENDOFTEXT
   P, R = 12, 10
   words = tokenizer.encode("The answer is 42 and")  # ordinary tokens
