@@ -11,7 +11,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from pacs_jax.algos import logprobs as lp
+from pacs_jax.models import chunked_logprobs as lp
 
 
 def temp_bytes(fn, *shapes) -> int:

@@ -1,5 +1,5 @@
 """KV rows read per decode step and KV bytes held by the paged cache, against what a dense windowed cache would read
-and hold in the same decode calls (`rollout/reference.py`), for a rollout whose response lengths are long-tailed:
+and hold in the same decode calls (`rollout/dense_figures.py`), for a rollout whose response lengths are long-tailed:
 most short (up to new_tokens / 8), one in `--long_every` at the maximum (random weights, per-prompt token budgets,
 no EOS).
 
@@ -20,8 +20,7 @@ from flax import nnx
 
 from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.rollout import reference, sampling, scheduler
-from pacs_jax.rollout.state import DecodeStats
+from pacs_jax.rollout import dense_figures, sampling, scheduler
 
 
 def main():
@@ -50,11 +49,10 @@ def main():
   engine = engine_lib.Engine(model, page_size=args.page_size, kv_pages=args.kv_pages, **common)
   row_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_size * jnp.dtype(config.dtype).itemsize
   params = engine.load_params(model)
-  stats = DecodeStats()
-  start = time.perf_counter()
   # The dense cache at its best: windows from one page up, so it reads no more than the longest row needs.
-  with reference.DenseReference(engine, min_window=args.page_size) as dense:
-    completions = scheduler.generate(engine, params, prompts, stats=stats, **kw)
+  stats = dense_figures.DenseFigures.of(engine, min_window=args.page_size)
+  start = time.perf_counter()
+  completions = scheduler.generate(engine, params, prompts, stats=stats, **kw)
   print(f"paged rollout: {time.perf_counter() - start:.1f} s (compiles included)")
   if args.kv_pages:  # a pool that runs short makes slots wait, never changes a token
     roomy = engine_lib.Engine(model, page_size=args.page_size, **common)
@@ -66,15 +64,15 @@ def main():
         f"cache_rows={engine.cache_length} page_size={args.page_size}")
   print(f"response lengths: median {np.median(lengths):.0f}, p90 {np.percentile(lengths, 90):.0f}, "
         f"max {lengths.max()}, {np.mean(lengths == args.new_tokens):.0%} at the maximum of {args.new_tokens}")
-  figures = {"paged": (stats.rows_per_step, stats.peak_rows_held), "dense windowed": (dense.rows_per_step,
-                                                                                       dense.rows_held)}
+  figures = {"paged": (stats.rows_per_step, stats.peak_rows_held),
+             "dense windowed": (stats.dense_rows_per_step, stats.dense_rows_held)}
   for name, (per_step, held) in figures.items():
     print(f"{name:>15}: {per_step:8,.0f} KV rows read per decode step (mean over {stats.steps} steps), "
           f"{held * row_bytes / 2**20:8.2f} MiB KV held at most ({held:,} rows)")
   pool = engine.page_shards * engine.pages_per_shard * args.page_size
-  print(f"paged / dense windowed: {stats.rows_per_step / dense.rows_per_step:.2f}x the rows read per step, "
-        f"{stats.peak_rows_held / dense.rows_held:.2f}x the KV bytes held "
-        f"(page pool: {pool:,} rows allocated, {pool / dense.rows_held:.2f}x)")
+  print(f"paged / dense windowed: {stats.rows_per_step / stats.dense_rows_per_step:.2f}x the rows read per step, "
+        f"{stats.peak_rows_held / stats.dense_rows_held:.2f}x the KV bytes held "
+        f"(page pool: {pool:,} rows allocated, {pool / stats.dense_rows_held:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -41,10 +41,8 @@ LAYERS = {
     "pacs_jax.study.__main__": 9,
 }
 
-# Packages of one layer that may import each other: (importer, imported).
-PEERS = {
-    ("pacs_jax.rollout", "pacs_jax.algos"),  # the sampler may share the trainer's token log-prob helper
-}
+# Packages of one layer that may import each other: {(importer, imported): why}.
+PEERS: dict[tuple[str, str], str] = {}
 
 # Known backwards imports, each with the reason it is still there: {(importer module, imported module): why}.
 ALLOWED = {}
@@ -112,6 +110,23 @@ def test_allow_list_holds_only_real_imports():
   graph = import_graph()
   stale = [pair for pair in ALLOWED if pair[1] not in graph.get(pair[0], set())]
   assert not stale, f"these imports are gone: remove them from ALLOWED: {stale}"
+
+
+def stale_peers(graph: dict[str, set[str]], peers) -> list[tuple[str, str]]:
+  """The (importer, imported) package pairs of `peers` across which no module of `graph` imports any more."""
+  crossings = {(layer_key(importer), layer_key(target)) for importer, targets in graph.items() for target in targets}
+  return [pair for pair in peers if pair not in crossings]
+
+
+def test_peers_hold_only_real_imports():
+  stale = stale_peers(import_graph(), PEERS)
+  assert not stale, f"no module imports across these pairs any more: remove them from PEERS: {stale}"
+
+
+def test_a_stale_peer_is_caught():
+  graph = import_graph()
+  assert stale_peers(graph, {("pacs_jax.rollout", "pacs_jax.algos"): "gone"}) == [("pacs_jax.rollout", "pacs_jax.algos")]
+  assert stale_peers(graph, {("pacs_jax.train", "pacs_jax.algos"): "a real import"}) == []
 
 
 @pytest.mark.parametrize("importer, source, bad", [

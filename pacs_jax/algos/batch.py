@@ -1,10 +1,12 @@
-"""`TrainBatch`: the training mini-batch format, every field named once with its dtype, shape and origin.
+"""The training batch's vocabulary: a `Batch` (the arrays), its `Field`s and a run's `BatchLayout` (which fields,
+what sizes), every field named once with its dtype, shape and origin (docs/design.md, "Batch vocabulary").
 
-A mini-batch is a dict {field name: array [k, m, *per-row axes]}: k micro-batches of m rows (whole prompt
-groups, rows prompt-major: row = prompt * n + sample). The host packs the rollout's fields (`batching`), the
-compile-only path builds the same fields abstractly (`programs.minibatch_shapes`), the trainer fills the rest
-before the first update, and the step reads them. Which fields a run has follows from its algorithm: the
-shared ones below, plus what the algorithm declares (`Algorithm.extra_fields`, in the same terms). Control
+A mini-batch is a `Batch` {field name: array [k, m, *per-row axes]}: k micro-batches of m rows (whole prompt
+groups, rows prompt-major: row = prompt * n + sample); a micro-batch is a `Batch` of [m, ...] arrays. The host
+packs the rollout's fields (`batching.to_minibatches`, from a `batching.PackedRollout`), the compile-only path
+builds the same fields abstractly (`programs.minibatch_shapes`), the trainer fills the rest before the first
+update, and the step reads them. Which fields a run has follows from its algorithm (`Algorithm.batch_fields`):
+the shared ones below, plus what the algorithm declares (`Algorithm.extra_fields`, in the same terms). Control
 flags (the update that ends a training step) are arguments of the step, never fields.
 
 Shapes: k micro-batches, m rows per micro-batch, L = P + R tokens (prompt left-padded to P, response
@@ -15,15 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-if TYPE_CHECKING:  # (the registry imports this module for `Field`)
-  from pacs_jax.algos.registry import Algorithm
+# A mini-batch ({field: [k, m, ...]}) or a micro-batch ({field: [m, ...]}) of a `BatchLayout`'s fields.
+Batch = dict[str, jax.Array]
 
 # Where a field comes from.
 HOST = "host"  # packed on the host from the step's rollout (`batching.to_minibatches`)
@@ -68,7 +70,7 @@ OLD_VALUES = per_response("old_values", jnp.float32, PASS)  # the critic's befor
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainBatch:
+class BatchLayout:
   """One run's mini-batch format: its fields and sizes (k micro-batches of m rows, P + R tokens)."""
   fields: tuple[Field, ...]
   k: int
@@ -76,20 +78,16 @@ class TrainBatch:
   P: int
   R: int
 
+  def __post_init__(self):  # (an algorithm's `extra_fields` may not reuse a name)
+    names = [f.name for f in self.fields]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+      raise ValueError(f"mini-batch fields named twice: {twice} (of {names})")
+
   @classmethod
-  def of(cls, cfg: ml_collections.ConfigDict, algo: "Algorithm", k: int, m: int) -> "TrainBatch":
-    """The fields a run of `algo` under `cfg` has: the rollout's, the passes it needs, its own extra ones."""
-    fields = list(ROLLOUT_FIELDS)
-    if algo.needs_old_logprobs(cfg):
-      fields.append(OLD_LOGPROBS)
-    if algo.reference(cfg) is not Reference.NONE:
-      fields.append(REF_LOGPROBS)
-    if algo.has_critic:
-      fields.append(OLD_VALUES)
-    fields += algo.extra_fields(cfg)
-    names = [f.name for f in fields]
-    if len(set(names)) != len(names):
-      raise ValueError(f"{algo.name}: mini-batch fields named twice: {names}")
+  def of(cls, cfg: ml_collections.ConfigDict, fields: tuple[Field, ...], k: int, m: int) -> BatchLayout:
+    """`fields` (an algorithm's `batch_fields`) in k micro-batches of m rows, sized by `cfg`'s prompt and
+    response lengths."""
     return cls(tuple(fields), k, m, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens)
 
   def names(self, source: str | None = None) -> tuple[str, ...]:

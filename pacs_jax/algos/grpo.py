@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import ml_collections
 
 from pacs_jax.algos import groups as groups_lib, registry
-from pacs_jax.algos.logprobs import masked_mean, masked_sum
+from pacs_jax.algos.masked import masked_mean, masked_sum
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def group_advantages(rewards: jax.Array, *, group_size: int, norm_adv_by_std: bool = True,
-                     eps: float = 1e-6) -> jax.Array:
+                     eps: float = groups_lib.GRPO_EPS) -> jax.Array:
   """A_i [B] = (R_i − mean_j R_j) / (std_j R_j + eps) over the j of i's group (std unbiased, ddof=1), or
   R_i − mean_j R_j without std.
 

@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 
 from pacs_jax.algos import batch as batch_lib, groups as groups_lib, registry
-from pacs_jax.algos.logprobs import masked_sum
+from pacs_jax.algos.masked import masked_sum
 
 ADV_ESTIMATORS = ("rloo", "grpo", "naive")
 WEIGHT_MODES = ("question", "only_positive", "only_negative")

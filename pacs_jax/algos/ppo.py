@@ -12,7 +12,7 @@ from flax import nnx
 
 from pacs_jax.algos import batch as batch_lib, registry
 from pacs_jax.algos.grpo import ClippedRatio, agg_loss, clipped_policy_loss
-from pacs_jax.algos.logprobs import masked_mean
+from pacs_jax.algos.masked import masked_mean
 from pacs_jax.models import registry as model_registry
 from pacs_jax.models.model_config import ModelConfig
 

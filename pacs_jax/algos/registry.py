@@ -15,9 +15,8 @@ import ml_collections
 import numpy as np
 
 from pacs_jax.algos import batch as batch_lib
-from pacs_jax.algos.batch import Reference  # noqa: F401  (algorithms name it `registry.Reference`)
+from pacs_jax.algos.batch import Batch, Reference  # noqa: F401  (algorithms name it `registry.Reference`)
 
-Batch = dict[str, jax.Array]
 # check(condition, field, message): config validation's error reporter (raises naming the field).
 Check = Callable[[bool, str, str], None]
 
@@ -30,9 +29,9 @@ class Algorithm:
   """An objective on the shared loop. Subclasses override what differs; the defaults are a critic-free,
   reference-free policy loss averaged over rows.
 
-  A micro-batch is [m, ...] of each `batch.TrainBatch` field (m rows = whole prompt groups): input_ids /
-  attention_mask [m, L], response_mask [m, R], rewards [m], plus what the algorithm asks for (old_logprobs,
-  ref_logprobs, old_values, its `extra_fields`).
+  A micro-batch (`batch.Batch`) is [m, ...] of each of the run's `batch_fields` (m rows = whole prompt groups):
+  input_ids / attention_mask [m, L], response_mask [m, R], rewards [m], plus what the algorithm asks for
+  (old_logprobs, ref_logprobs, old_values, its `extra_fields`).
   """
 
   name: str = ""
@@ -57,6 +56,19 @@ class Algorithm:
     """`old_logprobs`: the sampling policy's log-probs, computed before the step's first update (ratios, and the
     rollout reference)."""
     return self.reference(cfg) is Reference.ROLLOUT
+
+  def batch_fields(self, cfg: ml_collections.ConfigDict) -> tuple[batch_lib.Field, ...]:
+    """Every field of this algorithm's mini-batches under `cfg` (a `batch.BatchLayout`'s): the rollout's, the
+    passes it needs, its own `extra_fields`. Follows from `needs_old_logprobs`, `reference`, `has_critic` and
+    `extra_fields`: override those, not this."""
+    fields = list(batch_lib.ROLLOUT_FIELDS)
+    if self.needs_old_logprobs(cfg):
+      fields.append(batch_lib.OLD_LOGPROBS)
+    if self.reference(cfg) is not Reference.NONE:
+      fields.append(batch_lib.REF_LOGPROBS)
+    if self.has_critic:
+      fields.append(batch_lib.OLD_VALUES)
+    return tuple(fields) + tuple(self.extra_fields(cfg))
 
   def extra_fields(self, cfg: ml_collections.ConfigDict) -> tuple[batch_lib.Field, ...]:
     """The algorithm's own mini-batch fields (`batch.per_response`): host inputs (source `batch.HOST`, from

@@ -15,6 +15,9 @@ from pacs_jax.data import prompts
 DTYPE_NAMES = ("float32", "bfloat16")  # model.dtype, model.param_dtype, evaluate --dtype, export --dtype
 LR_SCHEDULES = ("constant", "cosine")
 RESTORE_MODES = ("latest", "never")
+# The checkpoint record's sections a resume may be allowed to change (`checkpoint.allow_changes`; the record is
+# storage/resume.py's); the model's shape never can.
+ALLOWABLE = ("algorithm", "tokenizer", "objective")
 
 
 # Fields that were removed, and why: a config (file, override) that still sets one fails naming it.
@@ -95,9 +98,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(c.checkpoint.every > 0, "checkpoint.every", "must be positive")
   _check(c.checkpoint.keep >= 0, "checkpoint.keep", "must be >= 0 (0 = keep every checkpoint)")
   _check_enum(c.checkpoint.restore, RESTORE_MODES, "checkpoint.restore")
-  allowable = ("algorithm", "tokenizer", "objective")  # (storage/resume.py ALLOWABLE; storage is a layer above)
-  unknown = [s for s in c.checkpoint.allow_changes.split(",") if s.strip() and s.strip() not in allowable]
-  _check(not unknown, "checkpoint.allow_changes", f"{unknown} are not among {allowable} (comma-separated)")
+  unknown = [s for s in c.checkpoint.allow_changes.split(",") if s.strip() and s.strip() not in ALLOWABLE]
+  _check(not unknown, "checkpoint.allow_changes", f"{unknown} are not among {ALLOWABLE} (comma-separated)")
   _check(c.checkpoint.lock_stale_after_s > 0, "checkpoint.lock_stale_after_s", "must be positive (seconds)")
   _check(c.log_every >= 1, "log_every", f"must be >= 1 (the last step is always logged), got {c.log_every}")
   _check(c.eval_every >= 0, "eval_every", f"must be >= 0 (0 = no validation), got {c.eval_every}")

@@ -168,14 +168,11 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
         tokens[take[r]].append(t)
         logprobs[take[r]].append(l)
     out = jax.device_get(out)
-    slot_rows = np.array(out.lengths, np.int64)
+    call_rows, slot_rows = slot_rows, np.array(out.lengths, np.int64)  # (the rows the call started with)
     if stats is not None:
-      steps = int(out.emitted.any(axis=0).sum())
-      stats.steps += steps
-      stats.rows_read += steps * engine.policy.rows_read(page_budget)
       # The fewest free pages after any step of the call.
       held = (engine.page_shards * (engine.pages_per_shard - 1) - int(np.sum(out.fewest_free_pages))) * engine.page_size
-      stats.peak_rows_held = max(stats.peak_rows_held, held)
+      stats.add_call(call_rows, busy, int(out.emitted.any(axis=0).sum()), engine.policy.rows_read(page_budget), held)
     free_pages = np.array(out.free_pages, np.int64)
     if out.active.any() and not out.emitted.any():
       in_flight = int(slot_rows[out.active].sum())

@@ -120,6 +120,13 @@ class DecodeStats:
   rows_read: int = 0  # KV rows read, summed over steps and slots (per layer; the page budget each call ran at)
   peak_rows_held: int = 0  # most KV rows held at once (pages in use x page size)
 
+  def add_call(self, rows: np.ndarray, busy: np.ndarray, steps: int, rows_per_step: int, rows_held: int) -> None:
+    """Adds one decode call: it started with `rows` [B] filled rows in its slots (`busy` [B] bool), ran `steps`
+    steps that read `rows_per_step` KV rows each, and held at most `rows_held` rows."""
+    self.steps += steps
+    self.rows_read += steps * rows_per_step
+    self.peak_rows_held = max(self.peak_rows_held, rows_held)
+
   @property
   def rows_per_step(self) -> float:
     return self.rows_read / max(self.steps, 1)

@@ -12,14 +12,13 @@ import ml_collections
 from absl import logging
 
 from pacs_jax.algos import registry as algo_registry
+from pacs_jax.config.checks import ALLOWABLE
 from pacs_jax.storage.checkpoint import CheckpointMismatch
 
 # The model fields that decide the parameters' shapes and what they compute.
 MODEL_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta",
                 "rms_norm_eps")
-# Record sections a resume may be allowed to change (`checkpoint.allow_changes`); the model's shape never can.
-ALLOWABLE = ("algorithm", "tokenizer", "objective")
 # Config fields a resume changes as a matter of course: never warned about.
 EXPECTED_CHANGES = ("steps", "checkpoint.restore", "checkpoint.allow_changes")
 # Fields that decide the prompt order; the data iterator's saved position means nothing without them.

@@ -17,8 +17,9 @@ from pacs_jax.train import programs as programs_lib
 
 
 @dataclasses.dataclass
-class RolloutBatch:
-  """Process-local rows of one step (numpy), ordered prompt-major: row = prompt * n + sample."""
+class PackedRollout:
+  """One step's rollout packed into rows: this process's rows (numpy), ordered prompt-major (row = prompt * n +
+  sample), before `to_minibatches` splits them into the run's `Batch`es."""
   input_ids: np.ndarray  # [rows, P + R] int32
   attention_mask: np.ndarray  # [rows, P + R] int32
   response_mask: np.ndarray  # [rows, R] float32
@@ -27,13 +28,6 @@ class RolloutBatch:
   finish_reasons: list[str]
   # The algorithm's host inputs ([rows, R] each; `Algorithm.host_inputs`), e.g. PACS's padding replication.
   extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-
-  def __getattr__(self, name: str) -> np.ndarray:
-    """An `extra` field by name (e.g. PACS's `proxy_mask`), like the fixed fields."""
-    extra = self.__dict__.get("extra", {})
-    if name in extra:
-      return extra[name]
-    raise AttributeError(f"{type(self).__name__} has no field {name!r}")
 
 
 def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
@@ -66,12 +60,13 @@ def pack_rows(prompts: list[list[int]], completions: list[rollout_state.Completi
   return input_ids, attention_mask, mask
 
 
-def to_minibatches(batch: RolloutBatch, layout: batch_lib.TrainBatch, mesh, num_minibatches: int) -> list[dict]:
+def to_minibatches(rollout: PackedRollout, layout: batch_lib.BatchLayout, mesh,
+                   num_minibatches: int) -> list[batch_lib.Batch]:
   """Splits local rows into mini-batches of whole groups: the `layout`'s host fields [k, m, ...] each, as global
   arrays over (data, fsdp)."""
-  arrays = layout.host_rows({"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-                             "response_mask": batch.response_mask, "rewards": batch.rewards, **batch.extra})
-  rows = batch.rewards.shape[0]
+  arrays = layout.host_rows({"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
+                             "response_mask": rollout.response_mask, "rewards": rollout.rewards, **rollout.extra})
+  rows = rollout.rewards.shape[0]
   per_mb = rows // num_minibatches
   out = []
   for j in range(num_minibatches):
@@ -99,7 +94,7 @@ def check_groups(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: 
                      "differ: the batch is not grouped prompt-major (row = prompt * n + sample)")
 
 
-def rollout_metrics(rb: RolloutBatch, reward_stats: dict, source_names: list[str]) -> dict[str, float]:
+def rollout_metrics(rb: PackedRollout, reward_stats: dict, source_names: list[str]) -> dict[str, float]:
   """Reward, accuracy per data source, response lengths: over every process's rows (the global batch)."""
   source_ids = np.asarray([source_names.index(s) for s in rb.data_sources], np.float32)
   finished_by_length = np.asarray([r == "length" for r in rb.finish_reasons], np.float32)

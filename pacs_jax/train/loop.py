@@ -147,7 +147,7 @@ class Trainer:
     self.train_step, self.logprob_fn, self.value_fn = (self.programs.train_step, self.programs.logprob_fn,
                                                        self.programs.value_fn)
     self.step_inputs, self.to_sample_params = self.programs.step_inputs, self.programs.to_sample_params
-    self.batch_layout = programs_lib.train_batch(cfg)
+    self.batch_layout = programs_lib.batch_layout(cfg)
     self.checkpointer = checkpoint_lib.Checkpointer(paths.join(workdir, CHECKPOINT_DIR), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
 
@@ -196,9 +196,9 @@ class Trainer:
     input_ids, attention_mask, resp_mask = batching.pack_rows(prompts, completions, self.P, self.R, self.pad_id,
                                                               self.mask_eos_ids)
     batching.check_groups(input_ids, attention_mask, self.P, n)
-    rb = batching.RolloutBatch(input_ids, attention_mask, resp_mask, np.asarray(scores, np.float32), data_sources,
-                               [c.finish_reason for c in completions],
-                               extra=self.algo.host_inputs(self.cfg, input_ids, attention_mask, self.R))
+    rb = batching.PackedRollout(input_ids, attention_mask, resp_mask, np.asarray(scores, np.float32), data_sources,
+                                [c.finish_reason for c in completions],
+                                extra=self.algo.host_inputs(self.cfg, input_ids, attention_mask, self.R))
     metrics = self.update(rb)
     t_update = time.perf_counter()
     self._stepped = True
@@ -217,7 +217,7 @@ class Trainer:
                     "throughput/tokens_per_s": tokens / max(step_s, 1e-9)})
     return metrics
 
-  def update(self, rb: batching.RolloutBatch) -> dict[str, Any]:
+  def update(self, rb: batching.PackedRollout) -> dict[str, Any]:
     """Reference / old log-probs for the whole step first, then one optimizer update per mini-batch."""
     layout = self.batch_layout
     old, ref, values = batch_lib.OLD_LOGPROBS.name, batch_lib.REF_LOGPROBS.name, batch_lib.OLD_VALUES.name

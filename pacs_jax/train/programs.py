@@ -84,16 +84,18 @@ def minibatch_sharding(mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (ndim - 2))))
 
 
-def train_batch(cfg: ml_collections.ConfigDict) -> batch_lib.TrainBatch:
-  """The run's mini-batch format: `mini_batch_prompts` groups of n rows, in `micro_batches` micro-batches."""
+def batch_layout(cfg: ml_collections.ConfigDict) -> batch_lib.BatchLayout:
+  """The run's mini-batch format: its algorithm's fields, `mini_batch_prompts` groups of n rows in
+  `micro_batches` micro-batches."""
   k = micro_batches(cfg)
-  return batch_lib.TrainBatch.of(cfg, registry.of(cfg), k, cfg.rollout.n * cfg.train.mini_batch_prompts // k)
+  return batch_lib.BatchLayout.of(cfg, registry.of(cfg).batch_fields(cfg), k,
+                                  cfg.rollout.n * cfg.train.mini_batch_prompts // k)
 
 
 def minibatch_shapes(cfg: ml_collections.ConfigDict, mesh) -> dict[str, jax.ShapeDtypeStruct]:
   """The arrays of one mini-batch as the train step receives them (`Trainer.update` fills the log-prob,
   value and step-input fields before the first update)."""
-  return train_batch(cfg).abstract(lambda ndim: minibatch_sharding(mesh, ndim))
+  return batch_layout(cfg).abstract(lambda ndim: minibatch_sharding(mesh, ndim))
 
 
 def ends_step_shape(mesh) -> jax.ShapeDtypeStruct:
@@ -155,7 +157,7 @@ def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, opt
                   state_shardings: Any, sample_shardings: Any) -> Programs:
   step_fn = step_lib.make_train_step(cfg, graphdef, optimizer, critic_graphdef, critic_optimizer)
   mesh = jax.tree.leaves(state_shardings)[0].mesh
-  layout = train_batch(cfg)
+  layout = batch_layout(cfg)
   abstract = layout.abstract(lambda ndim: minibatch_sharding(mesh, ndim))
   batch_shardings = {name: s.sharding for name, s in abstract.items()}
   algo = registry.of(cfg)

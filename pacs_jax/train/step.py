@@ -1,7 +1,7 @@
 """The pure train step `(state, minibatch, ends_step) -> (state, metrics)` and the jitted log-prob / value passes
 it needs.
 
-A mini-batch (`algos.batch.TrainBatch`) has a leading micro-batch axis: every array is [k, m, ...] with k
+A mini-batch (an `algos.batch.Batch`) has a leading micro-batch axis: every array is [k, m, ...] with k
 micro-batches of m rows (whole prompt groups). Gradients are accumulated over micro-batches weighted by each
 one's share of the loss normaliser (the algorithm's `normaliser`), so k micro-batches give exactly the unsplit
 mini-batch's gradient. A training step is several such updates; its last one (`ends_step`, a traced [] bool
@@ -22,16 +22,17 @@ import ml_collections
 import optax
 from flax import nnx
 
-from pacs_jax.algos import logprobs as logprobs_lib, registry
+from pacs_jax.algos import registry
+from pacs_jax.algos.batch import Batch
+from pacs_jax.algos.masked import masked_mean
+from pacs_jax.models import chunked_logprobs
 from pacs_jax.train import state as state_lib
 from pacs_jax.train.state import TrainState
-
-Batch = dict[str, jax.Array]
 
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float,
                       with_entropy: bool = False, targets=None,
-                      logits_chunk: int = logprobs_lib.DEFAULT_CHUNK_SIZE, keep_logits: bool = False):
+                      logits_chunk: int = chunked_logprobs.DEFAULT_CHUNK_SIZE, keep_logits: bool = False):
   """Log-probs [B, R] (and entropies) of the response tokens input_ids[:, P:] (or `targets` [B, R]) under
   logits / temperature.
 
@@ -44,9 +45,9 @@ def response_logprobs(model, input_ids, attention_mask, response_len: int, tempe
   L = input_ids.shape[1]
   P = L - response_len
   targets = input_ids[:, P:] if targets is None else targets
-  return logprobs_lib.token_logprobs_from_hidden(hidden[:, P - 1:L - 1], model.logits, targets, temperature,
-                                                 chunk_size=logits_chunk or response_len,
-                                                 with_entropy=with_entropy, keep_logits=keep_logits)
+  return chunked_logprobs.token_logprobs_from_hidden(hidden[:, P - 1:L - 1], model.logits, targets, temperature,
+                                                     chunk_size=logits_chunk or response_len,
+                                                     with_entropy=with_entropy, keep_logits=keep_logits)
 
 
 def response_values(critic, input_ids, attention_mask, response_len: int):
@@ -79,7 +80,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     loss, metrics = algo.loss(cfg, logp, entropy if algo.entropy_has_grad(cfg) else jax.lax.stop_gradient(entropy),
                               micro)
     metrics = dict(metrics)
-    metrics["entropy"] = logprobs_lib.masked_mean(jax.lax.stop_gradient(entropy), micro["response_mask"])
+    metrics["entropy"] = masked_mean(jax.lax.stop_gradient(entropy), micro["response_mask"])
     return loss, metrics
 
   def critic_loss(critic_params, micro):
@@ -135,7 +136,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
   return train_step
 
 
-def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = logprobs_lib.DEFAULT_CHUNK_SIZE,
+def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = chunked_logprobs.DEFAULT_CHUNK_SIZE,
                     targets: Callable[[Batch], jax.Array | None] | None = None
                     ) -> Callable[[nnx.State, Batch], jax.Array]:
   """(params, minibatch [k, m, ...]) -> log-probs [k, m, R] of the responses (or of `targets(minibatch)`

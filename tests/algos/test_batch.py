@@ -1,4 +1,4 @@
-"""`TrainBatch` names every mini-batch field once: which fields each algorithm's runs have, their abstract shapes,
+"""`BatchLayout` names every mini-batch field once: which fields each algorithm's runs have, their abstract shapes,
 and the host rows it packs (checked against the table)."""
 
 import jax
@@ -20,7 +20,7 @@ def layout(algorithm, **overrides):
   for field, value in overrides.items():
     section, name = field.split("__")
     cfg[section][name] = value
-  return batch_lib.TrainBatch.of(cfg, registry.of(cfg), K, M)
+  return batch_lib.BatchLayout.of(cfg, registry.of(cfg).batch_fields(cfg), K, M)
 
 
 @pytest.mark.parametrize("algorithm, overrides, passes, extra", [
@@ -71,7 +71,7 @@ def test_a_field_is_named_once_and_declared_in_the_tables_terms():
 
   cfg = config_lib.default_config()
   with pytest.raises(ValueError, match="named twice"):
-    batch_lib.TrainBatch.of(cfg, Shadowing(), K, M)
+    batch_lib.BatchLayout.of(cfg, Shadowing().batch_fields(cfg), K, M)
   with pytest.raises(ValueError, match="source one of"):
     batch_lib.Field("x", jnp.float32, ("R",), "elsewhere")
   with pytest.raises(ValueError, match="axes of"):

@@ -11,8 +11,7 @@ from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.rollout import jetstream, reference, sampling, scheduler
-from pacs_jax.rollout.state import DecodeStats
+from pacs_jax.rollout import dense_figures, jetstream, sampling, scheduler
 
 PREFILL, DECODE, PAGE = 16, 16, 8  # 32 cache rows: 4 pages of 8 per slot
 
@@ -129,7 +128,7 @@ def test_page_pools_per_batch_shard_on_8_devices(model):
 def test_long_tailed_rollout_reads_at_most_half_the_dense_windowed_rows(model):
   """Acceptance 4 on a small case (benchmarks/paged_kv.py is the full one): most responses short, one in
   eight at the maximum; rows read counted from the page budget each decode call ran at, against what a dense
-  cache windowed to the busy rows (from one page up) would have read in the same calls (`reference`)."""
+  cache windowed to the busy rows (from one page up) would have read in the same calls (`dense_figures`)."""
   rng = np.random.default_rng(0)
   prompts = [rng.integers(1, 256, size=n).tolist() for n in rng.integers(4, 17, size=32)]
   budgets = rng.integers(1, 17, size=32)
@@ -137,13 +136,12 @@ def test_long_tailed_rollout_reads_at_most_half_the_dense_windowed_rows(model):
   kw = dict(max_new_tokens=budgets.tolist(), sampling=sampling.Temperature(1.0), seed=0)
   engine = make_engine(model, slots=8, decode=128)
   params = engine.load_params(model)
-  stats = DecodeStats()
-  with reference.DenseReference(engine, min_window=PAGE) as dense:
-    out = scheduler.generate(engine, params, prompts, stats=stats, **kw)
+  stats = dense_figures.DenseFigures.of(engine, min_window=PAGE)
+  out = scheduler.generate(engine, params, prompts, stats=stats, **kw)
   assert [len(c.tokens) for c in out] == budgets.tolist()
-  assert stats.steps == sum(dense.steps) > 128 and len(dense.steps) == len(dense.calls)
-  assert stats.rows_per_step <= 0.5 * dense.rows_per_step, (stats, dense.rows_per_step)
-  assert stats.peak_rows_held < 0.5 * dense.rows_held
+  assert stats.steps == sum(steps for *_, steps in stats.calls) > 128
+  assert stats.rows_per_step <= 0.5 * stats.dense_rows_per_step, (stats.rows_per_step, stats.dense_rows_per_step)
+  assert stats.peak_rows_held < 0.5 * stats.dense_rows_held
   # The same completions when every call reads every page.
   decode = engine.decode
   engine.decode = lambda *a: decode(*a[:-1], engine.page_budgets[-1])

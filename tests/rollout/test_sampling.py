@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from pacs_jax.algos import logprobs as trainer_logprobs
+from pacs_jax.models import chunked_logprobs as trainer_logprobs
 from pacs_jax.rollout import sampling
 
 PROBS = np.array([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])

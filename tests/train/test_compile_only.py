@@ -113,8 +113,9 @@ def test_compile_only_builds_the_programs_the_trainer_runs(report, tmp_path):
   trainer.train_step = record
   rows = cfg.train.batch_prompts * cfg.rollout.n
   P, R = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
-  rb = batching.RolloutBatch(np.ones((rows, P + R), np.int32), np.ones((rows, P + R), np.int32),
-                         np.ones((rows, R), np.float32), np.zeros((rows,), np.float32), ["s"] * rows, ["eos"] * rows)
+  rb = batching.PackedRollout(np.ones((rows, P + R), np.int32), np.ones((rows, P + R), np.int32),
+                              np.ones((rows, R), np.float32), np.zeros((rows,), np.float32), ["s"] * rows,
+                              ["eos"] * rows)
   trainer.update(rb)
   expected = programs_lib.minibatch_shapes(cfg, trainer.mesh)
   assert sorted(seen) == sorted(expected)

@@ -90,7 +90,7 @@ def test_rollout_reference_run_with_exact_padding_dumps_and_every_checkpoint(tmp
 
   def recording_update(rb):
     out = update(rb)
-    assert rb.proxy_mask is not None and (rb.proxy_mask.sum() > rb.response_mask.sum())  # early stops got the term
+    assert rb.extra["proxy_mask"].sum() > rb.response_mask.sum()  # early stops got the term
     per_step.append(trainer.minibatch_metrics)
     return out
 

@@ -1,5 +1,7 @@
 """Per-token log-probs and entropies from logits (or hidden states + lm head), in sequence chunks, so no
-fp32 `[B, T, V]` log-softmax (several times the bf16 logits at V = 151,936) is ever materialised.
+fp32 `[B, T, V]` log-softmax (several times the bf16 logits at V = 151,936) is ever materialised: the trainer's
+log-prob passes and loss (`train.step.response_logprobs`), each chunk by the sampler's maths
+(`models.token_logprobs.token_stats`).
 
 Shapes: B rows, T query positions read (the trainer reads the R response positions), C positions per chunk,
 D model width, V vocabulary.
@@ -19,17 +21,6 @@ from pacs_jax.models.token_logprobs import token_stats, token_stats_and_normalis
 
 # 128 positions per chunk: one fp32 chunk is 256/T of the bf16 logits (1/16 at T = 4096, 1/2 at T = 512).
 DEFAULT_CHUNK_SIZE = 128
-
-
-def masked_sum(values: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
-  """Σ mask·values. Uses `where`, so non-finite values at masked positions neither leak nor give NaN grads."""
-  return jnp.sum(jnp.where(mask > 0, values, 0.0), axis=axis)
-
-
-def masked_mean(values: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
-  """Σ mask·values / max(Σ mask, 1): an all-masked row gives 0, not NaN."""
-  count = jnp.sum((mask > 0).astype(jnp.float32), axis=axis)
-  return masked_sum(values, mask, axis) / jnp.maximum(count, 1.0)
 
 
 def _chunk_stats(logits_chunk: jax.Array, tokens_chunk: jax.Array, temperature: float, with_entropy: bool):
@@ -110,7 +101,7 @@ def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature
 
   logits: [B, T, V] (bf16 or fp32); tokens: [B, T] int; temperature: a Python float. `tokens[b, t]` is read
   from `logits[b, t]`: callers shift (logits at position t predict token t + 1). Masking is the caller's
-  (`masked_sum`, `masked_mean`). Differentiable w.r.t. `logits`.
+  (`algos.masked`). Differentiable w.r.t. `logits`.
   """
   return tuple(_logits_stats(logits, tokens, float(temperature), int(chunk_size), True))
 

@@ -10,7 +10,7 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import sharding
-from pacs_jax.algos import logprobs as lp
+from pacs_jax.models import chunked_logprobs as lp
 
 QWEN_VOCAB = 151_936
 
@@ -160,18 +160,6 @@ def test_vocab_sharded_logits_on_the_mesh():
   want_logp, want_entropy = torch_reference(logits, tokens, 1.0)
   np.testing.assert_allclose(logp, want_logp, rtol=0, atol=1e-5)
   np.testing.assert_allclose(entropy, want_entropy, rtol=0, atol=1e-5)
-
-
-def test_masked_sum_and_mean_ignore_padding_values():
-  values = jnp.array([[1.0, 2.0, jnp.inf], [4.0, jnp.nan, 100.0]])
-  mask = jnp.array([[1, 1, 0], [1, 0, 0]])
-  np.testing.assert_allclose(lp.masked_sum(values, mask, axis=-1), [3.0, 4.0])
-  np.testing.assert_allclose(lp.masked_mean(values, mask, axis=-1), [1.5, 4.0])
-  np.testing.assert_allclose(lp.masked_mean(values, mask), 7.0 / 3.0)
-  assert float(lp.masked_mean(values, jnp.zeros_like(mask))) == 0.0
-  grad = jax.grad(lambda v: lp.masked_mean(v, mask))(values)
-  third = np.float32(1) / np.float32(3)
-  np.testing.assert_array_equal(grad, [[third, third, 0], [third, 0, 0]])
 
 
 def compiled_temp_bytes(fn, T, V=QWEN_VOCAB, B=1):
