@@ -116,29 +116,43 @@ def test_from_hidden_equals_from_logits():
 
 
 def test_kept_logits_give_the_same_gradients_and_run_the_head_and_softmax_once_in_the_backward():
-  rng = np.random.default_rng(5)
   B, T, D, V, chunk_size = 2, 12, 6, 40, 4
-  hidden = jnp.asarray(rng.normal(size=(B, T, D)).astype(np.float32))
-  weight = jnp.asarray(rng.normal(size=(D, V)).astype(np.float32))
-  tokens = jnp.asarray(rng.integers(0, V, size=(B, T)).astype(np.int32))
 
-  def loss(h, w, keep):
+  def loss(h, w, tokens, keep):
     logp, entropy = lp.token_logprobs_from_hidden(h, w, tokens, 0.9, chunk_size, with_entropy=True, keep_logits=keep)
     return jnp.sum(logp * np.arange(T)) + jnp.sum(entropy)
 
-  grads = {keep: jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(hidden, weight, keep) for keep in (False, True)}
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=3)
   # The kept path's backward is its own formula (`_kept_chunk_stats`), not autodiff's: both are checked against
-  # the fp64 gradient, and the kept one is no less accurate (fp32 rounding: about 5e-6 here for either).
-  with jax.enable_x64(True):
-    exact = jax.grad(loss, argnums=(0, 1))(np.asarray(hidden, np.float64), np.asarray(weight, np.float64), False)
-  assert exact[0].dtype == np.float64
-  for kept, recomputed, want in zip(grads[True], grads[False], map(np.asarray, exact)):
-    error = {name: np.max(np.abs(np.asarray(g, np.float64) - want)) for name, g in (("kept", kept), ("recomputed", recomputed))}
-    assert error["kept"] <= max(error["recomputed"], 1e-6) < 1e-5, error
+  # the fp64 gradient. Each error is fp32 rounding (a few ulps of the gradient's largest entry), so which path
+  # is closer on one draw depends on the CPU's summation order (one draw, seed 5, once favoured autodiff on one
+  # host and the kept path on another); over several draws the kept formula's errors are no larger than
+  # autodiff's. (A formula that loses accuracy shows: p = exp(x - lse) in place of exp(x - m) / s gives 2x.)
+  errors = {"kept": np.zeros(2), "recomputed": np.zeros(2)}
+  for seed in range(8):
+    rng = np.random.default_rng(seed)
+    hidden = jnp.asarray(rng.normal(size=(B, T, D)).astype(np.float32))
+    weight = jnp.asarray(rng.normal(size=(D, V)).astype(np.float32))
+    tokens = jnp.asarray(rng.integers(0, V, size=(B, T)).astype(np.int32))
+    with jax.enable_x64(True):
+      exact = jax.grad(loss, argnums=(0, 1))(np.asarray(hidden, np.float64), np.asarray(weight, np.float64), tokens,
+                                             False)
+    assert exact[0].dtype == np.float64
+    for name, keep in (("kept", True), ("recomputed", False)):
+      for i, (g, want) in enumerate(zip(grad(hidden, weight, tokens, keep), map(np.asarray, exact))):
+        error = np.max(np.abs(np.asarray(g, np.float64) - want)) / np.max(np.abs(want))
+        assert error < 1e-6, (name, seed, i, error)  # about 8 fp32 ulps of the largest entry
+        errors[name][i] += error
+  assert np.all(errors["kept"] <= 1.25 * errors["recomputed"]), errors
+  rng = np.random.default_rng(5)
+  hidden = jnp.asarray(rng.normal(size=(B, T, D)).astype(np.float32))
+  weight = jnp.asarray(rng.normal(size=(D, V)).astype(np.float32))
+  tokens = jnp.asarray(rng.integers(0, V, size=(B, T)).astype(np.int32))
+  fixed = lambda h, w, keep: loss(h, w, tokens, keep)  # noqa: E731  this draw's tokens
   # The head's [B * C, D] x [D, V] matmul in the compiled program (dW is [D, V], dh [B * C, D]): forward once
   # per chunk either way; the backward re-runs it only without kept logits.
   def head_matmuls(keep):
-    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2).lower(hidden, weight, keep).compile().as_text()
+    hlo = jax.jit(jax.value_and_grad(fixed, argnums=(0, 1)), static_argnums=2).lower(hidden, weight, keep).compile().as_text()
     return len(re.findall(rf"= f32\[{B * chunk_size},{V}\]\{{[^}}]*\}} dot\(", hlo))
   assert head_matmuls(False) == 2 and head_matmuls(True) == 1, (head_matmuls(False), head_matmuls(True))
 
@@ -147,7 +161,7 @@ def test_kept_logits_give_the_same_gradients_and_run_the_head_and_softmax_once_i
   def vocab_reductions(fn):
     hlo = jax.jit(fn, static_argnums=2).lower(hidden, weight, True).compile().as_text()
     return len(re.findall(rf"= f32\[{B},{chunk_size}\]\{{[^}}]*\}} reduce\(", hlo))
-  assert vocab_reductions(jax.value_and_grad(loss, argnums=(0, 1))) == vocab_reductions(loss) > 0
+  assert vocab_reductions(jax.value_and_grad(fixed, argnums=(0, 1))) == vocab_reductions(fixed) > 0
 
 
 def test_vocab_sharded_logits_on_the_mesh():
