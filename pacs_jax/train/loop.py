@@ -40,6 +40,7 @@ from pacs_jax.train import build
 from pacs_jax.train import preemption as preemption_lib
 from pacs_jax.train import programs as programs_lib
 from pacs_jax.train import state as state_lib
+from pacs_jax.train import teardown
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,78 +299,57 @@ class Trainer:
   # -- the loop --------------------------------------------------------------------------------
 
   def run(self) -> dict[str, Any]:
-    cfg = self.cfg
-    try:
+    """Trains from the newest checkpoint (or from scratch) to `cfg.steps`; returns the last step's metrics. Whatever
+    happens, it lets go of the checkpointer, metrics writer and workdir lock (train/teardown.py)."""
+    held = teardown.Held(self.workdir, self.checkpointer, self.lock)
+    with teardown.closing(held):
       restored = self.maybe_restore()
       # After the resume check: a refused resume must not leave another model's card beside the checkpoints.
       export_lib.write_model_card(self.workdir, self.policy_config, self.tokenizer,
                                   source_dir=self.cfg.model.hf_path and hf.resolve_path(self.cfg.model.hf_path))
-      writer = metrics_lib.MetricsWriter(self.workdir, resume_step=restored)
-    except BaseException:
-      self.checkpointer.close()
-      self.lock.release()
-      raise
-    start = restored or 0
-    if start >= cfg.steps:
-      print(console.already_done(start, cfg.steps), flush=True)
-    preemption = preemption_lib.Preemption()
+      held.writer = metrics_lib.MetricsWriter(self.workdir, resume_step=restored)
+      start = restored or 0
+      if start >= self.cfg.steps:
+        print(console.already_done(start, self.cfg.steps), flush=True)
+      held.preemption = preemption_lib.Preemption()
+      held.step = start  # from here on, a failure may be a storage outage
+      return self._steps(held, validate_first=restored is None)
+
+  def _steps(self, held: teardown.Held, validate_first: bool) -> dict[str, Any]:
+    """The steps after `held.step` (each one's number in `held.step` as it runs), with validation, metrics rows,
+    checkpoints and a stop on SIGTERM or a lost lock."""
+    cfg, writer, preemption = self.cfg, held.writer, held.preemption
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
-    updates_per_step = cfg.train.batch_prompts // cfg.train.mini_batch_prompts
+    updates_per_step = programs_lib.updates_per_step(cfg)
     last = {}
-    failure = None
-    step = start
-    try:
-      with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
-        if restored is None and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
-          writer.write(0, self.validate(scorer))
-        for step in range(start + 1, cfg.steps + 1):
-          # A failed async save stops the run (every process) before it trains further.
-          failed = self.checkpointer.poll_failure()
-          if multihost.any_process([failed is not None])[0]:
-            raise paths.StorageError(failed or "a checkpoint save failed on another process")
-          batch = next(self.data_iter)
-          last = self.train_one_step(batch, scorer)
-          last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
-          last["data/skipped_rows"] = float(self.skipped_rows)
-          last["data/epoch"] = float(batch["epoch"])
-          skipped_before = metrics_lib.warn_skipped_updates(step, last["skipped_updates"], skipped_before, updates_per_step)
-          if cfg.eval_every and step % cfg.eval_every == 0:
-            last.update(self.validate(scorer))
-          if step % cfg.log_every == 0 or step == cfg.steps:
-            writer.write(step, last)
-          stop, lost_lock = preemption.agreed(self.lock.lost is not None)
-          if lost_lock:  # its files are another trainer's now: stop without saving over them
-            raise workdir_lock.WorkdirLocked(f"another trainer took over {self.workdir} "
-                                             f"({self.lock.lost or 'seen by process 0'}); stopping without saving")
-          if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop:
-            self.save(step)
-          if stop:
-            logging.warning("preempted: saved step %d, exiting", step)
-            break
-    except BaseException as e:
-      failure = checkpoint_lib.storage_outage(self.workdir, step, self.checkpointer) if isinstance(e, Exception) \
-          else None
-      if failure is None:
-        failure = e
-        raise
-      raise failure from e
-    finally:
-      # With the store down, what is left to write (a save in flight, the last TensorBoard events, the lock's
-      # release) would only retry against it: left as a kill leaves them, which a restart handles.
-      unreachable = isinstance(failure, paths.StorageUnreachable)
-      try:
-        if isinstance(failure, OSError):  # a full disk, an unreachable store: a save in flight cannot finish
-          self.checkpointer.abandon()  # (waiting would retry for minutes; a restart resumes from the last one)
-        else:
-          self.checkpointer.close()
-      finally:
-        if not unreachable:
-          writer.close()
-        preemption.restore()
-        if unreachable:
-          self.lock.abandon()
-        else:
-          self.lock.release()
+    with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
+      if validate_first and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
+        writer.write(0, self.validate(scorer))
+      for step in range(held.step + 1, cfg.steps + 1):
+        held.step = step
+        # A failed async save stops the run (every process) before it trains further.
+        failed = self.checkpointer.poll_failure()
+        if multihost.any_process([failed is not None])[0]:
+          raise paths.StorageError(failed or "a checkpoint save failed on another process")
+        prompts = next(self.data_iter)
+        last = self.train_one_step(prompts, scorer)
+        last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
+        last["data/skipped_rows"] = float(self.skipped_rows)
+        last["data/epoch"] = float(prompts["epoch"])
+        skipped_before = metrics_lib.warn_skipped_updates(step, last["skipped_updates"], skipped_before, updates_per_step)
+        if cfg.eval_every and step % cfg.eval_every == 0:
+          last.update(self.validate(scorer))
+        if step % cfg.log_every == 0 or step == cfg.steps:
+          writer.write(step, last)
+        stop, lost_lock = preemption.agreed(self.lock.lost is not None)
+        if lost_lock:  # its files are another trainer's now: stop without saving over them
+          raise workdir_lock.WorkdirLocked(f"another trainer took over {self.workdir} "
+                                           f"({self.lock.lost or 'seen by process 0'}); stopping without saving")
+        if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop:
+          self.save(step)
+        if stop:
+          logging.warning("preempted: saved step %d, exiting", step)
+          break
     return last
 
 
