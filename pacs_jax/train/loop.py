@@ -304,5 +304,6 @@ class Trainer:
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, devices=None) -> dict[str, Any]:
-  """Trains until `cfg.steps` (resuming from `workdir`'s latest checkpoint); returns the last step's metrics."""
+  """Trains until `cfg.steps` (resuming from `workdir`'s newest checkpoint); returns the last step's metrics.
+  `devices`: the mesh's devices (default: all of them)."""
   return Trainer(cfg, workdir, devices).run()
