@@ -148,12 +148,12 @@ class Trainer:
     self.checkpointer = checkpoint_lib.Checkpointer(paths.join(workdir, CHECKPOINT_DIR), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
 
-  # -- one step --------------------------------------------------------------------------------
-
   def banner(self, config_name: str) -> str:
     """The start banner: config, algorithm, workdir, model, tokenizer, data, devices."""
     return console.start_banner(self.cfg, config_name, self.workdir, devices=list(self.mesh.devices.flat),
                                 mesh_shape=dict(self.mesh.shape), **self.descriptions)
+
+  # -- one step --------------------------------------------------------------------------------
 
   def train_one_step(self, prompts: dict[str, Any], scorer) -> dict[str, Any]:
     """One step on this process's share of the pipeline's element `prompts` (lists per field): the stages of
