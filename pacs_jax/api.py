@@ -20,7 +20,7 @@ def load_config(name_or_path: str, overrides: dict | None = None) -> ml_collecti
   (`"tiny_cpu"`, `"qwen3b_v5p"`: `configs/<name>.py` of the repository the package was installed from), with
   dotted-key `overrides` (`{"steps": 20, "train.lr": 1e-6}`) applied as `--config.<field>=` does.
 
-  `pacs_jax/config/__init__.py` documents every field; `train` validates the config before building anything.
+  `pacs_jax/config/defaults.py` documents every field; `train` validates the config before building anything.
   """
   path = name_or_path
   if not os.path.isfile(path) and os.sep not in path and not path.endswith(".py"):

@@ -9,6 +9,7 @@ import ml_collections
 
 from pacs_jax import paths
 from pacs_jax.algos import registry as algo_registry
+from pacs_jax.config.defaults import default_config
 from pacs_jax.config.files import get_field
 from pacs_jax.data import prompts
 
@@ -43,7 +44,6 @@ def _check_enum(value, choices: tuple, field: str) -> None:
 def _check_moved_settings(c: ml_collections.ConfigDict, algo: algo_registry.Algorithm) -> None:
   """Refuses a setting the algorithm now reads from its own block that is still set only where older configs held
   it (it would be ignored silently)."""
-  from pacs_jax.config import default_config
   defaults = default_config()
   for new, old in algo.moved_settings.items():
     if get_field(c, old) != get_field(defaults, old) and get_field(c, new) == get_field(defaults, new):

@@ -79,3 +79,27 @@ def response_bar(total: int, description: str):
   """A tqdm bar over a step's responses, cleared when closed (the step's console line follows)."""
   from tqdm.auto import tqdm
   return tqdm(total=total, desc=description, unit="response", leave=False, dynamic_ncols=True)
+
+
+class StepProgress:
+  """A context manager: the bar over a step's responses where someone watches (`watched()`), else nothing.
+  `description()` is asked only for a bar (the step number waits for the previous update)."""
+
+  def __init__(self, total: int, description):
+    self.bar = response_bar(total, description()) if watched() else None
+
+  def __enter__(self) -> "StepProgress":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+  @property
+  def on_finish(self):
+    """What the rollout calls as each response finishes (None without a bar)."""
+    return None if self.bar is None else (lambda: self.bar.update(1))
+
+  def stage(self, done: str, next_stage: str) -> None:
+    if self.bar is not None:
+      self.bar.set_description(self.bar.desc.replace(f": {done}", f": {next_stage}"))

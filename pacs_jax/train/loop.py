@@ -6,7 +6,6 @@ of the prompts; mini- and micro-batches take whole groups from every process's s
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
@@ -19,7 +18,7 @@ from flax import nnx
 from pacs_jax import config as config_lib
 from pacs_jax import paths
 from pacs_jax import sharding
-from pacs_jax.algos import batch as batch_lib, registry
+from pacs_jax.algos import registry
 from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import prompts as prompts_lib
 from pacs_jax.data import sources, tokenizers
@@ -40,7 +39,9 @@ from pacs_jax.train import multihost
 from pacs_jax.train import build
 from pacs_jax.train import preemption as preemption_lib
 from pacs_jax.train import programs as programs_lib
+from pacs_jax.train import stages
 from pacs_jax.train import state as state_lib
+from pacs_jax.train import teardown
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,106 +145,56 @@ class Trainer:
     self.programs = programs_lib.make_programs(cfg, self.graphdef, critic_graphdef, self.optimizer,
                                                self.critic_optimizer, self.state_shardings,
                                                self.engine.param_shardings)
-    self.train_step, self.logprob_fn, self.value_fn = (self.programs.train_step, self.programs.logprob_fn,
-                                                       self.programs.value_fn)
-    self.step_inputs, self.to_sample_params = self.programs.step_inputs, self.programs.to_sample_params
     self.batch_layout = programs_lib.batch_layout(cfg)
     self.checkpointer = checkpoint_lib.Checkpointer(paths.join(workdir, CHECKPOINT_DIR), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
-
-  # -- one step --------------------------------------------------------------------------------
-
-  def rollout(self, params_sample, prompts_local: list[list[int]], seed: int, sampling, n: int, max_new_tokens: int,
-              on_finish=None):
-    """This process's completions of a rollout over every process's prompts (all run the same global one);
-    `on_finish()` is called as each response finishes."""
-    completions = scheduler.generate(self.engine, params_sample, multihost.gather_prompts(prompts_local, self.P),
-                                     n=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                                     eos_ids=self.eos_ids, on_finish=on_finish)
-    return multihost.local_share(completions, len(prompts_local))
 
   def banner(self, config_name: str) -> str:
     """The start banner: config, algorithm, workdir, model, tokenizer, data, devices."""
     return console.start_banner(self.cfg, config_name, self.workdir, devices=list(self.mesh.devices.flat),
                                 mesh_shape=dict(self.mesh.shape), **self.descriptions)
 
-  def train_one_step(self, batch: dict[str, Any], scorer) -> dict[str, Any]:
-    """One step on this process's share of a batch of prompts (a pipeline batch: lists per field)."""
-    n = self.cfg.rollout.n
-    t0 = time.perf_counter()
+  # -- one step --------------------------------------------------------------------------------
+
+  def train_one_step(self, prompts: dict[str, Any], scorer) -> dict[str, Any]:
+    """One step on this process's share of the pipeline's element `prompts` (lists per field): the stages of
+    train/stages.py in order (rollout, score, pack, update, record); returns the step's metrics row."""
+    clock = stages.Clock()
     seed = state_lib.rollout_seed(self.state.rng)  # the train step's last update moves the RNG on
-    prompts = [ids.tolist() for ids in batch["prompt_ids"]]
+    prompt_ids = [ids.tolist() for ids in prompts["prompt_ids"]]
     first = " (the first step compiles its programs)" if not self._stepped else ""
-    bar = None
-    if console.watched():  # (the step number waits for the previous update: only where someone looks)
-      bar = console.response_bar(len(prompts) * jax.process_count() * n,
-                                 f"step {int(self.state.step) + 1}: rollout{first}")
-    with jax.set_mesh(self.mesh):
-      params_sample = self.to_sample_params(self.state.params)
-      completions = self.rollout(params_sample, prompts, seed, self.sampling, n, self.R,
-                                 on_finish=None if bar is None else (lambda: bar.update(1)))
-    del params_sample
-    t_rollout = time.perf_counter()
-    if bar is not None:
-      bar.set_description(bar.desc.replace(": rollout", ": reward and update"))
-
-    texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
-    answers = [batch["answer"][c.prompt_index] for c in completions]
-    data_sources = [batch["data_source"][c.prompt_index] for c in completions]
-    scores, reward_stats = scorer.score_batch(texts, answers, data_sources)
-    t_reward = time.perf_counter()
-
-    input_ids, attention_mask, resp_mask = batching.pack_rows(prompts, completions, self.P, self.R, self.pad_id,
-                                                              self.mask_eos_ids)
-    batching.check_groups(input_ids, attention_mask, self.P, n)
-    rb = batching.PackedRollout(input_ids, attention_mask, resp_mask, np.asarray(scores, np.float32), data_sources,
-                                [c.finish_reason for c in completions],
-                                extra=self.algo.host_inputs(self.cfg, input_ids, attention_mask, self.R))
-    metrics = self.update(rb)
-    t_update = time.perf_counter()
-    self._stepped = True
-    if bar is not None:
-      bar.close()
+    with console.StepProgress(len(prompt_ids) * jax.process_count() * self.cfg.rollout.n,
+                              lambda: f"step {int(self.state.step) + 1}: rollout{first}") as progress:
+      completions = self.rollout(prompt_ids, seed, on_finish=progress.on_finish)
+      clock.lap("rollout")
+      progress.stage("rollout", "reward and update")
+      scored = stages.score(scorer, self.tokenizer, prompts, completions)
+      clock.lap("score")
+      packed = stages.pack(prompt_ids, completions, scored, P=self.P, R=self.R, n=self.cfg.rollout.n,
+                           pad_id=self.pad_id, mask_eos_ids=self.mask_eos_ids,
+                           host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R))
+      metrics = self.update(packed)
+      clock.lap("update")
+      self._stepped = True
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
-      inputs = metrics_lib.prompt_texts(self.tokenizer, prompts, [c.prompt_index for c in completions])
-      metrics_lib.dump_generations(self.cfg.rollout_data_dir, int(self.state.step), inputs, texts, scores,
-                                   data_sources, answers)
+      stages.dump(self.cfg.rollout_data_dir, int(self.state.step), self.tokenizer, prompt_ids, completions, scored)
+    return stages.record(metrics, packed, scored, clock, self.source_names)
 
-    metrics.update(batching.rollout_metrics(rb, reward_stats, self.source_names))
-    tokens = float(np.sum(attention_mask)) * jax.process_count()
-    step_s = t_update - t0
-    metrics.update({"timing/rollout_s": t_rollout - t0, "timing/reward_s": t_reward - t_rollout,
-                    "timing/update_s": t_update - t_reward, "timing/step_s": step_s,
-                    "throughput/tokens_per_s": tokens / max(step_s, 1e-9)})
-    return metrics
-
-  def update(self, rb: batching.PackedRollout) -> dict[str, Any]:
-    """Reference / old log-probs for the whole step first, then one optimizer update per mini-batch."""
-    layout = self.batch_layout
-    old, ref, values = batch_lib.OLD_LOGPROBS.name, batch_lib.REF_LOGPROBS.name, batch_lib.OLD_VALUES.name
-    passes = layout.names(batch_lib.PASS)
+  def rollout(self, prompt_ids: list[list[int]], seed: int, on_finish=None) -> list:
+    """This process's completions of the step's rollout (n samples per prompt) by the current policy."""
     with jax.set_mesh(self.mesh):
-      minibatches = batching.to_minibatches(rb, layout, self.mesh, programs_lib.updates_per_step(self.cfg))
-      for mb in minibatches:
-        if old in passes:
-          mb[old] = self.logprob_fn(self.state.params, mb)
-        if ref in passes:  # a frozen copy, or the policy that sampled this step (e.g. PACS "rollout")
-          mb[ref] = self.logprob_fn(self.ref_params, mb) if self.ref_params is not None else mb[old]
-        if values in passes:
-          mb[values] = self.value_fn(self.state.critic_params, mb)
-      if self.step_inputs is not None:
-        for mb, inputs in zip(minibatches, self.step_inputs(minibatches)):
-          mb.update(inputs)
-      all_metrics = []
-      for j, mb in enumerate(minibatches):  # the last one's update moves the step counter and the RNG on
-        if sorted(mb) != sorted(layout.names()):
-          raise ValueError(f"mini-batch fields {sorted(mb)}, expected {sorted(layout.names())}")
-        self.state, m = self.train_step(self.state, mb, programs_lib.ends_step(self.mesh, j == len(minibatches) - 1))
-        all_metrics.append(m)
+      params_sample = self.programs.to_sample_params(self.state.params)
+      return stages.rollout(self.engine, params_sample, prompt_ids, P=self.P, n=self.cfg.rollout.n,
+                            max_new_tokens=self.R, sampling=self.sampling, seed=seed, eos_ids=self.eos_ids,
+                            on_finish=on_finish)
+
+  def update(self, packed: batching.PackedRollout) -> dict[str, Any]:
+    """The update stage on the trainer's state; keeps each mini-batch's own metrics in `minibatch_metrics`."""
+    self.state, per_minibatch = stages.update(self.programs, self.state, self.ref_params, packed, self.batch_layout,
+                                              self.mesh, programs_lib.updates_per_step(self.cfg))
     # Each mini-batch's own metrics, for inspection (e.g. r̂ = 0 on the first one with the rollout reference).
-    self.minibatch_metrics = [{k: float(np.asarray(v)) for k, v in m.items()} for m in all_metrics]
-    return {k: float(np.mean([np.asarray(m[k]) for m in all_metrics])) if k != "skipped_updates"
-            else float(np.asarray(all_metrics[-1][k])) for k in all_metrics[0]}
+    self.minibatch_metrics = [{k: float(np.asarray(v)) for k, v in m.items()} for m in per_minibatch]
+    return stages.step_metrics(per_minibatch)
 
   # -- validation ------------------------------------------------------------------------------
 
@@ -253,7 +204,7 @@ class Trainer:
     cfg = self.cfg
     max_new = cfg.rollout.val_max_new_tokens or self.R
     with jax.set_mesh(self.mesh):
-      params_sample = self.to_sample_params(self.state.params)
+      params_sample = self.programs.to_sample_params(self.state.params)
       completions = scheduler.generate(self.engine, params_sample, self.val_prompts, n=1,
                                        max_new_tokens=min(max_new, self.R), sampling=sampling_lib.Greedy(),
                                        seed=0, eos_ids=self.eos_ids)
@@ -299,81 +250,61 @@ class Trainer:
   # -- the loop --------------------------------------------------------------------------------
 
   def run(self) -> dict[str, Any]:
-    cfg = self.cfg
-    try:
+    """Trains from the newest checkpoint (or from scratch) to `cfg.steps`; returns the last step's metrics. Whatever
+    happens, it lets go of the checkpointer, metrics writer and workdir lock (train/teardown.py)."""
+    held = teardown.Held(self.workdir, self.checkpointer, self.lock)
+    with teardown.closing(held):
       restored = self.maybe_restore()
       # After the resume check: a refused resume must not leave another model's card beside the checkpoints.
       export_lib.write_model_card(self.workdir, self.policy_config, self.tokenizer,
                                   source_dir=self.cfg.model.hf_path and hf.resolve_path(self.cfg.model.hf_path))
-      writer = metrics_lib.MetricsWriter(self.workdir, resume_step=restored)
-    except BaseException:
-      self.checkpointer.close()
-      self.lock.release()
-      raise
-    start = restored or 0
-    if start >= cfg.steps:
-      print(console.already_done(start, cfg.steps), flush=True)
-    preemption = preemption_lib.Preemption()
+      held.writer = metrics_lib.MetricsWriter(self.workdir, resume_step=restored)
+      start = restored or 0
+      if start >= self.cfg.steps:
+        print(console.already_done(start, self.cfg.steps), flush=True)
+      held.preemption = preemption_lib.Preemption()
+      held.step = start  # from here on, a failure may be a storage outage
+      return self._steps(held, validate_first=restored is None)
+
+  def _steps(self, held: teardown.Held, validate_first: bool) -> dict[str, Any]:
+    """The steps after `held.step` (each one's number in `held.step` as it runs), with validation, metrics rows,
+    checkpoints and a stop on SIGTERM or a lost lock."""
+    cfg, writer, preemption = self.cfg, held.writer, held.preemption
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
-    updates_per_step = cfg.train.batch_prompts // cfg.train.mini_batch_prompts
+    updates_per_step = programs_lib.updates_per_step(cfg)
     last = {}
-    failure = None
-    step = start
-    try:
-      with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
-        if restored is None and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
-          writer.write(0, self.validate(scorer))
-        for step in range(start + 1, cfg.steps + 1):
-          # A failed async save stops the run (every process) before it trains further.
-          failed = self.checkpointer.poll_failure()
-          if multihost.any_process([failed is not None])[0]:
-            raise paths.StorageError(failed or "a checkpoint save failed on another process")
-          batch = next(self.data_iter)
-          last = self.train_one_step(batch, scorer)
-          last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
-          last["data/skipped_rows"] = float(self.skipped_rows)
-          last["data/epoch"] = float(batch["epoch"])
-          skipped_before = metrics_lib.warn_skipped_updates(step, last["skipped_updates"], skipped_before, updates_per_step)
-          if cfg.eval_every and step % cfg.eval_every == 0:
-            last.update(self.validate(scorer))
-          if step % cfg.log_every == 0 or step == cfg.steps:
-            writer.write(step, last)
-          stop, lost_lock = preemption.agreed(self.lock.lost is not None)
-          if lost_lock:  # its files are another trainer's now: stop without saving over them
-            raise workdir_lock.WorkdirLocked(f"another trainer took over {self.workdir} "
-                                             f"({self.lock.lost or 'seen by process 0'}); stopping without saving")
-          if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop:
-            self.save(step)
-          if stop:
-            logging.warning("preempted: saved step %d, exiting", step)
-            break
-    except BaseException as e:
-      failure = checkpoint_lib.storage_outage(self.workdir, step, self.checkpointer) if isinstance(e, Exception) \
-          else None
-      if failure is None:
-        failure = e
-        raise
-      raise failure from e
-    finally:
-      # With the store down, what is left to write (a save in flight, the last TensorBoard events, the lock's
-      # release) would only retry against it: left as a kill leaves them, which a restart handles.
-      unreachable = isinstance(failure, paths.StorageUnreachable)
-      try:
-        if isinstance(failure, OSError):  # a full disk, an unreachable store: a save in flight cannot finish
-          self.checkpointer.abandon()  # (waiting would retry for minutes; a restart resumes from the last one)
-        else:
-          self.checkpointer.close()
-      finally:
-        if not unreachable:
-          writer.close()
-        preemption.restore()
-        if unreachable:
-          self.lock.abandon()
-        else:
-          self.lock.release()
+    with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
+      if validate_first and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
+        writer.write(0, self.validate(scorer))
+      for step in range(held.step + 1, cfg.steps + 1):
+        held.step = step
+        # A failed async save stops the run (every process) before it trains further.
+        failed = self.checkpointer.poll_failure()
+        if multihost.any_process([failed is not None])[0]:
+          raise paths.StorageError(failed or "a checkpoint save failed on another process")
+        prompts = next(self.data_iter)
+        last = self.train_one_step(prompts, scorer)
+        last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
+        last["data/skipped_rows"] = float(self.skipped_rows)
+        last["data/epoch"] = float(prompts["epoch"])
+        skipped_before = metrics_lib.warn_skipped_updates(step, last["skipped_updates"], skipped_before, updates_per_step)
+        if cfg.eval_every and step % cfg.eval_every == 0:
+          last.update(self.validate(scorer))
+        if step % cfg.log_every == 0 or step == cfg.steps:
+          writer.write(step, last)
+        stop, lost_lock = preemption.agreed(self.lock.lost is not None)
+        if lost_lock:  # its files are another trainer's now: stop without saving over them
+          raise workdir_lock.WorkdirLocked(f"another trainer took over {self.workdir} "
+                                           f"({self.lock.lost or 'seen by process 0'}); stopping without saving")
+        if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop:
+          self.save(step)
+        if stop:
+          logging.warning("preempted: saved step %d, exiting", step)
+          break
     return last
 
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, devices=None) -> dict[str, Any]:
-  """Trains until `cfg.steps` (resuming from `workdir`'s latest checkpoint); returns the last step's metrics."""
+  """Trains until `cfg.steps` (resuming from `workdir`'s newest checkpoint); returns the last step's metrics.
+  `devices`: the mesh's devices (default: all of them)."""
   return Trainer(cfg, workdir, devices).run()

@@ -79,7 +79,7 @@ def test_an_objective_registered_outside_the_package_trains_two_steps(tmp_path):
   cfg.rollout.n = 4
 
   trainer = loop.Trainer(cfg, str(tmp_path), devices=jax.devices()[:1])
-  assert trainer.ref_params is None and trainer.value_fn is None  # it asked for neither
+  assert trainer.ref_params is None and trainer.programs.value_fn is None  # it asked for neither
   initial = [np.asarray(x) for x in jax.tree.leaves(trainer.state.params)]
   last = trainer.run()
 

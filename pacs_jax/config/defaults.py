@@ -1,0 +1,181 @@
+"""`default_config()`: every field of the training config with its default and its one-line documentation (one
+place per field). Its checks are `checks.py`'s, which reads the defaults from here (so neither imports the
+package's `__init__`)."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from pacs_jax.data import prompts
+
+
+def default_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.algorithm = "pacs"  # pacs | grpo | ppo: the objective on the same loop
+  c.steps = 300  # training steps (one rollout batch each)
+
+  # Model: a preset (random init; "tiny" for tests and the CPU demo) or a Hugging Face checkpoint dir.
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = "tiny"  # used when hf_path is empty
+  c.model.hf_path = ""  # a local transformers checkpoint directory (Qwen2.5, Qwen3, Llama 3: models/registry.py)
+  c.model.param_dtype = "float32"
+  c.model.dtype = "float32"  # compute dtype; bfloat16 on GPU/TPU
+  c.model.remat = False  # rematerialise decoder layers in the backward pass
+  c.model.attention_chunk = 0  # >0: attention over blocks of this many queries (memory of long sequences)
+  # Training / log-prob attention: "auto" (TPU: splash, GPU: cudnn, else xla) | "xla" | "splash" | "cudnn".
+  c.model.attention_impl = "auto"
+  c.model.remat_policy = "nothing"  # with remat: "nothing" (keep layer inputs) | "matmuls" (no matmul re-run)
+  c.model.vocab_size = 0  # >0 overrides the preset's vocab (the synthetic task's tokenizer is small)
+
+  # Tokenizer: "synthetic" (built in, for the synthetic task) or a path (defaults to model.hf_path).
+  c.tokenizer = ""
+
+  c.data = ml_collections.ConfigDict()
+  c.data.train = "synthetic/mod3"  # synthetic/<task> | comma-separated .json/.jsonl/.parquet files, hf://owner/name
+  c.data.val = "synthetic/mod3"  # same forms; "" disables validation
+  c.data.synthetic_train_size = 4096
+  c.data.synthetic_val_size = 64
+  c.data.max_prompt_length = 512  # longer prompts are dropped (counted), never truncated
+  # Appended to the problem (after one space) in the user message; "" for none (synthetic tasks).
+  c.data.instruction = prompts.MATH_INSTRUCTION
+  c.data.skip_bad_rows = False
+  c.data.val_max_examples = 0  # >0: evaluate on the first N validation problems only
+  # A folder of the released evaluation sets (<name>/test.jsonl for gsm8k, math500, aime2024, aime2025,
+  # amc23, as in tests/fixtures/data); every file found there is validated on, beside data.val.
+  c.data.val_dir = ""
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.n = 8  # responses per prompt (group size)
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0  # 0 = off
+  c.rollout.max_new_tokens = 4096
+  c.rollout.slots = 0  # concurrent decode slots; 0 = the whole rollout batch
+  c.rollout.val_max_new_tokens = 0  # 0 = max_new_tokens
+  # The decode KV cache is paged: pages of page_size rows, taken as rows grow and returned when they finish;
+  # decode reads each slot's live pages.
+  c.rollout.page_size = 64
+  c.rollout.kv_pages = 0  # KV memory in pages, all batch shards together; 0 = enough for every slot at full length
+  # Which tokens end a response, and how far the response mask runs (docs/algorithm.md "Padding and stopping"):
+  #   "released": the tokenizer's EOS plus generation_config.json's eos_token_id (config.json's when there is
+  #     none), as verl's vLLM rollout; the mask runs up to and including the first generation-config EOS
+  #     (verl's get_response_mask), the rest is padded with the pad token.
+  #   "chat": the released set plus Qwen's chat stop tokens <|im_end|> and <|endoftext|>; the mask runs up
+  #     to and including the token that stopped the response.
+  #   "151643,151645": exactly these ids, as "chat" otherwise.
+  c.rollout.stop_tokens = "released"
+
+  c.train = ml_collections.ConfigDict()
+  c.train.batch_prompts = 1024  # prompts per step (each sampled rollout.n times)
+  c.train.mini_batch_prompts = 256  # one optimizer step per mini-batch of whole groups
+  c.train.micro_batch_prompts = 0  # gradient accumulation; 0 = the whole mini-batch at once
+  # LM head positions per chunk in the train step and log-prob passes (0 = the whole response at once): the
+  # fp32 softmax never exceeds [rows, chunk, V]. Each chunk's logits are recomputed in the backward pass unless
+  # keep_logits saves them (16-bit [rows, R, V] per micro-batch: no head matmul re-run; the v5p configs).
+  c.train.logits_chunk = 128
+  c.train.keep_logits = False
+  c.train.lr = 1e-6
+  c.train.schedule = "constant"  # constant | cosine (linear warmup, then cosine decay to lr * min_lr_ratio)
+  c.train.warmup_steps = 0  # optimizer updates
+  c.train.min_lr_ratio = 0.0
+  c.train.weight_decay = 0.01
+  c.train.b1 = 0.9
+  c.train.b2 = 0.999
+  c.train.eps = 1e-8
+  c.train.grad_clip = 1.0  # global-norm clip; 0 = off (the released PACS actor never clips; GRPO/PPO clip at 1)
+  # verl's ppo_micro_batch_size_per_gpu of the released runs (actor and critic). Numerics only, not memory
+  # (that is micro_batch_prompts): under "seq-mean-token-sum-norm" the released GRPO/PPO losses sum this many
+  # rows per micro-batch and average the micro-batches, so their gradient is this many times the per-sequence
+  # mean (before the clip); pacs.exact_padding_replication packs rows in groups of this many.
+  c.train.verl_micro_batch_rows = 8
+
+  # PACS (docs/algorithm.md): r̂ from log-prob ratios, ψ = advantage of r̂ in the group, BCE(ψ, R) with weights.
+  c.pacs = ml_collections.ConfigDict()
+  c.pacs.beta = 1.0
+  c.pacs.reward_method = "1"  # "1": β Σ (log π − log π_ref); "2": β Σ log π / |o|
+  c.pacs.adv_estimator = "rloo"  # rloo | grpo | naive
+  c.pacs.norm_adv_by_std = True  # grpo estimator only
+  c.pacs.use_weight = True
+  c.pacs.weight_mode = "question"  # question | only_positive | only_negative
+  c.pacs.reference_policy = "frozen"  # frozen (initial model) | rollout (the sampling policy, as released)
+  # Off: r̂ sums the masked response tokens (docs/algorithm.md). On: it also sums the term verl's remove-padding forward
+  # leaves at the first padding position of a response that ended early: the log-prob of the next packed row's
+  # first token given this row (rows packed in groups of train.verl_micro_batch_rows; the last wraps to the first).
+  c.pacs.exact_padding_replication = False
+
+  c.grpo = ml_collections.ConfigDict()
+  c.grpo.clip_ratio_low = 0.2
+  c.grpo.clip_ratio_high = 0.2
+  c.grpo.clip_ratio_c = 3.0  # dual clip for negative advantages
+  c.grpo.loss_agg_mode = "seq-mean-token-sum-norm"
+  c.grpo.norm_adv_by_std = True
+  c.grpo.use_kl_loss = False
+  c.grpo.kl_coef = 0.001
+  c.grpo.entropy_coeff = 0.0
+
+  # PPO: its actor is the same clipped-ratio loss as GRPO's (verl's actor block) with its own settings, and a critic.
+  c.ppo = ml_collections.ConfigDict()
+  c.ppo.clip_ratio_low = 0.2
+  c.ppo.clip_ratio_high = 0.2
+  c.ppo.clip_ratio_c = 3.0  # dual clip for negative advantages
+  c.ppo.loss_agg_mode = "seq-mean-token-sum-norm"  # the actor's and the critic's
+  c.ppo.entropy_coeff = 0.0
+  c.ppo.critic_lr = 1e-5
+  c.ppo.cliprange_value = 0.5
+  c.ppo.gamma = 1.0
+  c.ppo.lam = 1.0
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1
+  c.mesh.fsdp = -1  # -1 = the remaining devices
+  c.mesh.tensor = 1
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 20  # steps; the last step is always saved
+  c.checkpoint.keep = 3  # the newest K checkpoints are kept; 0 = keep every one (the released runs)
+  c.checkpoint.async_save = True
+  # latest: resume from the newest checkpoint that restores (a damaged newer one is set aside with a
+  # warning); exit with an error if checkpoints exist but none restores. never: start from scratch, the
+  # existing checkpoints moved to checkpoints_set_aside/.
+  c.checkpoint.restore = "latest"
+  # A resume refuses a checkpoint trained with another algorithm, tokenizer or objective settings
+  # (storage/resume.py); a comma-separated list of those it may change anyway ("algorithm,tokenizer,objective").
+  c.checkpoint.allow_changes = ""
+  # One trainer per workdir: a lock whose holder runs on another host is taken over after this long
+  # without a heartbeat (on the same host: as soon as its process is gone).
+  c.checkpoint.lock_stale_after_s = 300.0
+
+  c.eval_every = 5  # validation (greedy, per-source accuracy); 0 = off
+  # Per-step JSONL dumps of the generations, as the released trainer.rollout_data_dir / validation_data_dir
+  # ("" = off): one line per response {input, output, score, step, data_source, ground_truth}, file <step>.jsonl.
+  c.rollout_data_dir = ""
+  c.validation_data_dir = ""
+  c.log_every = 1
+  c.reward_workers = 2
+  c.reward_timeout_s = 10.0
+
+  # The target machine: `--compile_only` and `--dry_run` build the mesh and compile for it before any launch.
+  c.hardware = ml_collections.ConfigDict()
+  # A TPU slice as libtpu names it, "<generation>:<topology>": "v5p:2x4x4" is a v5p-64 (32 chips, 8 hosts),
+  # "v5p:4x4x4" a v5p-128 (64 chips, 16 hosts). "" = no TPU target (GPU / CPU configs).
+  c.hardware.tpu_topology = ""
+  # NVIDIA GPUs to compile for on any machine (jax's CUDA plugin: pip install -e ".[gpu-compile]"): the GPU, one of
+  # pacs_jax/gpu_targets ("h100-sxm-80gb"), and "<slices>x<hosts>x<gpus per host>" ("1x1x8": one 8-GPU node).
+  # "" = no GPU target (TPU / CPU configs, or --compile_only on the GPU machine itself).
+  c.hardware.gpu_target = ""
+  c.hardware.gpu_topology = ""
+  c.hardware.num_devices = 0  # accelerator chips of the target slice (0 = the devices present)
+  c.hardware.hbm_gb = 0.0  # memory per chip, e.g. 95 on TPU v5p, 80 on H100
+  c.hardware.num_processes = 0  # JAX processes (hosts) of the target slice, e.g. chips / 4 on v5p (0 = 1)
+
+  # Multi-host: empty = auto-detect on TPU VMs (or single process elsewhere).
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.coordinator_address = ""
+  c.distributed.num_processes = 0
+  c.distributed.process_id = -1
+  return c
+
+
+# ----------------------------------------------------------------------------------------------
+# Run config -> model config

@@ -1,0 +1,140 @@
+"""A training step's stages, each a function of plain values: rollout -> score -> pack -> update -> record.
+
+`Trainer.train_one_step` runs them in this order on one element of the prompt pipeline; an overlapped rollout can
+run `rollout` ahead and the others on what it returned. Rows of one prompt's group are contiguous
+(row = prompt * n + sample).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from pacs_jax.algos import batch as batch_lib
+from pacs_jax.rollout import scheduler
+from pacs_jax.rollout import state as rollout_state
+from pacs_jax.train import batching
+from pacs_jax.train import metrics as metrics_lib
+from pacs_jax.train import multihost
+from pacs_jax.train import programs as programs_lib
+from pacs_jax.train import state as state_lib
+
+
+def rollout(engine, params_sample, prompt_ids: list[list[int]], *, P: int, n: int, max_new_tokens: int, sampling,
+            seed: int, eos_ids, on_finish: Callable[[], None] | None = None) -> list[rollout_state.Completion]:
+  """This process's completions of a rollout over every process's prompts (all run the same global one);
+  `on_finish()` is called as each response finishes. Run under the mesh `params_sample` lives on."""
+  completions = scheduler.generate(engine, params_sample, multihost.gather_prompts(prompt_ids, P), n=n,
+                                   max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
+                                   on_finish=on_finish)
+  return multihost.local_share(completions, len(prompt_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+  """A step's responses as text with the verifier's verdicts, one entry per completion (row)."""
+  texts: list[str]
+  answers: list[str]  # the ground truth each was compared with
+  data_sources: list[str]
+  scores: np.ndarray  # [rows] float32
+  stats: dict[str, int]  # the verifier's counts: errors, timeouts
+
+
+def score(scorer, tokenizer, prompts: dict[str, Any], completions: list[rollout_state.Completion]) -> Scored:
+  """Decodes each response and scores it against its prompt's answer (`prompts`: the pipeline's element, lists
+  per field)."""
+  texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+  answers = [prompts["answer"][c.prompt_index] for c in completions]
+  data_sources = [prompts["data_source"][c.prompt_index] for c in completions]
+  scores, stats = scorer.score_batch(texts, answers, data_sources)
+  return Scored(texts, answers, data_sources, scores, stats)
+
+
+def pack(prompt_ids: list[list[int]], completions: list[rollout_state.Completion], scored: Scored, *, P: int,
+         R: int, n: int, pad_id: int, mask_eos_ids,
+         host_inputs: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]]) -> batching.PackedRollout:
+  """The responses as host rows (prompt left-padded to P, response right-padded to R), checked to be grouped
+  prompt-major; `host_inputs(input_ids, attention_mask)`: the algorithm's extra host fields."""
+  input_ids, attention_mask, resp_mask = batching.pack_rows(prompt_ids, completions, P, R, pad_id, mask_eos_ids)
+  batching.check_groups(input_ids, attention_mask, P, n)
+  return batching.PackedRollout(input_ids, attention_mask, resp_mask, np.asarray(scored.scores, np.float32),
+                               scored.data_sources, [c.finish_reason for c in completions],
+                               extra=host_inputs(input_ids, attention_mask))
+
+
+def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_params, packed: batching.PackedRollout,
+           layout: batch_lib.BatchLayout, mesh, num_minibatches: int) -> tuple[state_lib.TrainState, list[dict]]:
+  """Reference / old log-probs (and values) for the whole step first, then the algorithm's step inputs, then one
+  optimizer update per mini-batch (the last one moves the step counter and the RNG on). `ref_params`: a frozen
+  reference, or None for the policy that sampled the step. Returns the new state (`state` is donated) and each
+  mini-batch's metrics (device scalars)."""
+  old, ref, values = batch_lib.OLD_LOGPROBS.name, batch_lib.REF_LOGPROBS.name, batch_lib.OLD_VALUES.name
+  passes = layout.names(batch_lib.PASS)
+  with jax.set_mesh(mesh):
+    minibatches = batching.to_minibatches(packed, layout, mesh, num_minibatches)
+    for mb in minibatches:
+      if old in passes:
+        mb[old] = programs.logprob_fn(state.params, mb)
+      if ref in passes:  # a frozen copy, or the policy that sampled this step (e.g. PACS "rollout")
+        mb[ref] = programs.logprob_fn(ref_params, mb) if ref_params is not None else mb[old]
+      if values in passes:
+        mb[values] = programs.value_fn(state.critic_params, mb)
+    if programs.step_inputs is not None:
+      for mb, inputs in zip(minibatches, programs.step_inputs(minibatches)):
+        mb.update(inputs)
+    for mb in minibatches:  # before the first update donates the state
+      if sorted(mb) != sorted(layout.names()):
+        raise ValueError(f"mini-batch fields {sorted(mb)}, expected {sorted(layout.names())}")
+    per_minibatch = []
+    for j, mb in enumerate(minibatches):
+      state, m = programs.train_step(state, mb, programs_lib.ends_step(mesh, j == len(minibatches) - 1))
+      per_minibatch.append(m)
+  return state, per_minibatch
+
+
+def step_metrics(per_minibatch: list[dict]) -> dict[str, float]:
+  """The step's update metrics: the mini-batches' mean, but the running count of skipped updates as it ends."""
+  return {k: float(np.mean([np.asarray(m[k]) for m in per_minibatch])) if k != "skipped_updates"
+          else float(np.asarray(per_minibatch[-1][k])) for k in per_minibatch[0]}
+
+
+class Clock:
+  """When each stage of a step ended (`lap`), from the clock's creation."""
+
+  def __init__(self):
+    self.start = time.perf_counter()
+    self.laps: dict[str, float] = {}
+
+  def lap(self, stage: str) -> None:
+    self.laps[stage] = time.perf_counter()
+
+  def metrics(self, tokens: float) -> dict[str, float]:
+    """Seconds per stage (packing counts in the update) and tokens per second over the step."""
+    rollout, reward, update = self.laps["rollout"], self.laps["score"], self.laps["update"]
+    step_s = update - self.start
+    return {"timing/rollout_s": rollout - self.start, "timing/reward_s": reward - rollout,
+            "timing/update_s": update - reward, "timing/step_s": step_s,
+            "throughput/tokens_per_s": tokens / max(step_s, 1e-9)}
+
+
+def record(update_metrics: dict[str, float], packed: batching.PackedRollout, scored: Scored, clock: Clock,
+           source_names: list[str]) -> dict[str, float]:
+  """The step's metrics row: the update's, then reward, accuracy per data source and response lengths over every
+  process's rows, then the timings."""
+  row = dict(update_metrics)
+  row.update(batching.rollout_metrics(packed, scored.stats, source_names))
+  tokens = float(np.sum(packed.attention_mask)) * jax.process_count()
+  row.update(clock.metrics(tokens))
+  return row
+
+
+def dump(directory: str, step: int, tokenizer, prompt_ids: list[list[int]],
+         completions: list[rollout_state.Completion], scored: Scored) -> None:
+  """`directory/<step>.jsonl`: each response with its prompt, score and ground truth (the released dumps)."""
+  inputs = metrics_lib.prompt_texts(tokenizer, prompt_ids, [c.prompt_index for c in completions])
+  metrics_lib.dump_generations(directory, step, inputs, scored.texts, scored.scores, scored.data_sources,
+                               scored.answers)
