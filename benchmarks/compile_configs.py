@@ -78,7 +78,7 @@ def gpu_summary(report, cfg) -> dict[str, str]:
 def summary(report, cfg) -> dict[str, str]:
   """One column of the TPU table (docs/tpu.md): the figures a user needs before renting the pod."""
   from pacs_jax.compile.aot_measure import GB
-  from pacs_jax.train import programs as programs_lib
+  from pacs_jax.trainer import programs as programs_lib
   gb = lambda x: f"{x / GB:.1f}"
   out = memory_rows(report, cfg, slots_in_row=False)
   progs = {p.name: p for p in report.programs}

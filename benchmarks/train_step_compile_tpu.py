@@ -25,7 +25,7 @@ from pacs_jax.compile import aot
 from pacs_jax.compile import aot_measure
 from pacs_jax.compile import hlo_cost
 from pacs_jax.compile import hotspots
-from pacs_jax.train import programs as programs_lib
+from pacs_jax.trainer import programs as programs_lib
 
 GB = 1e9
 # MaxText 0.2.5's train step for the shapes of configs/qwen3b_v5p.py (benchmarks/reference/maxtext_train_step.sh).

@@ -25,8 +25,8 @@ _os.environ.setdefault("EPATH_USE_TF", "false")
 # name -> (module, attribute or None for the module itself): the public API, imported on first use.
 _PUBLIC = {
     "load_config": ("pacs_jax.api", "load_config"),
-    "Trainer": ("pacs_jax.train.loop", "Trainer"),
-    "train": ("pacs_jax.train", None),  # the trainer package, callable: train(cfg, workdir)
+    "Trainer": ("pacs_jax.trainer.loop", "Trainer"),
+    "train": ("pacs_jax.trainer.loop", "train"),
     "load_pretrained": ("pacs_jax.api", "load_pretrained"),
     "save_pretrained": ("pacs_jax.api", "save_pretrained"),
     "generate": ("pacs_jax.api", "generate"),

@@ -18,7 +18,7 @@ def main(argv):
   labels = _LABELS.value or [os.path.basename(os.path.normpath(d)) for d in run_dirs]
   if len(labels) != len(run_dirs) or len(set(labels)) != len(labels):
     raise app.UsageError(f"--labels: {len(run_dirs)} distinct names needed, got {labels}")
-  from pacs_jax.train import compare
+  from pacs_jax.trainer import compare
   try:
     runs = {label: compare.read_run(d) for label, d in zip(labels, run_dirs)}
   except FileNotFoundError as e:

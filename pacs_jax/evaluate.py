@@ -75,7 +75,7 @@ def eval_config_from_flags(synthetic_only: bool = False) -> ml_collections.Confi
 
 def main(argv):
   errors.no_arguments_quiet_logs(argv)
-  from pacs_jax.train import runtime
+  from pacs_jax.trainer import runtime
   runtime.start_command_line()
   import jax
 

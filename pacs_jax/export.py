@@ -20,7 +20,7 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a previous export in
 def main(argv):
   errors.no_arguments_quiet_logs(argv)
   from pacs_jax.storage import export as export_lib
-  from pacs_jax.train import runtime
+  from pacs_jax.trainer import runtime
   runtime.start_command_line()
   path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
                            max_shard_size=_SHARD.value, overwrite=_OVERWRITE.value)

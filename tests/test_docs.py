@@ -59,7 +59,7 @@ def shown_commands() -> list[tuple[str, list[str]]]:
 
 def defined_flags(module: str) -> set[str]:
   path = importlib.util.find_spec(module).origin
-  if os.path.basename(path) == "__init__.py":  # a package's command line (pacs_jax.train, pacs_jax.study)
+  if os.path.basename(path) == "__init__.py":  # a package's command line (pacs_jax.study)
     path = os.path.join(os.path.dirname(path), "__main__.py")
   source = open(path).read()
   names = set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", source))

@@ -30,13 +30,14 @@ LAYERS = {
     "pacs_jax.algos": 4,
     "pacs_jax.config": 5,  # the run config: its enums come from algos, run -> model config uses models
     "pacs_jax.storage": 6,  # workdir layout, checkpoints, lock, export: shared by train and eval
-    "pacs_jax.train": 7,
+    "pacs_jax.trainer": 7,
     "pacs_jax.eval": 7,
     "pacs_jax.errors": 7,  # expected failures -> one line and an exit status, for the command lines
     "pacs_jax.compile": 8,  # --compile_only / --dry_run: compiles the trainer's programs, so above train
     "pacs_jax.api": 8,  # the public API's own functions (load_config, load_pretrained, generate) over the library
     "pacs_jax.study": 8,  # the laptop study: runs the trainer and the pass@k estimator side by side
     # The command lines, at the top (a package's __main__ is its package's: it imports nothing above the package).
+    "pacs_jax.train": 9,
     "pacs_jax.evaluate": 9,
     "pacs_jax.export": 9,
     "pacs_jax.compare": 9,
@@ -46,14 +47,7 @@ LAYERS = {
 PEERS: dict[tuple[str, str], str] = {}
 
 # Known backwards imports, each with the reason it is still there: {(importer module, imported module): why}.
-ALLOWED = {
-    # The trainer package holds its command line, which compiles the trainer's programs (--compile_only, --dry_run)
-    # and reports failures as the command lines do: the package points up until its command line moves to the top,
-    # pacs_jax/train.py (issue 30).
-    ("pacs_jax.train.__main__", "pacs_jax.compile.aot"): "the command line moves to pacs_jax/train.py",
-    ("pacs_jax.train.__main__", "pacs_jax.compile.memory"): "the command line moves to pacs_jax/train.py",
-    ("pacs_jax.train.__main__", "pacs_jax.errors"): "the command line moves to pacs_jax/train.py",
-}
+ALLOWED = {}
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -138,16 +132,17 @@ def test_a_stale_peer_is_caught():
 
 
 @pytest.mark.parametrize("importer, source, bad", [
-    ("pacs_jax.eval.runner", "from pacs_jax.train import checkpoint", True),
+    ("pacs_jax.eval.runner", "from pacs_jax.trainer import checkpoint", True),
     ("pacs_jax.rewards.math", "def f():\n  from pacs_jax.data import synthetic", True),  # function-level too
     ("pacs_jax.data.pipeline", "import pacs_jax.models.qwen2", True),
     ("pacs_jax.models.hf", "from pacs_jax import config", True),
-    ("pacs_jax.train.loop", "from pacs_jax.train import __main__", True),
-    ("pacs_jax.train.loop", "from pacs_jax.compile import aot", True),  # the trainer never needs compile analysis
+    ("pacs_jax.trainer.loop", "from pacs_jax.trainer import __main__", True),
+    ("pacs_jax.trainer.loop", "from pacs_jax.compile import aot", True),  # the trainer never needs compile analysis
+    ("pacs_jax.trainer.loop", "from pacs_jax import train", True),  # nor its command line
     ("pacs_jax.study.__main__", "from pacs_jax.compile import aot", True),  # a package's command line: its layer
-    ("pacs_jax.compile.aot", "from pacs_jax.train import programs", False),
+    ("pacs_jax.compile.aot", "from pacs_jax.trainer import programs", False),
     ("pacs_jax.eval.runner", "from pacs_jax.storage import export", False),
-    ("pacs_jax.train.loop", "from pacs_jax.models import qwen2\nfrom pacs_jax import paths", False),
+    ("pacs_jax.trainer.loop", "from pacs_jax.models import qwen2\nfrom pacs_jax import paths", False),
 ])
 def test_a_backwards_import_is_caught(importer, source, bad):
   graph = {importer: imported_modules(ast.parse(source), importer)}
@@ -171,7 +166,7 @@ def test_the_public_api_is_imported_on_first_use():
   """`pacs_jax/__init__.py` imports no module of the package, and importing it loads neither jax nor the trainer;
   every public name resolves."""
   assert import_graph()["pacs_jax"] == set()
-  probe = ("import sys, pacs_jax; heavy = [m for m in ('jax', 'pacs_jax.train.loop', 'pacs_jax.models') "
+  probe = ("import sys, pacs_jax; heavy = [m for m in ('jax', 'pacs_jax.trainer.loop', 'pacs_jax.models') "
            "if m in sys.modules]; assert not heavy, heavy; import pacs_jax.paths; "
            "assert all(getattr(pacs_jax, name) is not None for name in pacs_jax.__all__)")
   subprocess.run([sys.executable, "-c", probe], check=True, cwd=PACKAGE.parent)

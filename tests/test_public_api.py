@@ -34,7 +34,7 @@ def test_the_documented_names_import_from_the_top_level():
     value = getattr(pacs_jax, name)
     assert (value.__doc__ or "").strip(), f"pacs_jax.{name} has no docstring"
     assert f"`{name}" in api_doc, f"docs/api.md does not describe pacs_jax.{name}"
-  assert callable(train) and train.__doc__.startswith("The trainer: `pacs_jax.train(cfg, workdir)`")
+  assert callable(train) and train.__doc__.startswith("Trains until")
   with pytest.raises(AttributeError):
     pacs_jax.no_such_name  # noqa: B018
 
@@ -86,3 +86,24 @@ def test_the_notebook_runs_shrunk(tmp_path):
   assert done.returncode == 0, done.stderr[-4000:]
   assert "validation accuracy by step: [(0," in done.stdout
   assert "the reloaded model samples the same responses" in done.stdout and "loss 0.6931" in done.stdout, done.stdout
+
+
+def test_train_is_the_function_whatever_was_imported_before():
+  """`from pacs_jax import train` is the trainer function, also once the trainer's modules are imported and after the
+  command line's module ran as `python -m pacs_jax.train` runs it (runpy binds no module to `pacs_jax.train`); no
+  module of the package swaps its class."""
+  probe = ("import runpy, sys, types\n"
+           "import pacs_jax.trainer.loop, pacs_jax.trainer.stages\n"
+           "sys.argv = ['pacs_jax.train', '--helpshort']\n"
+           "try:\n"
+           "  runpy.run_module('pacs_jax.train', run_name='__main__', alter_sys=True)\n"
+           "except SystemExit:\n"
+           "  pass\n"
+           "import pacs_jax\n"
+           "from pacs_jax import train\n"
+           "assert train is pacs_jax.trainer.loop.train, train\n"
+           "assert 'pacs_jax.train' not in sys.modules\n"
+           "odd = [n for n, m in sys.modules.items() if n.startswith('pacs_jax') and type(m) is not types.ModuleType]\n"
+           "assert not odd, odd\n")
+  done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-3000:]

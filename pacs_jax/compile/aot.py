@@ -28,7 +28,7 @@ from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.compile.aot_measure import ProgramReport, measure, outputs_of, per_chip_bytes, persistent_cache_off
 from pacs_jax.compile.report import Report, format_report
 from pacs_jax.compile.target import Target, TargetUnavailable, target
-from pacs_jax.train import programs as programs_lib
+from pacs_jax.trainer import programs as programs_lib
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from pacs_jax.algos import registry
 from pacs_jax.models import flash
 from pacs_jax.models import registry as model_registry
 from pacs_jax.models.model_config import ModelConfig
-from pacs_jax.train import state as state_lib
+from pacs_jax.trainer import state as state_lib
 
 GB = 1e9
 

@@ -20,7 +20,7 @@ _ALGORITHMS = flags.DEFINE_list("algorithms", None, "A subset of pacs,grpo,ppo (
 
 def main(argv):
   errors.no_arguments_quiet_logs(argv)
-  from pacs_jax.train import runtime
+  from pacs_jax.trainer import runtime
   runtime.start_command_line()
   from pacs_jax.study import report, runs, settings as settings_lib
 

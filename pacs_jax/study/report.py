@@ -69,7 +69,7 @@ def curve_bands(result: dict, key: str, window: int) -> dict[str, tuple[np.ndarr
                                                                           np.ndarray]]:
   """{algorithm: (steps, mean, min, max)} of a metric over seeds, each seed's values first smoothed by a trailing
   mean over `window` steps."""
-  from pacs_jax.train import compare
+  from pacs_jax.trainer import compare
 
   by_algorithm: dict[str, list[np.ndarray]] = {}
   steps = {}

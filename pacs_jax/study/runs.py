@@ -14,8 +14,8 @@ from pacs_jax.data import synthetic
 from pacs_jax.study import heldout
 from pacs_jax.study import settings as settings_lib
 from pacs_jax.study import warmup
-from pacs_jax.train import loop
-from pacs_jax.train import metrics as metrics_lib
+from pacs_jax.trainer import loop
+from pacs_jax.trainer import metrics as metrics_lib
 
 RESULTS_FILE = "study.json"
 DIGEST_FILE = "study_summary.json"  # the same without the metrics rows

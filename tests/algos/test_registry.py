@@ -13,7 +13,7 @@ import pytest
 from pacs_jax import config as config_lib
 from pacs_jax.algos import groups, registry
 from pacs_jax.algos.masked import masked_mean, masked_sum
-from pacs_jax.train import loop
+from pacs_jax.trainer import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -20,7 +20,7 @@ from pacs_jax.models import hf, layers, registry
 from pacs_jax.models.family import Family
 from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.storage import export
-from pacs_jax.train import loop
+from pacs_jax.trainer import loop
 from test_config_json import assert_transformers_activation
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,7 +14,7 @@ from pacs_jax import config as config_lib
 from pacs_jax.data import sources
 from pacs_jax.models import hf
 from pacs_jax.storage import lock as workdir_lock
-from pacs_jax.train import loop
+from pacs_jax.trainer import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")

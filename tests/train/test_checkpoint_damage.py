@@ -17,7 +17,7 @@ from flax import nnx
 from pacs_jax import config as config_lib
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import export as export_lib
-from pacs_jax.train import loop
+from pacs_jax.trainer import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OVERRIDES = {"steps": 8, "eval_every": 4, "checkpoint.every": 4, "train.batch_prompts": 8,

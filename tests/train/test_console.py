@@ -6,7 +6,7 @@ import os
 import jax
 
 from pacs_jax import config as config_lib
-from pacs_jax.train import console, loop
+from pacs_jax.trainer import console, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -20,8 +20,8 @@ from pacs_jax.data import synthetic
 from pacs_jax.models import qwen2
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import export as export_lib
-from pacs_jax.train import loop
-from pacs_jax.train.metrics import read_rows
+from pacs_jax.trainer import loop
+from pacs_jax.trainer.metrics import read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")

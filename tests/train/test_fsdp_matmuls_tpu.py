@@ -16,7 +16,7 @@ from pacs_jax import sharding
 from pacs_jax.models import qwen2
 from pacs_jax.compile import aot
 from pacs_jax.compile import aot_measure
-from pacs_jax.train import programs as programs_lib
+from pacs_jax.trainer import programs as programs_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WINDOWED = re.compile(r"^%?\S*windowed_dot_general_body\S* ", re.M)  # the loops' body computations

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from pacs_jax import config as config_lib
-from pacs_jax.train import loop
+from pacs_jax.trainer import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = os.path.join(ROOT, "configs", "own_model.py")

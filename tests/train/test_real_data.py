@@ -10,7 +10,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pacs_jax import config as config_lib
-from pacs_jax.train import loop
+from pacs_jax.trainer import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -22,8 +22,8 @@ from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import scheduler
 from pacs_jax.rollout import sampling
-from pacs_jax.train import state as state_lib
-from pacs_jax.train import step as step_lib
+from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import step as step_lib
 
 GROUPS, N, P, R = 4, 4, 6, 7
 CONFIG = registry.preset("tiny", vocab_size=64, num_hidden_layers=3)

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from pacs_jax.storage import export as export_lib
-from pacs_jax.train.metrics import read_rows
+from pacs_jax.trainer.metrics import read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMING_PREFIXES = ("timing/", "throughput/")

@@ -13,8 +13,8 @@ from flax import nnx
 from pacs_jax import config as config_lib
 from pacs_jax.algos import ppo
 from pacs_jax.models import qwen2, registry
-from pacs_jax.train import state as state_lib
-from pacs_jax.train import step as step_lib
+from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import step as step_lib
 
 N_GROUPS, N, P, R = 4, 4, 5, 6
 MODEL = qwen2.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -181,7 +181,7 @@ def test_no_host_code_changes_the_step_counter_or_the_rng():
 def test_the_loop_seeds_each_rollout_from_the_state_rng(tmp_path, monkeypatch):
   """Each step's rollout is seeded with `rollout_seed(state.rng)` of the state it starts from, and the RNG the
   next step starts from is the carry of that same split: the host draws nothing of its own."""
-  from pacs_jax.train import loop
+  from pacs_jax.trainer import loop
   seen = []  # (the state's RNG when the rollout starts, the seed it was given)
   rollout = loop.Trainer.rollout
 

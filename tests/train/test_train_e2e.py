@@ -11,7 +11,7 @@ import pytest
 
 from pacs_jax import config as config_lib
 from pacs_jax.storage import resume as resume_lib
-from pacs_jax.train import loop
+from pacs_jax.trainer import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")

@@ -23,8 +23,8 @@ from safetensors.numpy import load_file
 from pacs_jax import config as config_lib
 from pacs_jax.algos import ppo
 from pacs_jax.models import hf, qwen2, registry
-from pacs_jax.train import state as state_lib
-from pacs_jax.train import step as step_lib
+from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import step as step_lib
 
 N_GROUPS, N, P, R = 4, 4, 5, 6
 VERL_MICRO = 8  # ppo_micro_batch_size_per_gpu: 2 micro-batches of 2 groups each

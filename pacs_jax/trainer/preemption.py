@@ -6,7 +6,7 @@ import signal
 
 from absl import logging
 
-from pacs_jax.train import multihost
+from pacs_jax.trainer import multihost
 
 
 class Preemption:

@@ -26,8 +26,8 @@ from pacs_jax.algos import registry
 from pacs_jax.algos.batch import Batch
 from pacs_jax.algos.masked import masked_mean
 from pacs_jax.models import chunked_logprobs
-from pacs_jax.train import state as state_lib
-from pacs_jax.train.state import TrainState
+from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer.state import TrainState
 
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float,

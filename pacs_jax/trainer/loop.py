@@ -27,21 +27,21 @@ from pacs_jax.rewards import math as rewards_lib
 from pacs_jax.rollout import scheduler
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import stop_tokens
-from pacs_jax.train import batching
+from pacs_jax.trainer import batching
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import export as export_lib
 from pacs_jax.storage import lock as workdir_lock
 from pacs_jax.storage import resume as resume_lib
 from pacs_jax.storage.workdir import CHECKPOINT_DIR
-from pacs_jax.train import console
-from pacs_jax.train import metrics as metrics_lib
-from pacs_jax.train import multihost
-from pacs_jax.train import build
-from pacs_jax.train import preemption as preemption_lib
-from pacs_jax.train import programs as programs_lib
-from pacs_jax.train import stages
-from pacs_jax.train import state as state_lib
-from pacs_jax.train import teardown
+from pacs_jax.trainer import console
+from pacs_jax.trainer import metrics as metrics_lib
+from pacs_jax.trainer import multihost
+from pacs_jax.trainer import build
+from pacs_jax.trainer import preemption as preemption_lib
+from pacs_jax.trainer import programs as programs_lib
+from pacs_jax.trainer import stages
+from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import teardown
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ class Trainer:
 
   def train_one_step(self, prompts: dict[str, Any], scorer) -> dict[str, Any]:
     """One step on this process's share of the pipeline's element `prompts` (lists per field): the stages of
-    train/stages.py in order (rollout, score, pack, update, record); returns the step's metrics row."""
+    trainer/stages.py in order (rollout, score, pack, update, record); returns the step's metrics row."""
     clock = stages.Clock()
     seed = state_lib.rollout_seed(self.state.rng)  # the train step's last update moves the RNG on
     prompt_ids = [ids.tolist() for ids in prompts["prompt_ids"]]
@@ -251,7 +251,7 @@ class Trainer:
 
   def run(self) -> dict[str, Any]:
     """Trains from the newest checkpoint (or from scratch) to `cfg.steps`; returns the last step's metrics. Whatever
-    happens, it lets go of the checkpointer, metrics writer and workdir lock (train/teardown.py)."""
+    happens, it lets go of the checkpointer, metrics writer and workdir lock (trainer/teardown.py)."""
     held = teardown.Held(self.workdir, self.checkpointer, self.lock)
     with teardown.closing(held):
       restored = self.maybe_restore()

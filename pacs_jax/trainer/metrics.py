@@ -19,7 +19,7 @@ from absl import logging
 from tensorboardX import record_writer
 
 from pacs_jax import paths
-from pacs_jax.train import multihost
+from pacs_jax.trainer import multihost
 
 CONSOLE_KEYS = ("reward/mean", "entropy", "loss", "grad_norm", "response_length/mean", "timing/step_s")
 METRICS_FILE = "metrics.jsonl"

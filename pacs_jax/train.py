@@ -1,5 +1,6 @@
-"""`python -m pacs_jax.train --config configs/<name>.py [--workdir DIR] [--config.field=value ...]` (the CLI lives in
-`pacs_jax/train/__main__.py` because `pacs_jax.train` is the trainer package).
+"""`python -m pacs_jax.train --config configs/<name>.py [--workdir DIR] [--config.field=value ...]`: the trainer's
+command line (the trainer is pacs_jax/trainer/). Run it; importing it as `pacs_jax.train` would bind this module
+over the public function `pacs_jax.train`.
 
 Without flags it trains a tiny random Qwen2 on the built-in synthetic task on CPU (configs/tiny_cpu.py).
 """
@@ -12,7 +13,7 @@ from ml_collections import config_flags
 
 from pacs_jax import errors
 
-_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                                "tiny_cpu.py")
 
 _CONFIG = errors.define_config_file("train", "config", _DEFAULT_CONFIG, "Training config file (a get_config() module).")
@@ -38,11 +39,11 @@ def main(argv):
   from pacs_jax.storage import workdir as workdir_lib
   workdir = _WORKDIR.value or workdir_lib.default_workdir(config_path, cfg.algorithm)
   errors.log_to(workdir)  # a failure's traceback goes to WORKDIR/errors.log once the workdir exists
-  from pacs_jax.train import runtime
+  from pacs_jax.trainer import runtime
   runtime.prefer_cpu_without_accelerators()
   runtime.init(cfg)
   import jax
-  from pacs_jax.train import console, loop
+  from pacs_jax.trainer import console, loop
   # An expected failure (config, data, lock, checkpoint, storage) ends in one line (pacs_jax.errors).
   trainer = loop.Trainer(cfg, workdir)
   primary = jax.process_index() == 0

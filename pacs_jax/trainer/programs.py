@@ -21,8 +21,8 @@ from pacs_jax.algos import batch as batch_lib, registry
 from pacs_jax.models import decoder
 from pacs_jax.models import registry as model_registry
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.train import state as state_lib
-from pacs_jax.train import step as step_lib
+from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import step as step_lib
 
 
 def needs_frozen_ref(cfg: ml_collections.ConfigDict) -> bool:

@@ -12,8 +12,8 @@ import numpy as np
 
 from pacs_jax.algos import batch as batch_lib
 from pacs_jax.rollout import state as rollout_state
-from pacs_jax.train import multihost
-from pacs_jax.train import programs as programs_lib
+from pacs_jax.trainer import multihost
+from pacs_jax.trainer import programs as programs_lib
 
 
 @dataclasses.dataclass

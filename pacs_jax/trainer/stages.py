@@ -17,11 +17,11 @@ import numpy as np
 from pacs_jax.algos import batch as batch_lib
 from pacs_jax.rollout import scheduler
 from pacs_jax.rollout import state as rollout_state
-from pacs_jax.train import batching
-from pacs_jax.train import metrics as metrics_lib
-from pacs_jax.train import multihost
-from pacs_jax.train import programs as programs_lib
-from pacs_jax.train import state as state_lib
+from pacs_jax.trainer import batching
+from pacs_jax.trainer import metrics as metrics_lib
+from pacs_jax.trainer import multihost
+from pacs_jax.trainer import programs as programs_lib
+from pacs_jax.trainer import state as state_lib
 
 
 def rollout(engine, params_sample, prompt_ids: list[list[int]], *, P: int, n: int, max_new_tokens: int, sampling,
