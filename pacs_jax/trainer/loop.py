@@ -263,11 +263,11 @@ class Trainer:
       if start >= self.cfg.steps:
         print(console.already_done(start, self.cfg.steps), flush=True)
       held.preemption = preemption_lib.Preemption()
-      held.step = start  # from here on, a failure may be a storage outage
+      held.step_in_progress = start  # from here on, a failure may be a storage outage
       return self._steps(held, validate_first=restored is None)
 
   def _steps(self, held: teardown.Held, validate_first: bool) -> dict[str, Any]:
-    """The steps after `held.step` (each one's number in `held.step` as it runs), with validation, metrics rows,
+    """The steps after `held.step_in_progress` (each number held there as it runs), with validation, metrics rows,
     checkpoints and a stop on SIGTERM or a lost lock."""
     cfg, writer, preemption = self.cfg, held.writer, held.preemption
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
@@ -276,8 +276,8 @@ class Trainer:
     with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
       if validate_first and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
         writer.write(0, self.validate(scorer))
-      for step in range(held.step + 1, cfg.steps + 1):
-        held.step = step
+      for step in range(held.step_in_progress + 1, cfg.steps + 1):
+        held.step_in_progress = step
         # A failed async save stops the run (every process) before it trains further.
         failed = self.checkpointer.poll_failure()
         if multihost.any_process([failed is not None])[0]:

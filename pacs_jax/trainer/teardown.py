@@ -24,7 +24,7 @@ class Held:
   preemption: preemption_lib.Preemption | None = None
   # The step in progress once the loop has begun: a failure from then on may be a storage outage. Before, it is
   # the start's own (a refused resume, an unreadable checkpoint) and everything closes as usual.
-  step: int | None = None
+  step_in_progress: int | None = None
 
 
 @contextlib.contextmanager
@@ -36,10 +36,10 @@ def closing(held: Held) -> Iterator[Held]:
     yield held
   except BaseException as e:
     outage = None
-    if held.step is not None and isinstance(e, Exception):
-      outage = checkpoint_lib.storage_outage(held.workdir, held.step, held.checkpointer)
+    if held.step_in_progress is not None and isinstance(e, Exception):
+      outage = checkpoint_lib.storage_outage(held.workdir, held.step_in_progress, held.checkpointer)
     if outage is None:
-      failure = e if held.step is not None else None
+      failure = e if held.step_in_progress is not None else None
       raise
     failure = outage
     raise outage from e
