@@ -94,12 +94,12 @@ def check_groups(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: 
                      "differ: the batch is not grouped prompt-major (row = prompt * n + sample)")
 
 
-def rollout_metrics(rb: PackedRollout, reward_stats: dict, source_names: list[str]) -> dict[str, float]:
+def rollout_metrics(packed: PackedRollout, reward_stats: dict, source_names: list[str]) -> dict[str, float]:
   """Reward, accuracy per data source, response lengths: over every process's rows (the global batch)."""
-  source_ids = np.asarray([source_names.index(s) for s in rb.data_sources], np.float32)
-  finished_by_length = np.asarray([r == "length" for r in rb.finish_reasons], np.float32)
+  source_ids = np.asarray([source_names.index(s) for s in packed.data_sources], np.float32)
+  finished_by_length = np.asarray([r == "length" for r in packed.finish_reasons], np.float32)
   counts = np.asarray([reward_stats.get("errors", 0), reward_stats.get("timeouts", 0)], np.float32)
-  rows = np.stack([rb.rewards, rb.response_mask.sum(-1), finished_by_length, source_ids], axis=1)  # [rows, 4]
+  rows = np.stack([packed.rewards, packed.response_mask.sum(-1), finished_by_length, source_ids], axis=1)  # [rows, 4]
   rows, counts = multihost.gather_rows(rows), multihost.sum_over_processes(counts)
   rewards, lengths, clipped, ids = rows.T
   m = {"reward/mean": float(np.mean(rewards)),

@@ -3,6 +3,7 @@ with the released settings (bf16, remat, attention chunks, micro-batches); figur
 the same programs the trainer runs; a config that does not fit exits non-zero before any weights load."""
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -67,6 +68,18 @@ def test_every_program_compiles_with_positive_consistent_figures(report):
   # Donation: the decode state is updated in place (aliased), not copied.
   decode = by_name(report, "decode")[0]
   assert decode.alias >= report.resident["rollout"]["decode state (KV cache)"] * 0.99
+
+
+def test_the_programs_are_the_ones_compiled_before_the_issue_30_refactor(report):
+  """Every program's memory and cost figures equal those recorded when they were first compiled (c79c4a7): a
+  change meant to keep behaviour (a refactor, a rename) keeps the compiled programs identical. A change that means
+  to alter a program updates tests/fixtures/compiled_tiny_tpu_pacs.json with the new figures, saying why."""
+  report, _ = report
+  with open(os.path.join(ROOT, "tests", "fixtures", "compiled_tiny_tpu_pacs.json")) as f:
+    recorded = json.load(f)["programs"]
+  got = {p.name: {"arg": p.argument, "out": p.output, "alias": p.alias, "temp": p.temp, "flops": p.flops,
+                  "bytes": p.bytes_accessed} for p in report.programs}
+  assert got == recorded
 
 
 def test_loop_trip_counts_come_from_the_compiled_programs(report):
