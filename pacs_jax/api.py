@@ -63,14 +63,9 @@ def save_pretrained(model, out_dir: str, tokenizer=None, max_shard_size: int | s
   with a `model.safetensors.index.json`, as transformers does. `dtype` (e.g. jnp.bfloat16) converts on the way
   out.
   """
-  import jax
-
-  from pacs_jax.data import tokenizers
-  from pacs_jax.models import hf
-  hf.save_pretrained(model, out_dir, max_shard_size=max_shard_size, dtype=dtype,
-                     token_ids=tokenizers.config_token_ids(tokenizer) if tokenizer is not None else None)
-  if tokenizer is not None and jax.process_index() == 0:
-    tokenizers.save_tokenizer(tokenizer, out_dir, generation_config)
+  from pacs_jax.storage import export
+  export.save_model_dir(model, out_dir, tokenizer, max_shard_size=max_shard_size, dtype=dtype,
+                        generation_config=generation_config)
 
 
 def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_tokens: int = 256,

@@ -95,6 +95,16 @@ class OutputNotEmpty(FileExistsError):
   """An export's --out holds files, and --overwrite was not given (or they are not a previous export's)."""
 
 
+def save_model_dir(model, out_dir: str, tokenizer=None, *, max_shard_size: int | str | None = "5GB", dtype=None,
+                   generation_config: dict | None = None) -> None:
+  """A Hugging Face model directory: the weights and config.json (`hf.save_pretrained`, every process taking part),
+  then, with a tokenizer, the tokenizer and generation_config.json (`tokenizers.save_tokenizer`, process 0)."""
+  hf.save_pretrained(model, out_dir, max_shard_size=max_shard_size, dtype=dtype,
+                     token_ids=tokenizers.config_token_ids(tokenizer) if tokenizer is not None else None)
+  if tokenizer is not None and jax.process_index() == 0:
+    tokenizers.save_tokenizer(tokenizer, out_dir, generation_config)
+
+
 def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | None = None,
            max_shard_size: str | int | None = "5GB", overwrite: bool = False) -> str:
   """Writes the checkpoint's policy as a Hugging Face directory (weights, config.json, tokenizer).
@@ -113,10 +123,9 @@ def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | Non
     os.makedirs(local_parent, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=f".{os.path.basename(paths.normalize(out_dir))}.partial-", dir=local_parent)
   try:
-    hf.save_pretrained(model, staging, max_shard_size=max_shard_size, dtype=config_lib.dtype(dtype) if dtype else None,
-                       token_ids=tokenizers.config_token_ids(tokenizer))
+    save_model_dir(model, staging, tokenizer, max_shard_size=max_shard_size,
+                   dtype=config_lib.dtype(dtype) if dtype else None, generation_config=generation)
     if jax.process_index() == 0:
-      tokenizers.save_tokenizer(tokenizer, staging, generation)
       files = sorted(os.path.relpath(os.path.join(root, name), staging)
                      for root, _, names in os.walk(staging) for name in names)
       with open(os.path.join(staging, EXPORT_MARKER), "w") as f:

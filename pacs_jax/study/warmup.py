@@ -17,7 +17,7 @@ import tempfile
 import numpy as np
 
 from pacs_jax.data import prompts as prompts_lib
-from pacs_jax.data import synthetic, tokenizers
+from pacs_jax.data import synthetic
 
 DONE_FILE = "warmup.json"  # written last: a directory without it is an interrupted build
 
@@ -101,7 +101,7 @@ def train_base_model(settings: WarmupSettings, tokenizer):
 
 def base_model_dir(settings: WarmupSettings, cache_dir: str) -> str:
   """The warmed-up model's Hugging Face directory under `cache_dir`, built once (a few seconds) and reused."""
-  from pacs_jax.models import hf
+  from pacs_jax.storage import export
 
   out = os.path.join(cache_dir, settings.key())
   if os.path.isfile(os.path.join(out, DONE_FILE)):
@@ -110,8 +110,7 @@ def base_model_dir(settings: WarmupSettings, cache_dir: str) -> str:
   model, loss = train_base_model(settings, tokenizer)
   os.makedirs(cache_dir, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=".warmup-", dir=cache_dir)
-  hf.save_pretrained(model, staging, token_ids=tokenizers.config_token_ids(tokenizer))
-  tokenizers.save_tokenizer(tokenizer, staging)
+  export.save_model_dir(model, staging, tokenizer)
   with open(os.path.join(staging, DONE_FILE), "w") as f:
     json.dump({"settings": dataclasses.asdict(settings), "final_loss": loss}, f, indent=2)
   shutil.rmtree(out, ignore_errors=True)  # an interrupted build's leftovers
