@@ -249,4 +249,15 @@ class Grpo(ClippedRatio):
                      entropy_coeff=g.entropy_coeff, micro_batch_rows=self.micro_batch_rows(cfg))
 
 
+class GrpoFamily(Grpo):
+  """The GRPO-family objectives ported from today's verl (DAPO, Dr. GRPO, GSPO): no KL loss (so no reference
+  policy) and a loss normalised over the global mini-batch (one verl row per micro-batch, `micro_batch_rows`)."""
+
+  def kl_loss_coef(self, cfg):
+    return None
+
+  def micro_batch_rows(self, cfg):
+    return 1
+
+
 registry.register("grpo", Grpo())

@@ -24,7 +24,7 @@ from pacs_jax.algos.settings import Check, Settings
 check_choice = settings_lib.choice
 
 # The built-in objectives register themselves when their module is imported; `get` imports it on first use.
-_BUILTIN_MODULES = {"pacs": "pacs_jax.algos.pacs", "grpo": "pacs_jax.algos.grpo", "ppo": "pacs_jax.algos.ppo"}
+_BUILTIN_MODULES = {name: f"pacs_jax.algos.{name}" for name in ("pacs", "grpo", "ppo", "dapo", "drgrpo", "gspo")}
 _REGISTRY: dict[str, "Algorithm"] = {}
 
 
@@ -90,6 +90,20 @@ class Algorithm:
     """Per-row [rows, R] numpy inputs built on the host from a process's rows (before batching): the
     `extra_fields` of source `batch.HOST`."""
     return {}
+
+  def shape_rewards(self, cfg: ml_collections.ConfigDict, scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+    """The rewards [rows] the loss sees, from the verifier's scores [rows] and the response masks [rows, R] (host
+    numpy, one process's rows): the scores themselves unless the objective shapes them (DAPO's overlong penalty)."""
+    return scores
+
+  def sampling_rounds(self, cfg: ml_collections.ConfigDict) -> int:
+    """Rollouts a step may draw to fill its batch with groups `keep_groups` keeps (dynamic sampling): 1, the
+    default, is one rollout with every group kept; 0 is no limit."""
+    return 1
+
+  def keep_groups(self, cfg: ml_collections.ConfigDict, scores: np.ndarray) -> np.ndarray:
+    """[U] the prompt groups of the verifier's scores [rows] (rows prompt-major) a dynamically sampled step keeps."""
+    return np.ones(scores.shape[0] // cfg.rollout.n, bool)
 
   def logprob_targets(self, cfg: ml_collections.ConfigDict, batch: Batch) -> jax.Array | None:
     """The tokens [..., R] whose log-probs the policy passes read (a micro- or mini-batch's field), or None: the

@@ -172,7 +172,8 @@ class Trainer:
       clock.lap("score")
       packed = stages.pack(prompt_ids, completions, scored, P=self.P, R=self.R, n=self.cfg.rollout.n,
                            pad_id=self.pad_id, mask_eos_ids=self.mask_eos_ids,
-                           host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R))
+                           host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R),
+                           shape_rewards=lambda scores, mask: self.algo.shape_rewards(self.cfg, scores, mask))
       metrics = self.update(packed)
       clock.lap("update")
       self._stepped = True
