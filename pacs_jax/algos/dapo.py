@@ -1,6 +1,6 @@
 """DAPO (Yu et al. 2025, verl's DAPO recipe): GRPO advantages under a decoupled clip (clip-higher), token-level loss
 aggregation, overlong reward shaping and dynamic sampling (groups whose verdicts all agree are dropped and the batch
-refilled from new prompts; the loop's refill is trainer/sampling.py).
+refilled from new prompts; the loop's refill is trainer/dynamic_sampling.py).
 
 Shapes: B responses = U prompts × n samples (`group_size`), contiguous rows; R response positions.
 """

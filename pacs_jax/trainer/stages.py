@@ -28,10 +28,17 @@ def rollout(engine, params_sample, prompt_ids: list[list[int]], *, P: int, n: in
             seed: int, eos_ids, on_finish: Callable[[], None] | None = None) -> list[rollout_state.Completion]:
   """This process's completions of a rollout over every process's prompts (all run the same global one);
   `on_finish()` is called as each response finishes. Run under the mesh `params_sample` lives on."""
-  completions = scheduler.generate(engine, params_sample, multihost.gather_prompts(prompt_ids, P), n=n,
-                                   max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
-                                   on_finish=on_finish)
+  completions = generate(engine, params_sample, multihost.gather_prompts(prompt_ids, P), n=n,
+                         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
+                         on_finish=on_finish)
   return multihost.local_share(completions, len(prompt_ids))
+
+
+def generate(engine, params_sample, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling, seed: int,
+             eos_ids, on_finish: Callable[[], None] | None = None) -> list[rollout_state.Completion]:
+  """Every completion of the global rollout of `prompts` (every process's, processes in order), prompt-major."""
+  return scheduler.generate(engine, params_sample, prompts, n=n, max_new_tokens=max_new_tokens, sampling=sampling,
+                            seed=seed, eos_ids=eos_ids, on_finish=on_finish)
 
 
 @dataclasses.dataclass(frozen=True)
