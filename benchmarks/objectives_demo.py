@@ -61,11 +61,11 @@ def main(argv):
   del argv
   print(f"{'objective':<10} {'steps to ' + str(_TARGET.value):>14} {'first ' + str(_WINDOW.value):>9} "
         f"{'last ' + str(_WINDOW.value):>8} {'seconds':>8}", flush=True)
-  for algorithm in _ALGORITHMS.value:
+  for name in _ALGORITHMS.value:
     with tempfile.TemporaryDirectory() as workdir:
-      step, rewards, seconds = steps_to_target(algorithm, workdir)
+      step, rewards, seconds = steps_to_target(name, workdir)
     reached = str(step) if step is not None else f"> {_MAX_STEPS.value}"
-    print(f"{algorithm:<10} {reached:>14} {np.mean(rewards[:_WINDOW.value]):>9.3f} "
+    print(f"{name:<10} {reached:>14} {np.mean(rewards[:_WINDOW.value]):>9.3f} "
           f"{np.mean(rewards[-_WINDOW.value:]):>8.3f} {seconds:>8.0f}", flush=True)
 
 
