@@ -69,7 +69,7 @@ class Dapo(GrpoFamily):
 
   def validate(self, cfg, check, num_processes):
     buffer_len = self.settings(cfg).overlong_buffer_len
-    check(buffer_len <= cfg.rollout.max_new_tokens, "dapo.overlong_buffer_len",
+    check(buffer_len <= cfg.rollout.max_new_tokens, f"{self.name}.overlong_buffer_len",
           f"must be at most rollout.max_new_tokens={cfg.rollout.max_new_tokens}, got {buffer_len}")
 
   def norm_adv_by_std(self, cfg):

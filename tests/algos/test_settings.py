@@ -116,3 +116,15 @@ def test_a_toy_objective_brings_its_settings_without_touching_config(toy, tmp_pa
   # A resume under another scale is another objective: refused naming the field.
   other = dict(trainer.record, objective={"toy_scaled.baseline": "mean", "toy_scaled.scale": 1.0})
   assert resume.differences(trainer.record, other) == {"objective": ["toy_scaled.scale: 0.5 -> 1.0"]}
+
+
+def test_presets_keep_their_normalisations_and_dapo_its_buffer_within_the_budget():
+  cfg = config_lib.default_config()
+  cfg.algorithm = "drgrpo"
+  with pytest.raises(config_lib.ConfigError, match=r"^config\.drgrpo\.loss_agg_mode: is not a setting"):
+    cfg.drgrpo.loss_agg_mode = "token-mean"  # a preset: the normalisations are not settings
+    config_lib.validate(cfg, num_devices=1, check_paths=False)
+  cfg = config_lib.default_config()
+  cfg.algorithm, cfg.rollout.max_new_tokens, cfg.dapo.overlong_buffer_len = "dapo", 8, 9
+  with pytest.raises(config_lib.ConfigError, match=r"^config\.dapo\.overlong_buffer_len: must be at most"):
+    config_lib.validate(cfg, num_devices=1, check_paths=False)
