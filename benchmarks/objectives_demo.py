@@ -38,17 +38,22 @@ def steps_to_target(algorithm: str, workdir: str) -> tuple[int | None, list[floa
   """(the first step whose trailing window averages >= target or None, every step's reward, seconds)."""
   cfg = demo_config(algorithm)
   trainer = loop.Trainer(cfg, workdir, devices=jax.devices()[:1])
-  rewards, start = [], time.perf_counter()
-  with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
-    for step in range(1, _MAX_STEPS.value + 1):
-      rewards.append(sampled_reward(trainer.train_one_step(next(trainer.data_iter), scorer)))
-      if step >= _WINDOW.value and np.mean(rewards[-_WINDOW.value:]) >= _TARGET.value:
-        return step, rewards, time.perf_counter() - start
-  return None, rewards, time.perf_counter() - start
+  rewards, start, reached = [], time.perf_counter(), None
+  try:
+    with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
+      for step in range(1, _MAX_STEPS.value + 1):
+        rewards.append(sampled_reward(trainer.train_one_step(next(trainer.data_iter), scorer)))
+        if step >= _WINDOW.value and np.mean(rewards[-_WINDOW.value:]) >= _TARGET.value:
+          reached = step
+          break
+  finally:  # what `Trainer.run` lets go of (it never ran): the checkpointer and the workdir lock
+    trainer.checkpointer.close()
+    trainer.lock.release()
+  return reached, rewards, time.perf_counter() - start
 
 
 def demo_config(algorithm: str):
-  """`--config configs/tiny_cpu.py:<algorithm>` (its per-algorithm settings), without validation runs."""
+  """`--config configs/tiny_cpu.py:<algorithm>` (its per-algorithm settings), with no validation runs."""
   spec = importlib.util.spec_from_file_location("tiny_cpu", os.path.join(ROOT, "configs", "tiny_cpu.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
