@@ -81,8 +81,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = no clipping), got {t.grad_clip}")
   _check(t.verl_micro_batch_rows >= 1, "train.verl_micro_batch_rows", f"must be >= 1, got {t.verl_micro_batch_rows}")
   _check_sampling(c)
-  for name in algo_registry.names():  # every algorithm's settings block, the configured one or not
-    algo_registry.get(name).validate_settings(c, _check)
+  algo.validate_settings(c, _check)  # the configured algorithm's own block; another's is never read
   algo.validate(c, _check, num_processes)
   _check_moved_settings(c, algo)
   _check(c.model.hf_path or c.model.preset, "model.hf_path",

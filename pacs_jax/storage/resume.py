@@ -35,8 +35,7 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 def make_record(cfg: ml_collections.ConfigDict, hf_config: dict, tokenizer) -> dict:
   algorithm = cfg.algorithm
-  block = cfg.get(algorithm)  # the algorithm's own settings block (pacs, grpo, ppo), if it has one
-  objective = block.to_dict() if block is not None else {}
+  objective = algo_registry.get(algorithm).settings(cfg).as_dict()  # the algorithm's own typed settings
   return {
       "algorithm": algorithm,
       "model": {k: hf_config.get(k) for k in MODEL_FIELDS},
@@ -155,7 +154,8 @@ def check(step: int, where: str, saved_config: dict, saved_record: dict | None, 
   for section in diffs:
     logging.warning("resuming step %d with another %s, as checkpoint.allow_changes permits: %s", step, section,
                     "; ".join(diffs[section]))
-  others = other_changes(saved_config, cfg, ("algorithm", "tokenizer", "pacs", "grpo", "ppo", *DATA_ORDER_FIELDS))
+  # Every algorithm's block: the record compares the configured one's; another's means nothing to this run.
+  others = other_changes(saved_config, cfg, ("algorithm", "tokenizer", *algo_registry.names(), *DATA_ORDER_FIELDS))
   if others:
     logging.warning("config changed since checkpoint step %d: %s", step, "; ".join(others))
   for field, (old, new) in changed_data_fields(saved_config, cfg).items():

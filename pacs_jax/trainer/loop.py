@@ -38,6 +38,7 @@ from pacs_jax.trainer import metrics as metrics_lib
 from pacs_jax.trainer import multihost
 from pacs_jax.trainer import build
 from pacs_jax.trainer import preemption as preemption_lib
+from pacs_jax.trainer import dynamic_sampling
 from pacs_jax.trainer import programs as programs_lib
 from pacs_jax.trainer import stages
 from pacs_jax.trainer import state as state_lib
@@ -163,22 +164,46 @@ class Trainer:
     seed = state_lib.rollout_seed(self.state.rng)  # the train step's last update moves the RNG on
     prompt_ids = [ids.tolist() for ids in prompts["prompt_ids"]]
     first = " (the first step compiles its programs)" if not self._stepped else ""
+    sampled = {}  # dynamic sampling's metrics
     with console.StepProgress(len(prompt_ids) * jax.process_count() * self.cfg.rollout.n,
                               lambda: f"step {int(self.state.step) + 1}: rollout{first}") as progress:
-      completions = self.rollout(prompt_ids, seed, on_finish=progress.on_finish)
-      clock.lap("rollout")
-      progress.stage("rollout", "reward and update")
-      scored = stages.score(scorer, self.tokenizer, prompts, completions)
+      if self.algo.sampling_rounds(self.cfg) == 1:
+        completions = self.rollout(prompt_ids, seed, on_finish=progress.on_finish)
+        clock.lap("rollout")
+        progress.stage("rollout", "reward and update")
+        scored = stages.score(scorer, self.tokenizer, prompts, completions)
+      else:  # the kept groups of rollouts drawn until the batch is full (trainer/dynamic_sampling.py)
+        prompt_ids, completions, scored, sampled = self.sample(prompts, seed, scorer, progress.on_finish)
+        clock.lap("rollout")
+        progress.stage("rollout", "update")
       clock.lap("score")
       packed = stages.pack(prompt_ids, completions, scored, P=self.P, R=self.R, n=self.cfg.rollout.n,
                            pad_id=self.pad_id, mask_eos_ids=self.mask_eos_ids,
-                           host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R))
+                           host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R),
+                           shape_rewards=lambda scores, mask: self.algo.shape_rewards(self.cfg, scores, mask))
       metrics = self.update(packed)
       clock.lap("update")
       self._stepped = True
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
       stages.dump(self.cfg.rollout_data_dir, int(self.state.step), self.tokenizer, prompt_ids, completions, scored)
-    return stages.record(metrics, packed, scored, clock, self.source_names)
+    row = stages.record(metrics, packed, scored, clock, self.source_names)
+    row.update(sampled)  # (its timings split the rounds' rollouts from their scoring)
+    return row
+
+  def sample(self, prompts: dict[str, Any], seed: int, scorer, on_finish=None):
+    """The step's dynamically sampled rollout (`dynamic_sampling.sample`): refills are the pipeline's next elements."""
+    def generate(global_prompts, round_seed):
+      with jax.set_mesh(self.mesh):
+        params_sample = self.programs.to_sample_params(self.state.params)
+        return stages.generate(self.engine, params_sample, global_prompts, n=self.cfg.rollout.n,
+                               max_new_tokens=self.R, sampling=self.sampling, seed=round_seed, eos_ids=self.eos_ids,
+                               on_finish=on_finish)
+    return dynamic_sampling.sample(
+        prompts, lambda: next(self.data_iter), generate,
+        lambda element, completions: stages.score(scorer, self.tokenizer, element, completions),
+        lambda scores: self.algo.keep_groups(self.cfg, scores),
+        lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True),
+        n=self.cfg.rollout.n, P=self.P, max_rounds=self.algo.sampling_rounds(self.cfg), seed=seed)
 
   def rollout(self, prompt_ids: list[list[int]], seed: int, on_finish=None) -> list:
     """This process's completions of the step's rollout (n samples per prompt) by the current policy."""

@@ -28,10 +28,17 @@ def rollout(engine, params_sample, prompt_ids: list[list[int]], *, P: int, n: in
             seed: int, eos_ids, on_finish: Callable[[], None] | None = None) -> list[rollout_state.Completion]:
   """This process's completions of a rollout over every process's prompts (all run the same global one);
   `on_finish()` is called as each response finishes. Run under the mesh `params_sample` lives on."""
-  completions = scheduler.generate(engine, params_sample, multihost.gather_prompts(prompt_ids, P), n=n,
-                                   max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
-                                   on_finish=on_finish)
+  completions = generate(engine, params_sample, multihost.gather_prompts(prompt_ids, P), n=n,
+                         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
+                         on_finish=on_finish)
   return multihost.local_share(completions, len(prompt_ids))
+
+
+def generate(engine, params_sample, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling, seed: int,
+             eos_ids, on_finish: Callable[[], None] | None = None) -> list[rollout_state.Completion]:
+  """Every completion of the global rollout of `prompts` (every process's, processes in order), prompt-major."""
+  return scheduler.generate(engine, params_sample, prompts, n=n, max_new_tokens=max_new_tokens, sampling=sampling,
+                            seed=seed, eos_ids=eos_ids, on_finish=on_finish)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +63,18 @@ def score(scorer, tokenizer, prompts: dict[str, Any], completions: list[rollout_
 
 def pack(prompt_ids: list[list[int]], completions: list[rollout_state.Completion], scored: Scored, *, P: int,
          R: int, n: int, pad_id: int, mask_eos_ids,
-         host_inputs: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]]) -> batching.PackedRollout:
+         host_inputs: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]],
+         shape_rewards: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> batching.PackedRollout:
   """The responses as host rows (prompt left-padded to P, response right-padded to R), checked to be grouped
-  prompt-major; `host_inputs(input_ids, attention_mask)`: the algorithm's extra host fields."""
+  prompt-major; `host_inputs(input_ids, attention_mask)`: the algorithm's extra host fields;
+  `shape_rewards(scores, response_mask)`: the rewards the loss sees (default: the verifier's scores)."""
   input_ids, attention_mask, resp_mask = batching.pack_rows(prompt_ids, completions, P, R, pad_id, mask_eos_ids)
   batching.check_groups(input_ids, attention_mask, P, n)
-  return batching.PackedRollout(input_ids, attention_mask, resp_mask, np.asarray(scored.scores, np.float32),
-                               scored.data_sources, [c.finish_reason for c in completions],
-                               extra=host_inputs(input_ids, attention_mask))
+  scores = np.asarray(scored.scores, np.float32)
+  rewards = scores if shape_rewards is None else np.asarray(shape_rewards(scores, resp_mask), np.float32)
+  return batching.PackedRollout(input_ids, attention_mask, resp_mask, rewards, scored.data_sources,
+                               [c.finish_reason for c in completions], extra=host_inputs(input_ids, attention_mask),
+                               scores=scores)
 
 
 def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_params, packed: batching.PackedRollout,
