@@ -32,8 +32,8 @@ class RMSNorm(nnx.Module):
     self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
 
   def __call__(self, x):
-    # As transformers: normalise in fp32, cast back, then scale.
-    x32 = x.astype(jnp.float32)
+    # As transformers: normalise in fp32 (fp64 inputs stay fp64: the fp64 gradient checks), cast back, then scale.
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
 
