@@ -96,6 +96,20 @@ def default_config() -> ml_collections.ConfigDict:
   for name, block in algo_registry.settings_blocks().items():
     c[name] = block
 
+  # LoRA (docs/lora.md): train low-rank adapters beside the decoder layers' projections; the base weights
+  # (model.hf_path or the seeded preset) stay frozen and are never checkpointed. Off while rank is 0.
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 0  # the adapters' rank I; 0 = off (full fine-tuning)
+  c.lora.alpha = 32.0  # the update's scale is alpha / rank (alpha / sqrt(rank) with use_rslora), as peft
+  # Comma-separated projections (q, k, v, o, gate, up, down or q_proj...) or regexes fullmatched against each
+  # layer's Hugging Face module names ("model.layers.3.self_attn.q_proj"), as peft's target_modules.
+  c.lora.targets = "q,k,v,o,gate,up,down"
+  c.lora.use_rslora = False
+  # A LoRA run's learning rates are train.lr (and ppo.critic_lr) times this: LoRA's best learning rate is about
+  # 10x full fine-tuning's (Thinking Machines, "LoRA Without Regret", 2025), so a config's full fine-tuning
+  # rate carries over when LoRA is turned on. 1 = use train.lr as it is.
+  c.lora.lr_multiplier = 10.0
+
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
   c.mesh.fsdp = -1  # -1 = the remaining devices

@@ -12,12 +12,14 @@ import shutil
 import tempfile
 
 import jax
+import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
 
 from pacs_jax import config as config_lib
 from pacs_jax import paths
 from pacs_jax.data import tokenizers
-from pacs_jax.models import decoder, hf, registry
+from pacs_jax.models import decoder, hf, lora, registry
 from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import workdir as workdir_lib
@@ -193,3 +195,21 @@ def model_to_evaluate(path: str, step: int | None = None) -> str:
     # but is not; an earlier attempt's files are replaced.
     export(path, out, step=step, overwrite=True)
   return out
+
+
+def export_adapter(adapters: nnx.State, spec: lora.LoraSpec, config: ModelConfig, out_dir: str, *,
+                   base_model_name_or_path: str | None = None, dtype=None) -> str:
+  """Writes a causal LM's LoRA adapters as a PEFT adapter folder (adapter_config.json, adapter_model.safetensors
+  with PEFT's key names) that `peft.PeftModel.from_pretrained(base, out_dir)` loads and vLLM serves as a LoRA
+  adapter; `base_model_name_or_path` goes into its config, `dtype` (e.g. "bfloat16") converts on the way out.
+  Every process takes part in gathering the adapters; process 0 writes (the config last, on Cloud Storage)."""
+  tensors, adapter_config = lora.to_peft(adapters, spec, config, base_model_name_or_path)
+  if jax.process_index() == 0:
+    if dtype is not None:
+      tensors = {k: v.astype(config_lib.dtype(dtype) if isinstance(dtype, str) else dtype) for k, v in tensors.items()}
+    with paths.staged_dir(out_dir, last=(lora.ADAPTER_CONFIG,)) as local:
+      save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(local, lora.ADAPTER_WEIGHTS),
+                metadata={"format": "pt"})
+      with open(os.path.join(local, lora.ADAPTER_CONFIG), "w") as f:
+        json.dump(adapter_config, f, indent=2)
+  return paths.normalize(out_dir)
