@@ -67,22 +67,23 @@ def pack(prompt_ids: list[list[int]], completions: list[rollout_state.Completion
 
 
 def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_params, packed: batching.PackedRollout,
-           layout: batch_lib.BatchLayout, mesh, num_minibatches: int) -> tuple[state_lib.TrainState, list[dict]]:
+           layout: batch_lib.BatchLayout, mesh, num_minibatches: int, frozen: tuple = ()
+           ) -> tuple[state_lib.TrainState, list[dict]]:
   """Reference / old log-probs (and values) for the whole step first, then the algorithm's step inputs, then one
   optimizer update per mini-batch (the last one moves the step counter and the RNG on). `ref_params`: a frozen
-  reference, or None for the policy that sampled the step. Returns the new state (`state` is donated) and each
-  mini-batch's metrics (device scalars)."""
+  reference, or None for the policy that sampled the step; `frozen`: a LoRA run's (base,), the programs' last
+  argument. Returns the new state (`state` is donated) and each mini-batch's metrics (device scalars)."""
   old, ref, values = batch_lib.OLD_LOGPROBS.name, batch_lib.REF_LOGPROBS.name, batch_lib.OLD_VALUES.name
   passes = layout.names(batch_lib.PASS)
   with jax.set_mesh(mesh):
     minibatches = batching.to_minibatches(packed, layout, mesh, num_minibatches)
     for mb in minibatches:
       if old in passes:
-        mb[old] = programs.logprob_fn(state.params, mb)
-      if ref in passes:  # a frozen copy, or the policy that sampled this step (e.g. PACS "rollout")
-        mb[ref] = programs.logprob_fn(ref_params, mb) if ref_params is not None else mb[old]
+        mb[old] = programs.logprob_fn(state.params, mb, *frozen)
+      if ref in passes:  # a frozen copy (or base), or the policy that sampled this step (e.g. PACS "rollout")
+        mb[ref] = programs.ref_logprob_fn(ref_params, mb) if ref_params is not None else mb[old]
       if values in passes:
-        mb[values] = programs.value_fn(state.critic_params, mb)
+        mb[values] = programs.value_fn(state.critic_params, mb, *frozen)
     if programs.step_inputs is not None:
       for mb, inputs in zip(minibatches, programs.step_inputs(minibatches)):
         mb.update(inputs)
@@ -91,7 +92,7 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
         raise ValueError(f"mini-batch fields {sorted(mb)}, expected {sorted(layout.names())}")
     per_minibatch = []
     for j, mb in enumerate(minibatches):
-      state, m = programs.train_step(state, mb, programs_lib.ends_step(mesh, j == len(minibatches) - 1))
+      state, m = programs.train_step(state, mb, programs_lib.ends_step(mesh, j == len(minibatches) - 1), *frozen)
       per_minibatch.append(m)
   return state, per_minibatch
 
