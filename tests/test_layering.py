@@ -128,7 +128,7 @@ def test_peers_hold_only_real_imports():
 def test_a_stale_peer_is_caught():
   graph = import_graph()
   assert stale_peers(graph, {("pacs_jax.rollout", "pacs_jax.algos"): "gone"}) == [("pacs_jax.rollout", "pacs_jax.algos")]
-  assert stale_peers(graph, {("pacs_jax.train", "pacs_jax.algos"): "a real import"}) == []
+  assert stale_peers(graph, {("pacs_jax.trainer", "pacs_jax.algos"): "a real import"}) == []
 
 
 @pytest.mark.parametrize("importer, source, bad", [
