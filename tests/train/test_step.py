@@ -158,7 +158,7 @@ def test_jitted_step_advances_the_step_counter_and_the_rng():
 
 
 TRAIN_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "pacs_jax",
-                         "train")
+                         "trainer")
 
 
 def test_no_host_code_changes_the_step_counter_or_the_rng():
@@ -185,9 +185,9 @@ def test_the_loop_seeds_each_rollout_from_the_state_rng(tmp_path, monkeypatch):
   seen = []  # (the state's RNG when the rollout starts, the seed it was given)
   rollout = loop.Trainer.rollout
 
-  def spy(self, params_sample, prompts_local, seed, *args, **kwargs):
+  def spy(self, prompt_ids, seed, *args, **kwargs):
     seen.append((np.asarray(self.state.rng), seed))
-    return rollout(self, params_sample, prompts_local, seed, *args, **kwargs)
+    return rollout(self, prompt_ids, seed, *args, **kwargs)
 
   monkeypatch.setattr(loop.Trainer, "rollout", spy)
   tiny = os.path.join(os.path.dirname(TRAIN_DIR), os.pardir, "configs", "tiny_cpu.py")
