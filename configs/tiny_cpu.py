@@ -1,6 +1,6 @@
 """The built-in default: a tiny random Qwen2 learns the synthetic task on 2 CPU cores in minutes.
 
-`--config configs/tiny_cpu.py` runs PACS; `configs/tiny_cpu.py:grpo` and `configs/tiny_cpu.py:ppo` run
+`--config configs/tiny_cpu.py` runs PACS; `configs/tiny_cpu.py:grpo`, `:ppo`, `:dapo`, `:drgrpo` and `:gspo` run
 the baselines on the same task with learning rates that suit them.
 """
 
@@ -10,6 +10,11 @@ from pacs_jax.config import default_config
 BASELINE_SETTINGS = {
     "grpo": {"steps": 300, "train.lr": 1e-3},
     "ppo": {"steps": 300, "train.lr": 1e-3, "ppo.critic_lr": 3e-3},
+    # The GRPO family of today's verl (benchmarks/objectives_demo.py): GRPO's rate. DAPO's overlong buffer is the
+    # last of the 4 tokens (a response that has not stopped by then loses the reward of a correct answer).
+    "dapo": {"steps": 300, "train.lr": 1e-3, "dapo.overlong_buffer_len": 1},
+    "drgrpo": {"steps": 300, "train.lr": 1e-3},
+    "gspo": {"steps": 300, "train.lr": 1e-3},
 }
 
 

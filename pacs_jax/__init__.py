@@ -8,6 +8,7 @@ The public API (docs/api.md):
   generate(model, tokenizer, ["What is 7 * 8?"])        # [[response]]
   save_pretrained(model, "out/", tokenizer=tokenizer)   # a directory transformers loads
   register_algorithm("mine", MyAlgorithm())             # an objective for config.algorithm = "mine"
+  AlgorithmSettings, setting                             # its typed settings: the config's `mine` block
   pacs_loss, grpo_loss, clipped_policy_loss, clipped_value_loss  # the losses, pure functions of arrays
 
 Importing the package is light: each name is imported on first use (module `__getattr__`), so that
@@ -32,6 +33,8 @@ _PUBLIC = {
     "generate": ("pacs_jax.api", "generate"),
     "Algorithm": ("pacs_jax.algos.registry", "Algorithm"),
     "register_algorithm": ("pacs_jax.algos.registry", "register"),
+    "AlgorithmSettings": ("pacs_jax.algos.settings", "Settings"),
+    "setting": ("pacs_jax.algos.settings", "setting"),
     "pacs_loss": ("pacs_jax.algos.pacs", "pacs_loss"),
     "grpo_loss": ("pacs_jax.algos.grpo", "grpo_loss"),
     "clipped_policy_loss": ("pacs_jax.algos.grpo", "clipped_policy_loss"),

@@ -24,14 +24,16 @@ BATCH_AXES = ("data", "fsdp")
 
 # logical axis -> mesh axis (or tuple of axes, or None = replicated), per mode. "layers", the leading axis
 # of the stacked decoder layers, is never sharded: the layer scan slices one layer per step on every device.
+# "lora_rank", a LoRA adapter's rank axis (`pacs_jax.models.lora`), is never sharded either: a few to a few hundred
+# wide, it is the contracted axis of (x A) B, and splitting it would all-reduce every update.
 PARAM_RULES: dict[str, dict[str, Any]] = {
     "train": {
         "vocab": "tensor", "embed": "fsdp", "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
-        "head_dim": None, "norm": None, "value": None, "layers": None,
+        "head_dim": None, "norm": None, "value": None, "layers": None, "lora_rank": None,
     },
     "sample": {
         "vocab": "tensor", "embed": None, "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
-        "head_dim": None, "norm": None, "value": None, "layers": None,
+        "head_dim": None, "norm": None, "value": None, "layers": None, "lora_rank": None,
     },
 }
 

@@ -22,7 +22,7 @@ KEEP = (
     "rollout.stop_tokens", "rollout_data_dir", "validation_data_dir",
     "train.lr", "train.schedule", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.b1",
     "train.b2", "train.eps", "train.grad_clip", "train.verl_micro_batch_rows", "train.keep_logits",
-    "pacs.*", "grpo.*", "ppo.*",
+    "pacs.*", "grpo.*", "ppo.*", "lora.alpha", "lora.targets", "lora.use_rslora", "lora.lr_multiplier",
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.restore",
     "checkpoint.lock_stale_after_s", "checkpoint.allow_changes",
     "eval_every", "log_every", "reward_timeout_s",
@@ -84,6 +84,7 @@ def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
       "train.logits_chunk": 4 if c.train.logits_chunk else 0,  # 8 new tokens: still two chunks
       "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
       "reward_workers": min(c.reward_workers, 2),
+      "lora.rank": min(c.lora.rank, 8),  # LoRA stays on (or off); the tiny model's k projection is [64, 32]
   }
   fields = _fields(c)
   unknown = [f for f in fields if not _kept(f) and f not in rules]

@@ -21,7 +21,8 @@ CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py")) if 
 
 def test_the_expected_configs_exist():
   names = {os.path.basename(p) for p in CONFIGS}
-  assert {"tiny_cpu.py", "qwen3b_v5p.py", "qwen7b_v5p.py", "qwen3b_gpu.py", "qwen1p5b_1gpu.py"} <= names
+  assert {"tiny_cpu.py", "qwen3b_v5p.py", "qwen7b_v5p.py", "qwen3b_gpu.py", "qwen1p5b_1gpu.py", "qwen7b_lora_v5p8.py",
+          "qwen7b_lora_1gpu.py"} <= names
 
 
 # Base configs that leave fields for the user (README "Your own problems and model"): what a user gives.
@@ -55,6 +56,26 @@ def test_dry_run_fits_a_v5p_chip(name):
   assert sum(parts.values()) / memory.GB < 95
   # Weights are really sharded: the 7B's fp32 params on 64 chips are well under 1 GB each.
   assert parts["params"] < 2 * memory.GB
+
+
+@pytest.mark.parametrize("name", ["qwen7b_lora_v5p8", "qwen7b_lora_1gpu"])
+def test_the_lora_configs_are_the_7b_recipe_with_adapters_at_10x_the_learning_rate(name):
+  """LoRA on every projection of Qwen2.5-7B at the released rate times 10 (LoRA Without Regret); the dry run counts
+  the bf16 base apart from the fp32 adapters and their Adam moments, no reference copy, and fits the target."""
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+  released = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen7b_v5p.py"))
+  assert (cfg.model.preset, cfg.model.hf_path) == (released.model.preset, released.model.hf_path)
+  assert config_lib.lora_spec(cfg).targets == ("q", "k", "v", "o", "gate", "up", "down")
+  assert cfg.train.lr * cfg.lora.lr_multiplier == pytest.approx(10 * released.train.lr)
+  assert (cfg.model.param_dtype, cfg.model.dtype) == ("bfloat16", "bfloat16")
+  if name.endswith("v5p8"):  # the released batch and lengths
+    for field in ("train.batch_prompts", "train.mini_batch_prompts", "rollout.n", "data.max_prompt_length",
+                  "rollout.max_new_tokens"):
+      assert config_lib.get_field(cfg, field) == config_lib.get_field(released, field), field
+  parts = memory.estimate(cfg, cfg.hardware.num_devices)
+  assert {"base", "adapters", "optimizer"} <= set(parts) and "params" not in parts and parts["reference"] == 0
+  assert parts["adapters"] < parts["base"] / 20 and parts["optimizer"] == pytest.approx(2 * parts["adapters"], rel=1e-3)
+  assert max(memory.phase_totals(parts).values()) < 0.9 * cfg.hardware.hbm_gb * memory.GB
 
 
 def test_dry_run_cli_prints_the_per_device_table():

@@ -35,7 +35,7 @@ def load(spec: str):
 
 def test_every_config_is_covered():
   assert {"configs/tiny_cpu.py", "configs/qwen3b_v5p.py", "configs/qwen7b_v5p.py", "configs/qwen3b_gpu.py",
-          "configs/qwen1p5b_1gpu.py"} <= set(CONFIGS)
+          "configs/qwen1p5b_1gpu.py", "configs/qwen7b_lora_v5p8.py", "configs/qwen7b_lora_1gpu.py"} <= set(CONFIGS)
   for spec in SPECS:
     config_shrink.shrink(load(spec))  # raises if a field has no rule
 

@@ -98,6 +98,25 @@ def test_two_processes_micro_batches_hold_whole_groups(tmp_path):
 
 
 @pytest.mark.slow
+def test_dynamic_sampling_on_two_processes_matches_one(tmp_path):
+  """DAPO's refill (issue 32): the two processes select the same groups in global prompt order and each feeds its
+  share, so they train as one process does. n = 2 on the random model: steps refill and, capped at 2 rounds, fill."""
+  one, two = tmp_path / "one", tmp_path / "two"
+  extra = ("--config.algorithm=dapo", "--config.rollout.n=2", "--config.dapo.max_num_gen_batches=2",
+           "--config.dapo.overlong_buffer_len=1")
+  run_one(one, *extra)
+  run_two(two, *extra)
+  for a, b in zip(final_params(str(one), 2), final_params(str(two), 2)):
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+  rows_one, rows_two = metrics(one), metrics(two)
+  assert sum(r["sampling/rounds"] for r in rows_one) > len(rows_one)  # it refilled
+  for a, b in zip(rows_one, rows_two):
+    for key in ("sampling/rounds", "sampling/kept_groups", "sampling/filler_groups", "sampling/score_mean",
+                "reward/mean", "accuracy/all"):
+      assert a[key] == b[key], key
+
+
+@pytest.mark.slow
 def test_sigterm_on_one_host_stops_every_host_after_the_same_step(tmp_path):
   """A preemption notice reaches one host: both save the same step collectively and exit 0 (no host
   is left waiting in a collective the other never enters)."""

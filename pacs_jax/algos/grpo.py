@@ -6,12 +6,14 @@ R_i is response i's outcome reward).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from pacs_jax.algos import groups as groups_lib, registry
 from pacs_jax.algos.masked import masked_mean, masked_sum
+from pacs_jax.algos.settings import Settings, setting
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -113,6 +115,20 @@ def clipped_policy_loss(old_logprobs: jax.Array, logprobs: jax.Array, advantages
   return loss, metrics
 
 
+def entropy_bonus(loss: jax.Array, metrics: dict[str, jax.Array], entropy: jax.Array | None,
+                  response_mask: jax.Array, *, entropy_coeff: float, loss_agg_mode: str,
+                  micro_batch_rows: int) -> jax.Array:
+  """loss − ent_coef · agg(H), entropy [B, R] aggregated as the policy loss (`metrics` gains actor/entropy); the
+  loss itself without entropy."""
+  if entropy_coeff and entropy is None:
+    raise ValueError("entropy_coeff != 0 needs per-token entropy")
+  if entropy is not None:
+    entropy_loss = agg_loss(entropy.astype(jnp.float32), response_mask, loss_agg_mode, micro_batch_rows)
+    loss = loss - entropy_coeff * entropy_loss
+    metrics["actor/entropy"] = jax.lax.stop_gradient(entropy_loss)
+  return loss
+
+
 def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Array | None,
               response_mask: jax.Array, rewards: jax.Array, *, group_size: int, norm_adv_by_std: bool = True,
               clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
@@ -130,12 +146,8 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Ar
                                       clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
                                       clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
                                       micro_batch_rows=micro_batch_rows)
-  if entropy_coeff and entropy is None:
-    raise ValueError("entropy_coeff != 0 needs per-token entropy")
-  if entropy is not None:
-    entropy_loss = agg_loss(entropy.astype(jnp.float32), response_mask, loss_agg_mode, micro_batch_rows)
-    loss = loss - entropy_coeff * entropy_loss
-    metrics["actor/entropy"] = jax.lax.stop_gradient(entropy_loss)
+  loss = entropy_bonus(loss, metrics, entropy, response_mask, entropy_coeff=entropy_coeff,
+                       loss_agg_mode=loss_agg_mode, micro_batch_rows=micro_batch_rows)
   if kl_loss_coef:
     if ref_logprobs is None:
       raise ValueError("kl_loss_coef > 0 needs ref_logprobs")
@@ -149,18 +161,54 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Ar
   return loss, metrics
 
 
+@dataclasses.dataclass(frozen=True)
+class ClipSettings(Settings):
+  """A ratio clipped to [1 − ε_low, 1 + ε_high] and an entropy bonus."""
+  clip_ratio_low: float = setting(0.2, "ε_low: the ratio's lower clip is 1 − ε_low")
+  clip_ratio_high: float = setting(0.2, "ε_high: the ratio's upper clip is 1 + ε_high (clip-higher when > ε_low)")
+  entropy_coeff: float = setting(0.0, "entropy bonus coefficient (0: the entropy is a metric only)")
+
+  def check(self, check):
+    check(0 <= self.clip_ratio_low < 1, "clip_ratio_low", f"must be in [0, 1), got {self.clip_ratio_low}")
+    check(self.clip_ratio_high >= 0, "clip_ratio_high", f"must be >= 0, got {self.clip_ratio_high}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippedRatioSettings(ClipSettings):
+  """verl's clipped-ratio actor (compute_policy_loss_vanilla): dual clip, a loss aggregation mode."""
+  clip_ratio_c: float = setting(3.0, "dual clip for negative advantages: a token's loss is at most −A·c")
+  loss_agg_mode: str = setting("seq-mean-token-sum-norm", " | ".join(LOSS_AGG_MODES))
+
+  def check(self, check):
+    super().check(check)
+    check(self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"unknown mode {self.loss_agg_mode!r}")
+    check(self.clip_ratio_c > 1, "clip_ratio_c", f"must be > 1 (the dual clip's bound), got {self.clip_ratio_c}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoSettings(ClippedRatioSettings):
+  """GRPO as the paper's baseline (the released PACS recipe's verl)."""
+  norm_adv_by_std: bool = setting(True, "divide the group advantage by the group's std")
+  use_kl_loss: bool = setting(False, "a KL loss against a frozen copy of the initial policy")
+  kl_coef: float = setting(0.001, "the KL loss's coefficient (low_var_kl)")
+
+
 class ClippedRatio(registry.Algorithm):
   """verl's clipped-ratio actor on the shared loop: ratios against the step's sampling policy, losses
-  aggregated by the settings block's `loss_agg_mode` (its accumulation weight: tokens for token-mean, rows
-  otherwise). Each subclass reads its own block (`settings`): clip ratios, aggregation, entropy coefficient."""
+  aggregated by `loss_agg_mode` (its accumulation weight: tokens for token-mean, rows otherwise). Each subclass
+  reads its own settings block (`settings`): clip ratios, aggregation, entropy coefficient."""
 
-  def settings(self, cfg) -> ml_collections.ConfigDict:
-    """The algorithm's own settings block."""
-    return cfg[self.name]
+  settings_class = ClippedRatioSettings
 
-  def validate_settings(self, cfg, check):
-    mode = self.settings(cfg).loss_agg_mode
-    check(mode in LOSS_AGG_MODES, f"{self.name}.loss_agg_mode", f"unknown mode {mode!r}")
+  def loss_agg_mode(self, cfg) -> str:
+    """How the loss aggregates its per-token terms: the settings' mode, or a preset's fixed one."""
+    return self.settings(cfg).loss_agg_mode
+
+  def micro_batch_rows(self, cfg) -> int:
+    """The rows verl's seq-mean-token-sum-norm sums per micro-batch (`agg_loss`): the released PACS recipe's
+    ppo_micro_batch_size_per_gpu (GRPO, PPO); an objective ported from today's verl, which normalises over the
+    global mini-batch, says 1."""
+    return cfg.train.verl_micro_batch_rows
 
   def needs_old_logprobs(self, cfg):
     return True
@@ -169,7 +217,7 @@ class ClippedRatio(registry.Algorithm):
     return self.settings(cfg).entropy_coeff != 0
 
   def normaliser(self, cfg, micro, mask=None):
-    if self.settings(cfg).loss_agg_mode == "token-mean":
+    if self.loss_agg_mode(cfg) == "token-mean":
       return jnp.sum((micro["response_mask"] if mask is None else mask).astype(jnp.float32))
     return super().normaliser(cfg, micro, mask)
 
@@ -178,18 +226,38 @@ class Grpo(ClippedRatio):
   """GRPO: group-normalised outcome advantages, optional KL loss against a frozen reference."""
 
   min_group_size = 2
+  settings_class = GrpoSettings
+
+  def norm_adv_by_std(self, cfg) -> bool:
+    return self.settings(cfg).norm_adv_by_std
+
+  def kl_loss_coef(self, cfg) -> float | None:
+    """The KL loss's coefficient, None without a KL loss (and so without a frozen reference)."""
+    s = self.settings(cfg)
+    return s.kl_coef if s.use_kl_loss else None
 
   def reference(self, cfg):
-    return registry.Reference.FROZEN if cfg.grpo.use_kl_loss else registry.Reference.NONE
+    return registry.Reference.NONE if self.kl_loss_coef(cfg) is None else registry.Reference.FROZEN
 
   def loss(self, cfg, logprobs, entropy, micro):
-    g = cfg.grpo
+    g = self.settings(cfg)
     return grpo_loss(logprobs, micro["old_logprobs"], micro.get("ref_logprobs"), micro["response_mask"],
-                     micro["rewards"], group_size=cfg.rollout.n, norm_adv_by_std=g.norm_adv_by_std,
+                     micro["rewards"], group_size=cfg.rollout.n, norm_adv_by_std=self.norm_adv_by_std(cfg),
                      clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
-                     clip_ratio_c=g.clip_ratio_c, loss_agg_mode=g.loss_agg_mode,
-                     kl_loss_coef=g.kl_coef if g.use_kl_loss else 0.0, entropy=entropy,
-                     entropy_coeff=g.entropy_coeff, micro_batch_rows=cfg.train.verl_micro_batch_rows)
+                     clip_ratio_c=g.clip_ratio_c, loss_agg_mode=self.loss_agg_mode(cfg),
+                     kl_loss_coef=self.kl_loss_coef(cfg) or 0.0, entropy=entropy,
+                     entropy_coeff=g.entropy_coeff, micro_batch_rows=self.micro_batch_rows(cfg))
+
+
+class GrpoFamily(Grpo):
+  """The GRPO-family objectives ported from today's verl (DAPO, Dr. GRPO, GSPO): no KL loss (so no reference
+  policy) and a loss normalised over the global mini-batch (one verl row per micro-batch, `micro_batch_rows`)."""
+
+  def kl_loss_coef(self, cfg):
+    return None
+
+  def micro_batch_rows(self, cfg):
+    return 1
 
 
 registry.register("grpo", Grpo())

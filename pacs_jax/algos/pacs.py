@@ -6,6 +6,7 @@ R_i is response i's verified reward).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -15,6 +16,7 @@ import numpy as np
 
 from pacs_jax.algos import batch as batch_lib, groups as groups_lib, registry
 from pacs_jax.algos.masked import masked_sum
+from pacs_jax.algos.settings import Settings, choice, setting
 
 ADV_ESTIMATORS = ("rloo", "grpo", "naive")
 WEIGHT_MODES = ("question", "only_positive", "only_negative")
@@ -177,48 +179,64 @@ def padding_replication_inputs(input_ids: np.ndarray, attention_mask: np.ndarray
   return targets, sum_mask
 
 
+@dataclasses.dataclass(frozen=True)
+class PacsSettings(Settings):
+  """PACS (docs/algorithm.md): r̂ from log-prob ratios, ψ = advantage of r̂ in the group, BCE(ψ, R) with weights."""
+  beta: float = setting(1.0, "β, the scale of r̂")
+  reward_method: str = setting("1", '"1": β Σ (log π − log π_ref); "2": β Σ log π / |o|')
+  adv_estimator: str = setting("rloo", "rloo | grpo | naive: ψ from r̂ in the group")
+  norm_adv_by_std: bool = setting(True, "grpo estimator only: divide by the group's std")
+  use_weight: bool = setting(True, "weight the BCE by class (weight_mode)")
+  weight_mode: str = setting("question", "question | only_positive | only_negative")
+  reference_policy: str = setting("frozen", "frozen (initial model) | rollout (the sampling policy, as released)")
+  # Off: r̂ sums the masked response tokens (docs/algorithm.md). On: it also sums the term verl's remove-padding
+  # forward leaves at the first padding position of a response that ended early: the log-prob of the next packed
+  # row's first token given this row (rows packed in groups of train.verl_micro_batch_rows; the last wraps).
+  exact_padding_replication: bool = setting(False, "add verl's first-padding-position term to r̂")
+
+  def check(self, check):
+    check(self.reward_method in REWARD_METHODS, "reward_method", f'"1" | "2", got {self.reward_method!r}')
+    choice(check, self.adv_estimator, ADV_ESTIMATORS, "adv_estimator")
+    choice(check, self.weight_mode, WEIGHT_MODES, "weight_mode")
+    choice(check, self.reference_policy, REFERENCE_POLICIES, "reference_policy")
+    check(math.isfinite(self.beta), "beta", f"must be finite, got {self.beta}")
+
+
 class Pacs(registry.Algorithm):
   """PACS on the shared loop: the reference is a frozen copy of the initial policy or the step's sampling policy."""
 
   min_group_size = 2
-
-  def validate_settings(self, cfg, check):
-    p = cfg.pacs
-    check(p.reward_method in REWARD_METHODS, "pacs.reward_method", f'"1" | "2", got {p.reward_method!r}')
-    registry.check_choice(check, p.adv_estimator, ADV_ESTIMATORS, "pacs.adv_estimator")
-    registry.check_choice(check, p.weight_mode, WEIGHT_MODES, "pacs.weight_mode")
-    registry.check_choice(check, p.reference_policy, REFERENCE_POLICIES, "pacs.reference_policy")
-    check(math.isfinite(p.beta), "pacs.beta", f"must be finite, got {p.beta}")
+  settings_class = PacsSettings
 
   def validate(self, cfg, check, num_processes):
     t = cfg.train
-    if cfg.pacs.exact_padding_replication:
+    if self.settings(cfg).exact_padding_replication:
       local_rows = t.batch_prompts * cfg.rollout.n // max(num_processes, 1)
       check(local_rows % t.verl_micro_batch_rows == 0, "train.verl_micro_batch_rows",
             f"pacs.exact_padding_replication packs each process's {local_rows} rows in groups of "
             f"{t.verl_micro_batch_rows}, which must divide them")
 
   def reference(self, cfg):
-    return registry.Reference(cfg.pacs.reference_policy)  # "frozen" | "rollout"
+    return registry.Reference(self.settings(cfg).reference_policy)  # "frozen" | "rollout"
 
   def extra_fields(self, cfg):
-    if not cfg.pacs.exact_padding_replication:
+    if not self.settings(cfg).exact_padding_replication:
       return ()
     return (batch_lib.per_response("logprob_targets", jnp.int32, batch_lib.HOST),
             batch_lib.per_response("proxy_mask", jnp.float32, batch_lib.HOST))
 
   def host_inputs(self, cfg: ml_collections.ConfigDict, input_ids, attention_mask, response_len):
-    if not cfg.pacs.exact_padding_replication:
+    if not self.settings(cfg).exact_padding_replication:
       return {}
     targets, proxy_mask = padding_replication_inputs(input_ids, attention_mask, response_len,
                                                      cfg.train.verl_micro_batch_rows)
     return {"logprob_targets": targets, "proxy_mask": proxy_mask}
 
   def logprob_targets(self, cfg, batch):
-    return batch["logprob_targets"] if cfg.pacs.exact_padding_replication else None
+    return batch["logprob_targets"] if self.settings(cfg).exact_padding_replication else None
 
   def loss(self, cfg, logprobs, entropy, micro):
-    p = cfg.pacs
+    p = self.settings(cfg)
     return pacs_loss(logprobs, micro["ref_logprobs"], micro["response_mask"], micro["rewards"],
                      group_size=cfg.rollout.n, beta=p.beta, reward_method=p.reward_method,
                      adv_estimator=p.adv_estimator, norm_adv_by_std=p.norm_adv_by_std, use_weight=p.use_weight,

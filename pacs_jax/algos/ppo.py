@@ -6,13 +6,16 @@ clipped-ratio loss.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax.algos import batch as batch_lib, registry
-from pacs_jax.algos.grpo import ClippedRatio, agg_loss, clipped_policy_loss
+from pacs_jax.algos.grpo import ClippedRatio, ClippedRatioSettings, agg_loss, clipped_policy_loss
 from pacs_jax.algos.masked import masked_mean
+from pacs_jax.algos.settings import setting
 from pacs_jax.models import registry as model_registry
 from pacs_jax.models.model_config import ModelConfig
 
@@ -138,10 +141,25 @@ def step_advantages(minibatches: list[dict], *, gamma: float, lam: float) -> lis
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class PpoSettings(ClippedRatioSettings):
+  """PPO: its actor is the same clipped-ratio loss as GRPO's (verl's actor block; `loss_agg_mode` is the actor's
+  and the critic's), and a critic."""
+  critic_lr: float = setting(1e-5, "the critic optimizer's learning rate")
+  cliprange_value: float = setting(0.5, "the value loss's clip around the rollout-time values")
+  gamma: float = setting(1.0, "GAE's discount γ")
+  lam: float = setting(1.0, "GAE's λ")
+
+  def check(self, check):
+    super().check(check)
+    check(self.critic_lr > 0, "critic_lr", f"must be positive, got {self.critic_lr}")
+
+
 class Ppo(ClippedRatio):
   """PPO: a critic trained beside the policy, token-level GAE advantages for the clipped-ratio actor."""
 
   has_critic = True
+  settings_class = PpoSettings
   # The actor's settings, read from the grpo block before PPO had its own (a resume upgrades such a checkpoint's
   # record from its saved grpo block; a config that still sets one there is refused, naming the new field).
   moved_settings = {f"ppo.{k}": f"grpo.{k}" for k in
@@ -152,29 +170,31 @@ class Ppo(ClippedRatio):
             batch_lib.per_response("returns", jnp.float32, batch_lib.STEP))
 
   def step_inputs(self, cfg, minibatches):
-    return step_advantages(minibatches, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam)
+    s = self.settings(cfg)
+    return step_advantages(minibatches, gamma=s.gamma, lam=s.lam)
 
   def loss(self, cfg, logprobs, entropy, micro):
     g = self.settings(cfg)
     return policy_loss(micro["old_logprobs"], logprobs, micro["advantages"], micro["response_mask"],
                        clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
-                       clip_ratio_c=g.clip_ratio_c, loss_agg_mode=g.loss_agg_mode,
-                       micro_batch_rows=cfg.train.verl_micro_batch_rows)
+                       clip_ratio_c=g.clip_ratio_c, loss_agg_mode=self.loss_agg_mode(cfg),
+                       micro_batch_rows=self.micro_batch_rows(cfg))
 
   def make_critic(self, model_config, rngs):
     return Critic(model_config, rngs=rngs)
 
   def critic_lr(self, cfg):
-    return cfg.ppo.critic_lr
+    return self.settings(cfg).critic_lr
 
   def critic_mask(self, micro):
     return critic_mask(micro["attention_mask"], micro["response_mask"].shape[-1])
 
   def critic_loss(self, cfg, values, micro):
     # The released critic (dp_critic.py update_critic): mask attention_mask[:, -R-1:-1], the actor's agg mode.
+    s = self.settings(cfg)
     return clipped_value_loss(values, micro["returns"], micro["old_values"], self.critic_mask(micro),
-                              cliprange_value=cfg.ppo.cliprange_value, loss_agg_mode=cfg.ppo.loss_agg_mode,
-                              micro_batch_rows=cfg.train.verl_micro_batch_rows)
+                              cliprange_value=s.cliprange_value, loss_agg_mode=self.loss_agg_mode(cfg),
+                              micro_batch_rows=self.micro_batch_rows(cfg))
 
 
 registry.register("ppo", Ppo())

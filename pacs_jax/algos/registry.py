@@ -1,27 +1,30 @@
-"""Training objectives as objects registered by name: what each needs, its loss and its accumulation weight.
+"""Training objectives as objects registered by name: what each needs, its settings, its loss and its accumulation
+weight.
 
 The trainer, the memory estimate and config validation ask `get(cfg.algorithm)`; adding an objective is one
-module that subclasses `Algorithm` and calls `register` (as tunix's algo_core registry).
+module that subclasses `Algorithm` (with its `settings.Settings` class) and calls `register` (as tunix's
+algo_core registry). The run config's `cfg.<name>` block of each registered algorithm is built from its settings
+class (`settings_blocks`), so config/ names no algorithm's fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from pacs_jax.algos import batch as batch_lib
+from pacs_jax.algos import settings as settings_lib
 from pacs_jax.algos.batch import Batch, Reference  # noqa: F401  (algorithms name it `registry.Reference`)
+from pacs_jax.algos.settings import Check, Settings
 
-# check(condition, field, message): config validation's error reporter (raises naming the field).
-Check = Callable[[bool, str, str], None]
+check_choice = settings_lib.choice
 
 # The built-in objectives register themselves when their module is imported; `get` imports it on first use.
-_BUILTIN_MODULES = {"pacs": "pacs_jax.algos.pacs", "grpo": "pacs_jax.algos.grpo", "ppo": "pacs_jax.algos.ppo"}
+_BUILTIN_MODULES = {name: f"pacs_jax.algos.{name}" for name in ("pacs", "grpo", "ppo", "dapo", "drgrpo", "gspo")}
 _REGISTRY: dict[str, "Algorithm"] = {}
 
 
@@ -37,13 +40,20 @@ class Algorithm:
   name: str = ""
   min_group_size: int = 1  # responses per prompt the objective needs (group baselines need 2)
   has_critic: bool = False  # a value model trained beside the policy (old_values come with each mini-batch)
+  # Its own settings (`cfg.<name>`): defaults, one-line docs and checks in one typed class.
+  settings_class: type[Settings] = Settings
   # Settings that moved into this algorithm's block: {new field: the field older configs held it in}. A config that
   # still sets the old field (and not the new) is refused; a resume reads an older record's value from the old one.
   moved_settings: dict[str, str] = {}
 
+  def settings(self, cfg: ml_collections.ConfigDict) -> Settings:
+    """The algorithm's own settings, typed: `cfg.<name>` (the defaults when the config has no such block)."""
+    return self.settings_class.from_block(cfg.get(self.name))
+
   def validate_settings(self, cfg: ml_collections.ConfigDict, check: Check) -> None:
-    """Checks the algorithm's own settings block (`cfg.<name>`). Run for every registered algorithm, the
-    configured one or not: a bad value in any block fails before anything is built."""
+    """Checks the algorithm's own settings block (`cfg.<name>`) by its settings class; run for the configured
+    algorithm only (another algorithm's block is never read)."""
+    self.settings_class.validate(cfg.get(self.name), lambda ok, field, msg: check(ok, f"{self.name}.{field}", msg))
 
   def validate(self, cfg: ml_collections.ConfigDict, check: Check, num_processes: int) -> None:
     """Checks a run of this algorithm needs beyond its settings (the shared ones are config.validate's)."""
@@ -80,6 +90,20 @@ class Algorithm:
     """Per-row [rows, R] numpy inputs built on the host from a process's rows (before batching): the
     `extra_fields` of source `batch.HOST`."""
     return {}
+
+  def shape_rewards(self, cfg: ml_collections.ConfigDict, scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+    """The rewards [rows] the loss sees, from the verifier's scores [rows] and the response masks [rows, R] (host
+    numpy, one process's rows): the scores themselves unless the objective shapes them (DAPO's overlong penalty)."""
+    return scores
+
+  def sampling_rounds(self, cfg: ml_collections.ConfigDict) -> int:
+    """Rollouts a step may draw to fill its batch with groups `keep_groups` keeps (dynamic sampling): 1, the
+    default, is one rollout with every group kept; 0 is no limit."""
+    return 1
+
+  def keep_groups(self, cfg: ml_collections.ConfigDict, scores: np.ndarray) -> np.ndarray:
+    """[U] the prompt groups of the verifier's scores [rows] (rows prompt-major) a dynamically sampled step keeps."""
+    return np.ones(scores.shape[0] // cfg.rollout.n, bool)
 
   def logprob_targets(self, cfg: ml_collections.ConfigDict, batch: Batch) -> jax.Array | None:
     """The tokens [..., R] whose log-probs the policy passes read (a micro- or mini-batch's field), or None: the
@@ -123,11 +147,6 @@ class Algorithm:
     return micro["response_mask"]
 
 
-def check_choice(check: Check, value, choices: tuple, field: str) -> None:
-  """`check` that `value` is one of `choices` (the message lists them)."""
-  check(value in choices, field, f"{' | '.join(choices)}, got {value!r}")
-
-
 def register(name: str, algorithm: Algorithm) -> Algorithm:
   """Makes `algorithm` the objective of `config.algorithm = name`; returns it."""
   if not isinstance(algorithm, Algorithm):
@@ -159,3 +178,14 @@ def get(name: str) -> Algorithm:
 def of(cfg: ml_collections.ConfigDict) -> Algorithm:
   """The configured algorithm."""
   return get(cfg.algorithm)
+
+
+def settings_blocks() -> dict[str, ml_collections.ConfigDict]:
+  """{name: its settings block of defaults} for every registered algorithm (those with settings), the run
+  config's algorithm blocks."""
+  blocks = {}
+  for name in names():
+    settings_class = get(name).settings_class
+    if dataclasses.fields(settings_class):
+      blocks[name] = settings_class.block()
+  return blocks

@@ -73,17 +73,41 @@ def decode_name(page_budget: int) -> str:
 # Compiling a run's programs
 
 
-def abstract_run(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
+def abstract_run(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, lora_base=None):
   """The run's train state (abstract, in its shardings), the abstract policy, its rollout engine and the
-  jitted programs the trainer runs, built on `mesh` with nothing allocated: (state, policy, engine, progs)."""
+  jitted programs the trainer runs, built on `mesh` with nothing allocated: (state, policy, engine, progs). A LoRA
+  run's state holds its adapters, and its programs take the frozen base (`programs.abstract_base`, or `lora_base`
+  when the caller has it); its policy here is the base model the engine runs (on merged weights)."""
   graphdef, critic_graphdef, state = programs_lib.abstract_train_state(cfg, mesh)
   optimizer, critic_optimizer = programs_lib.make_optimizers(cfg)
   state_shardings = jax.tree.map(lambda x: x.sharding, state)
-  policy = nnx.merge(graphdef, state.params)
+  frozen, base = lora_base or lora_run_base(cfg, mesh) or (None, None)
+  policy = nnx.merge(graphdef, state.params) if frozen is None else nnx.merge(frozen.ref_graphdef, base)
   engine = programs_lib.make_engine(cfg, policy, mesh, eos_ids=(0,))
   progs = programs_lib.make_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
-                                     engine.param_shardings)
+                                     engine.param_shardings, frozen=frozen)
   return state, policy, engine, progs
+
+
+def lora_run_base(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
+  """A LoRA run's (Frozen, abstract base in its shardings) (`programs.abstract_base`); None for a full run."""
+  return programs_lib.abstract_base(cfg, mesh) if config_lib.lora_spec(cfg) else None
+
+
+def weights_resident(cfg: ml_collections.ConfigDict, state, base_bytes: float) -> dict[str, float]:
+  """The weights a run holds through both phases, per chip: a full run's policy and its Adam moments (and the
+  frozen reference, a copy); a LoRA run's frozen base (no optimizer state, and the reference itself) apart from its
+  adapters and their Adam moments."""
+  params, opt = per_chip_bytes(state.params), per_chip_bytes(state.opt_state)
+  if base_bytes:
+    out = {"base weights (frozen)": base_bytes, "adapters": params, "adapter optimizer state": opt}
+  else:
+    out = {"policy params": params, "optimizer state": opt}
+    if programs_lib.needs_frozen_ref(cfg):
+      out["frozen reference"] = params
+  if state.critic_params is not None:
+    out["critic params + optimizer"] = per_chip_bytes(state.critic_params) + per_chip_bytes(state.critic_opt_state)
+  return out
 
 
 def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, validation: bool = True,
@@ -98,7 +122,11 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   tgt = tgt or target(cfg)
   config_lib.validate(cfg, num_processes=tgt.num_processes, devices=tgt.devices, check_paths=False)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=tgt.devices)
-  state, policy, engine, progs = abstract_run(cfg, mesh)
+  lora_base = lora_run_base(cfg, mesh)
+  state, policy, engine, progs = abstract_run(cfg, mesh, lora_base)
+  # A LoRA run's programs take the frozen base as their last argument; a full run's take none.
+  base = (lora_base[1],) if lora_base else ()
+  base_bytes = per_chip_bytes(base)
   n_params = matmul_params(policy) / len(tgt.devices)  # per chip: the model FLOPs split evenly over the chips
   n, P, R = cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
   B = engine.max_concurrent_decodes
@@ -120,8 +148,8 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   params_bytes = per_chip_bytes(state.params)
   # -- rollout phase ---------------------------------------------------------------------------
   compiled = run(ProgramReport("to_sample_params", "rollout", 1, 0.0),
-                 lambda: progs.to_sample_params.lower(state.params),
-                 lambda c: params_bytes + per_chip_bytes(outputs_of(c)))
+                 lambda: progs.to_sample_params.lower(state.params, *base),
+                 lambda c: params_bytes + base_bytes + per_chip_bytes(outputs_of(c)))
   sample_params = outputs_of(compiled) if compiled is not None else engine.abstract_params(
       config_lib.dtype(cfg.model.dtype))
   rollout_weights = per_chip_bytes(sample_params)
@@ -179,13 +207,18 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   batch_bytes = updates * per_chip_bytes(minibatch)
   mb_tokens = mb_rows * (P + R)
   logprob_in = {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")}
-  run(ProgramReport("logprobs", "update", updates * logprob_passes, 2.0 * n_params * mb_tokens),
-      lambda: progs.logprob_fn.lower(state.params, minibatch), lambda c: params_bytes + per_chip_bytes(logprob_in)
-      + per_chip_bytes(outputs_of(c)))
+  passes = logprob_passes if not base else int(programs_lib.needs_old_logprobs(cfg))
+  run(ProgramReport("logprobs", "update", updates * passes, 2.0 * n_params * mb_tokens),
+      lambda: progs.logprob_fn.lower(state.params, minibatch, *base),
+      lambda c: params_bytes + base_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
+  if base and programs_lib.needs_frozen_ref(cfg):  # the reference is the base without adapters: its own program
+    run(ProgramReport("ref_logprobs", "update", updates, 2.0 * n_params * mb_tokens),
+        lambda: progs.ref_logprob_fn.lower(base[0], minibatch),
+        lambda c: base_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
   if progs.value_fn is not None:
-    critic_bytes = per_chip_bytes(state.critic_params)
+    critic_bytes = per_chip_bytes(state.critic_params) + base_bytes
     run(ProgramReport("values", "update", updates, 2.0 * n_params * mb_tokens),
-        lambda: progs.value_fn.lower(state.critic_params, minibatch),
+        lambda: progs.value_fn.lower(state.critic_params, minibatch, *base),
         lambda c: critic_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
   if progs.step_inputs is not None:
     step_batch = [minibatch] * updates
@@ -193,18 +226,18 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
         lambda c: per_chip_bytes(step_batch) + per_chip_bytes(outputs_of(c)))
   critic_factor = 2.0 if progs.value_fn is not None else 1.0
   ends_step = programs_lib.ends_step_shape(mesh)
-  run(ProgramReport("train_step", "update", updates, 6.0 * n_params * mb_tokens * critic_factor),
-      lambda: progs.train_step.lower(state, minibatch, ends_step),
-      lambda c: per_chip_bytes(state) + per_chip_bytes(minibatch))
+  # The model's FLOPs per token: 6N with weight gradients, 4N for a LoRA run's frozen base (forward and the
+  # activations' gradient; the adapters' own are a rank-I sliver).
+  run(ProgramReport("train_step", "update", updates, (4.0 if base else 6.0) * n_params * mb_tokens * critic_factor),
+      lambda: progs.train_step.lower(state, minibatch, ends_step, *base),
+      lambda c: per_chip_bytes(state) + per_chip_bytes(minibatch) + base_bytes)
 
-  always = {"policy params": params_bytes,
-            "optimizer state": per_chip_bytes(state.opt_state)}
-  if programs_lib.needs_frozen_ref(cfg):
-    always["frozen reference"] = params_bytes
-  if state.critic_params is not None:
-    always["critic params + optimizer"] = per_chip_bytes(state.critic_params) + per_chip_bytes(state.critic_opt_state)
-  resident = {"rollout": {**always, "rollout weights": rollout_weights, "decode state (KV cache)": state_bytes},
-              "update": {**always, "step batch (mini-batches)": batch_bytes}}
+  resident = {"rollout": {**weights_resident(cfg, state, base_bytes), "rollout weights": rollout_weights,
+                          "decode state (KV cache)": state_bytes},
+              "update": {**weights_resident(cfg, state, base_bytes), "step batch (mini-batches)": batch_bytes}}
+  if base:
+    notes.append("LoRA: the base weights are frozen (no optimizer state) and are the frozen reference (no copy); the "
+                 "rollout weights are the merged W + scale·AB (to_sample_params)")
   if tgt.unit == "GPU":
     notes.append("compiled for GPUs on a host without one: nothing is autotuned (default kernel tiles), so no times; "
                  "cuDNN attention's matmuls (custom calls) are not in the compiled FLOPs")

@@ -1,5 +1,6 @@
 """`--dry_run`: builds the model and optimizer abstractly on an abstract mesh of the target size and reports
-an estimate of per-device memory (params, optimizer state, reference model, rollout weights, KV cache, activations).
+an estimate of per-device memory (params, optimizer state, reference model, rollout weights, KV cache, activations;
+a LoRA run's frozen base apart from its adapters, whose Adam moments are the optimizer state, and no reference copy).
 
 Weights and optimizer state are exact (their shapes and PartitionSpecs are the ones training uses);
 activations are a formula's estimate of the train step's peak with per-layer remat. The compiler's own
@@ -21,9 +22,10 @@ from jax.sharding import AbstractMesh, PartitionSpec
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.algos import registry
-from pacs_jax.models import flash
+from pacs_jax.models import flash, lora
 from pacs_jax.models import registry as model_registry
 from pacs_jax.models.model_config import ModelConfig
+from pacs_jax.trainer import adapters as adapters_lib
 from pacs_jax.trainer import state as state_lib
 
 GB = 1e9
@@ -50,34 +52,55 @@ def tree_bytes_per_device(tree: Any, specs: Any, mesh_shape: dict[str, int]) -> 
   return sum(_shard_bytes(x.shape, x.dtype, s, mesh_shape) for x, s in zip(leaves, spec_leaves, strict=True))
 
 
+def _values(state: nnx.State, dtype=None) -> Any:
+  return jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, dtype or v.dtype), state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_bytes_per_device(state: nnx.State, mesh: AbstractMesh, mode: str, dtype=None) -> float:
+  """Bytes per device of an abstract nnx.State in `mode`'s layout (in `dtype`, default its own)."""
+  return tree_bytes_per_device(_values(state, dtype), sharding.state_specs(state, mesh, mode), dict(mesh.shape))
+
+
+def trained_and_frozen(cfg: ml_collections.ConfigDict, mc: ModelConfig) -> tuple[nnx.State, nnx.State | None]:
+  """The policy's trained parameters and its frozen ones, abstract: all and None, or a LoRA run's adapters and
+  base."""
+  make = lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(0))
+  spec = config_lib.lora_spec(cfg)
+  if spec is None:
+    return nnx.split(nnx.eval_shape(make), nnx.Param)[1], None
+  _, adapters, base = lora.split(nnx.eval_shape(
+      lambda: lora.add_adapters(make(), spec, nnx.Rngs(0), dtype=adapters_lib.ADAPTER_DTYPE)))
+  return adapters, base
+
+
 def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, float]:
-  """Per-device bytes of each part of a training run on `num_devices` devices."""
+  """Per-device bytes of each part of a training run on `num_devices` devices (a LoRA run's frozen `base`, then its
+  `adapters` and their Adam moments, and no reference copy: the reference is the base)."""
   config_lib.validate(cfg, num_devices, cfg.hardware.num_processes or 1, check_paths=False)
   mesh = abstract_mesh(cfg, num_devices)
   mesh_shape = dict(mesh.shape)
   mc = config_lib.preset_model_config(cfg)
-  abstract = nnx.eval_shape(lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(0)))
-  _, params = nnx.split(abstract, nnx.Param)
+  params, base = trained_and_frozen(cfg, mc)
   train_specs = sharding.state_specs(params, mesh, "train")
-  sample_specs = sharding.state_specs(params, mesh, "sample")
-  values = jax.tree.map(lambda v: v.get_value(), params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
   out = {}
-  out["params"] = tree_bytes_per_device(values, train_specs, mesh_shape)
+  if base is not None:
+    out["base"] = state_bytes_per_device(base, mesh, "train")
+  trained = out["params" if base is None else "adapters"] = state_bytes_per_device(params, mesh, "train")
   optimizer = state_lib.make_optimizer(cfg.train, cfg.train.lr, cfg.steps)
-  opt_state = jax.eval_shape(optimizer.init, values)
+  opt_state = jax.eval_shape(optimizer.init, _values(params))
   # Adam's moments are laid out like their parameters; counters and hyperparameters are scalars.
   opt_specs = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, train_specs,
                                                   transform_non_params=lambda _: PartitionSpec(),
                                                   is_leaf=lambda x: isinstance(x, PartitionSpec))
   out["optimizer"] = tree_bytes_per_device(opt_state, opt_specs, mesh_shape)
   algo = registry.of(cfg)
-  out["reference"] = out["params"] if algo.reference(cfg) is registry.Reference.FROZEN else 0.0
-  if algo.has_critic:  # a critic of the same size, with its own Adam state
-    out["critic"] = out["params"] + out["optimizer"]
-  # Rollout weights: a sample-mode copy in the compute dtype while sampling.
-  compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), values)
-  out["rollout_weights"] = tree_bytes_per_device(compute, sample_specs, mesh_shape)
+  out["reference"] = trained if algo.reference(cfg) is registry.Reference.FROZEN and base is None else 0.0
+  if algo.has_critic:  # a critic of the same size (a LoRA run's: adapters on the policy's base), with its Adam state
+    out["critic"] = trained + out["optimizer"]
+  # Rollout weights: a sample-mode copy in the compute dtype while sampling (a LoRA run's: merged into the base).
+  out["rollout_weights"] = state_bytes_per_device(params if base is None else base, mesh, "sample", mc.dtype)
 
   batch_shards = mesh_shape["data"] * mesh_shape["fsdp"]
   tensor = mesh_shape["tensor"]
@@ -100,7 +123,8 @@ def activation_bytes(cfg, mc: ModelConfig, batch_shards: int, tensor: int, T: in
   outputs (q, k, v, o, gate, up, down) and the splash kernel's output and log-sum-exp; one layer at a time
   holds its internals: fp32 attention scores and probabilities [m, N/t, T or attention_chunk, T] (XLA
   attention; none with a flash kernel), q/k/v/out and the MLP's [m, T, F/t] activations; the log-prob head
-  holds one chunk of fp32 logits [m, C, V/t] (and its gradient).
+  holds one chunk of fp32 logits [m, C, V/t] (and its gradient). A LoRA run's "matmuls" keeps each adapter's two
+  matmul outputs too: x A [m, T, I] and (x A) B, as large as its projection's.
   """
   micro_prompts = cfg.train.micro_batch_prompts or cfg.train.mini_batch_prompts
   m = max(1.0, micro_prompts * cfg.rollout.n / batch_shards)
@@ -112,6 +136,11 @@ def activation_bytes(cfg, mc: ModelConfig, batch_shards: int, tensor: int, T: in
   per_layer_saved = (0 if mc.remat else layers) * m * T * (6 * D + 3 * F / tensor) * b
   if mc.remat and mc.remat_policy == "matmuls":
     per_layer_saved = layers * m * T * ((2 * heads + 2 * K / tensor) * H * b + 2 * D * b + 2 * F / tensor * b + heads * 4)
+    spec = config_lib.lora_spec(cfg)
+    if spec is not None:
+      outputs = {"q": heads * H, "k": K / tensor * H, "v": K / tensor * H, "o": D, "gate": F / tensor,
+                 "up": F / tensor, "down": D}
+      per_layer_saved += layers * m * T * sum(outputs[t] + spec.rank for t in lora.validate(spec, mc)) * b
   target = "tpu" if cfg.hardware.tpu_topology else "gpu" if cfg.hardware.gpu_target else None  # else this backend
   flash_kernel = flash.resolve(mc.attention_impl, target, mc.dtype) != "xla"
   queries = 0 if flash_kernel else min(T, mc.attention_chunk or T)  # query rows whose fp32 scores are live at once
@@ -121,13 +150,26 @@ def activation_bytes(cfg, mc: ModelConfig, batch_shards: int, tensor: int, T: in
   return residuals + per_layer_saved + 2 * (attention + mlp) + logits_chunk + 4 * m * T * D * 4
 
 
+# Parts held in one phase only: the rollout's weights and KV cache are freed before the update, whose activations
+# live only in the train step (`--compile_only` counts the phases the same way).
+ROLLOUT_ONLY, UPDATE_ONLY = ("rollout_weights", "kv_cache"), ("activations",)
+
+
+def phase_totals(parts: dict[str, float]) -> dict[str, float]:
+  """{phase: bytes per device} of an `estimate`: everything but the other phase's own parts."""
+  return {"rollout": sum(v for k, v in parts.items() if k not in UPDATE_ONLY),
+          "update": sum(v for k, v in parts.items() if k not in ROLLOUT_ONLY)}
+
+
 def report(cfg: ml_collections.ConfigDict, num_devices: int, hbm_gb: float | None = None) -> str:
   parts = estimate(cfg, num_devices)
-  total = sum(parts.values())
+  phases = phase_totals(parts)
+  total = max(phases.values())
   mesh = dict(abstract_mesh(cfg, num_devices).shape)
   lines = [f"dry run: {cfg.model.preset} on {num_devices} devices ({cfg.hardware.num_processes or 1} processes), mesh {mesh}",
            f"{'part':<18}{'GB / device':>12}"]
   lines += [f"{k:<18}{v / GB:>12.2f}" for k, v in parts.items()]
+  lines += [f"{phase + ' phase':<18}{v / GB:>12.2f}" for phase, v in phases.items()]
   lines.append(f"{'total':<18}{total / GB:>12.2f}")
   if hbm_gb:
     verdict = "fits" if total / GB < hbm_gb else "DOES NOT FIT"

@@ -133,7 +133,8 @@ def format_report(report: Report) -> str:
                  "every response at max_new_tokens)")
   model = sum(p.calls * p.model_flops for p in report.programs)
   compiled = sum(p.calls * (p.flops or 0.0) for p in report.programs)
-  lines.append(f"FLOPs per step per {unit}: compiled {compiled / 1e15:.2f} PFLOP, model (6N / 2N per token) "
+  update = "4N (LoRA: no weight gradient)" if "adapters" in report.resident.get("update", {}) else "6N"
+  lines.append(f"FLOPs per step per {unit}: compiled {compiled / 1e15:.2f} PFLOP, model ({update} / 2N per token) "
                f"{model / 1e15:.2f} PFLOP")
   lines += kernel_lines(report)
   lines += [f"note: {n}" for n in report.notes]

@@ -81,8 +81,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = no clipping), got {t.grad_clip}")
   _check(t.verl_micro_batch_rows >= 1, "train.verl_micro_batch_rows", f"must be >= 1, got {t.verl_micro_batch_rows}")
   _check_sampling(c)
-  for name in algo_registry.names():  # every algorithm's settings block, the configured one or not
-    algo_registry.get(name).validate_settings(c, _check)
+  algo.validate_settings(c, _check)  # the configured algorithm's own block; another's is never read
   algo.validate(c, _check, num_processes)
   _check_moved_settings(c, algo)
   _check(c.model.hf_path or c.model.preset, "model.hf_path",
@@ -111,6 +110,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(name not in (get_field(c, section) if section else c), field, f"was removed: {why}")
   _check(c.rollout.page_size >= 1, "rollout.page_size", f"must be >= 1, got {c.rollout.page_size}")
   _check(c.rollout.kv_pages >= 0, "rollout.kv_pages", f"must be >= 0 (0 = enough for every slot), got {c.rollout.kv_pages}")
+  _check_lora(c)
+  if not c.model.hf_path and c.lora.rank:  # the preset's shapes are known without reading anything
+    from pacs_jax.models import registry as model_registry
+    _check(c.model.preset in model_registry.preset_names(), "model.preset",
+           f"one of {sorted(model_registry.preset_names())}, got {c.model.preset!r}")
+    check_lora_fits_model(c, model_registry.preset(c.model.preset))
   _check(c.data.val_max_examples >= 0, "data.val_max_examples", f"must be >= 0 (0 = all), got {c.data.val_max_examples}")
   _check(c.data.synthetic_train_size > 0, "data.synthetic_train_size", "must be positive")
   _check(c.data.synthetic_val_size > 0, "data.synthetic_val_size", "must be positive")
@@ -161,6 +166,41 @@ def _check_sampling(c: ml_collections.ConfigDict) -> None:
   _check(isinstance(c.seed, int) and 0 <= c.seed < 2**31, "seed", f"must be an integer in [0, 2**31), got {c.seed!r}")
   _check(c.reward_workers >= 1, "reward_workers", f"must be >= 1 (math-verify worker processes), got {c.reward_workers}")
   _check(c.reward_timeout_s > 0, "reward_timeout_s", f"must be positive (seconds), got {c.reward_timeout_s}")
+
+
+def lora_spec(c: ml_collections.ConfigDict):
+  """The run's `models.lora.LoraSpec`, or None for full fine-tuning (`lora.rank` 0)."""
+  if not c.lora.rank:
+    return None
+  from pacs_jax.models import lora
+  targets = tuple(t.strip() for t in c.lora.targets.split(",") if t.strip())
+  return lora.LoraSpec(rank=c.lora.rank, alpha=c.lora.alpha, targets=targets, use_rslora=c.lora.use_rslora)
+
+
+def _check_lora(c: ml_collections.ConfigDict) -> None:
+  """The `lora` fields that need no model: rank 0 (off) with another lora field set is refused (that field would
+  be ignored)."""
+  _check(isinstance(c.lora.rank, int) and not isinstance(c.lora.rank, bool) and c.lora.rank >= 0, "lora.rank",
+         f"must be a positive integer (0 = off: full fine-tuning), got {c.lora.rank!r}")
+  _check(c.lora.lr_multiplier > 0, "lora.lr_multiplier", f"must be positive, got {c.lora.lr_multiplier!r}")
+  if not c.lora.rank:
+    defaults = default_config().lora
+    changed = [k for k in defaults if k != "rank" and c.lora[k] != defaults[k]]
+    _check(not changed, "lora.rank", f"is 0 (LoRA off), but lora.{changed[0] if changed else ''} is set: set "
+                                     "lora.rank to the adapters' rank (e.g. 16)")
+
+
+def check_lora_fits_model(c: ml_collections.ConfigDict, model_config) -> None:
+  """Raises ConfigError naming the lora field when the adapters do not fit the run's model (a rank above a
+  targeted matrix's smaller side, a target that names no projection)."""
+  spec = lora_spec(c)
+  if spec is None:
+    return
+  from pacs_jax.models import lora
+  try:
+    lora.validate(spec, model_config)
+  except ValueError as e:  # "lora.<field>: ..."
+    raise ConfigError(f"config.{e}") from None
 
 
 def check_tokenizer_fits_model(c: ml_collections.ConfigDict, tokenizer_size: int, model_vocab: int) -> None:

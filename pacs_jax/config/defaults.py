@@ -1,18 +1,19 @@
 """`default_config()`: every field of the training config with its default and its one-line documentation (one
-place per field). Its checks are `checks.py`'s, which reads the defaults from here (so neither imports the
-package's `__init__`)."""
+place per field); each algorithm's block comes from its settings class (`algos/settings.py`). Its checks are
+`checks.py`'s, which reads the defaults from here (so neither imports the package's `__init__`)."""
 
 from __future__ import annotations
 
 import ml_collections
 
+from pacs_jax.algos import registry as algo_registry
 from pacs_jax.data import prompts
 
 
 def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.algorithm = "pacs"  # pacs | grpo | ppo: the objective on the same loop
+  c.algorithm = "pacs"  # any registered objective (algos/registry.py: pacs, grpo, ppo, ...) on the same loop
   c.steps = 300  # training steps (one rollout batch each)
 
   # Model: a preset (random init; "tiny" for tests and the CPU demo) or a Hugging Face checkpoint dir.
@@ -87,44 +88,27 @@ def default_config() -> ml_collections.ConfigDict:
   # verl's ppo_micro_batch_size_per_gpu of the released runs (actor and critic). Numerics only, not memory
   # (that is micro_batch_prompts): under "seq-mean-token-sum-norm" the released GRPO/PPO losses sum this many
   # rows per micro-batch and average the micro-batches, so their gradient is this many times the per-sequence
-  # mean (before the clip); pacs.exact_padding_replication packs rows in groups of this many.
+  # mean (before the clip); PACS's exact padding replication packs rows in groups of this many.
   c.train.verl_micro_batch_rows = 8
 
-  # PACS (docs/algorithm.md): r̂ from log-prob ratios, ψ = advantage of r̂ in the group, BCE(ψ, R) with weights.
-  c.pacs = ml_collections.ConfigDict()
-  c.pacs.beta = 1.0
-  c.pacs.reward_method = "1"  # "1": β Σ (log π − log π_ref); "2": β Σ log π / |o|
-  c.pacs.adv_estimator = "rloo"  # rloo | grpo | naive
-  c.pacs.norm_adv_by_std = True  # grpo estimator only
-  c.pacs.use_weight = True
-  c.pacs.weight_mode = "question"  # question | only_positive | only_negative
-  c.pacs.reference_policy = "frozen"  # frozen (initial model) | rollout (the sampling policy, as released)
-  # Off: r̂ sums the masked response tokens (docs/algorithm.md). On: it also sums the term verl's remove-padding forward
-  # leaves at the first padding position of a response that ended early: the log-prob of the next packed row's
-  # first token given this row (rows packed in groups of train.verl_micro_batch_rows; the last wraps to the first).
-  c.pacs.exact_padding_replication = False
+  # Each registered algorithm's own settings block (`c.<algorithm>`), built from its settings class (its module in
+  # pacs_jax/algos/, with each field's default, documentation and checks): this file names no algorithm's fields.
+  for name, block in algo_registry.settings_blocks().items():
+    c[name] = block
 
-  c.grpo = ml_collections.ConfigDict()
-  c.grpo.clip_ratio_low = 0.2
-  c.grpo.clip_ratio_high = 0.2
-  c.grpo.clip_ratio_c = 3.0  # dual clip for negative advantages
-  c.grpo.loss_agg_mode = "seq-mean-token-sum-norm"
-  c.grpo.norm_adv_by_std = True
-  c.grpo.use_kl_loss = False
-  c.grpo.kl_coef = 0.001
-  c.grpo.entropy_coeff = 0.0
-
-  # PPO: its actor is the same clipped-ratio loss as GRPO's (verl's actor block) with its own settings, and a critic.
-  c.ppo = ml_collections.ConfigDict()
-  c.ppo.clip_ratio_low = 0.2
-  c.ppo.clip_ratio_high = 0.2
-  c.ppo.clip_ratio_c = 3.0  # dual clip for negative advantages
-  c.ppo.loss_agg_mode = "seq-mean-token-sum-norm"  # the actor's and the critic's
-  c.ppo.entropy_coeff = 0.0
-  c.ppo.critic_lr = 1e-5
-  c.ppo.cliprange_value = 0.5
-  c.ppo.gamma = 1.0
-  c.ppo.lam = 1.0
+  # LoRA (docs/lora.md): train low-rank adapters beside the decoder layers' projections; the base weights
+  # (model.hf_path or the seeded preset) stay frozen and are never checkpointed. Off while rank is 0.
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 0  # the adapters' rank I; 0 = off (full fine-tuning)
+  c.lora.alpha = 32.0  # the update's scale is alpha / rank (alpha / sqrt(rank) with use_rslora), as peft
+  # Comma-separated projections (q, k, v, o, gate, up, down or q_proj...) or regexes fullmatched against each
+  # layer's Hugging Face module names ("model.layers.3.self_attn.q_proj"), as peft's target_modules.
+  c.lora.targets = "q,k,v,o,gate,up,down"
+  c.lora.use_rslora = False
+  # A LoRA run's learning rates are train.lr (and ppo.critic_lr) times this: LoRA's best learning rate is about
+  # 10x full fine-tuning's (Thinking Machines, "LoRA Without Regret", 2025), so a config's full fine-tuning
+  # rate carries over when LoRA is turned on. 1 = use train.lr as it is.
+  c.lora.lr_multiplier = 10.0
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1

@@ -18,7 +18,8 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 def attend(q, k, v, mask):
   """Softmax attention. q: [B, T, K, G, H]; k, v: [B, K, S, H]; mask: [B, T, S] -> [B, T, K, G, H]."""
   H = q.shape[-1]
-  scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
+  acc = jnp.promote_types(q.dtype, jnp.float32)  # fp32; fp64 for fp64 inputs (the fp64 gradient checks)
+  scores = jnp.einsum("BTKGH,BKSH->BKGTS", q, k, preferred_element_type=acc) / jnp.sqrt(H).astype(acc)
   scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   return jnp.einsum("BKGTS,BKSH->BTKGH", probs, v)

@@ -3,7 +3,7 @@ q/k RMSNorm), the gated MLP, the decoder layer, the layers stacked and run by on
 
 Every parameter carries its logical axis names (`logical_axes` metadata); `pacs_jax.sharding` maps them to mesh
 axes per mode (train / sample). Shapes: B batch, T query length, S key length (cache rows), D hidden, N query
-heads, K kv heads, G = N // K, H head dim, F mlp width.
+heads, K kv heads, G = N // K, H head dim, F mlp width, I LoRA rank.
 """
 
 from __future__ import annotations
@@ -26,6 +26,35 @@ def param(rngs: nnx.Rngs, shape, axes, dtype, init=nnx.initializers.normal(0.02)
   return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
 
 
+# ----------------------------------------------------------------------------------------------
+# LoRA adapters (`pacs_jax.models.lora` adds them beside a projection's kernel). A module without them runs the
+# program it always ran: the test below is a plain Python `if` on their presence.
+
+
+def adapter_names(target: str) -> tuple[str, str]:
+  """The attributes that hold a target's adapters A and B (target: q, k, v, o, gate, up or down)."""
+  return f"{target}_lora_a", f"{target}_lora_b"
+
+
+def _adapter_weight(var: nnx.Variable, dtype):
+  """An adapter as a matmul reads it (see `sharding.matmul_weight`). Inside the layer scan it is one layer's slice:
+  its logical axes are the trailing ones of the stacked parameter's."""
+  w = var[...]
+  return sharding.matmul_weight(w, tuple(var.get_metadata()["logical_axes"])[-w.ndim:], dtype)
+
+
+def adapted(module: nnx.Module, target: str, x, y, to_rank: str, from_rank: str):
+  """y = x W of a projection, plus scale · (x A) B in y's (the compute) dtype when `module` has adapters for
+  `target`: unmerged, so the adapters' gradients never form a full [in, out] matrix. `to_rank` and `from_rank`
+  are the two einsums (x, A -> x A; x A, B -> the update); scale is the module's `lora_scale`."""
+  name_a, name_b = adapter_names(target)
+  if not hasattr(module, name_a):
+    return y
+  dt = y.dtype
+  xa = jnp.einsum(to_rank, x.astype(dt), _adapter_weight(getattr(module, name_a), dt))
+  return y + jnp.einsum(from_rank, xa, _adapter_weight(getattr(module, name_b), dt)) * module.lora_scale
+
+
 class RMSNorm(nnx.Module):
   """x / sqrt(mean(x²) + eps) * weight over the last axis."""
 
@@ -34,8 +63,8 @@ class RMSNorm(nnx.Module):
     self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
 
   def __call__(self, x):
-    # As transformers: normalise in fp32, cast back, then scale.
-    x32 = x.astype(jnp.float32)
+    # As transformers: normalise in fp32 (fp64 inputs stay fp64: the fp64 gradient checks), cast back, then scale.
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
 
@@ -72,9 +101,9 @@ class Attention(nnx.Module):
     wq = sharding.matmul_weight(self.q_kernel[...], ("embed", "q_heads", "head_dim"), dt)
     wk = sharding.matmul_weight(self.k_kernel[...], ("embed", "kv_heads", "head_dim"), dt)
     wv = sharding.matmul_weight(self.v_kernel[...], ("embed", "kv_heads", "head_dim"), dt)
-    q = self._biased(jnp.einsum("BTD,DNH->BTNH", x, wq), "q")
-    k = self._biased(jnp.einsum("BTD,DKH->BTKH", x, wk), "k")
-    v = self._biased(jnp.einsum("BTD,DKH->BTKH", x, wv), "v")
+    q = self._biased(adapted(self, "q", x, jnp.einsum("BTD,DNH->BTNH", x, wq), "BTD,DI->BTI", "BTI,INH->BTNH"), "q")
+    k = self._biased(adapted(self, "k", x, jnp.einsum("BTD,DKH->BTKH", x, wk), "BTD,DI->BTI", "BTI,IKH->BTKH"), "k")
+    v = self._biased(adapted(self, "v", x, jnp.einsum("BTD,DKH->BTKH", x, wv), "BTD,DI->BTI", "BTI,IKH->BTKH"), "v")
     if self.config.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     return (sharding.constrain(rope.apply(q, cos, sin), ("batch", None, "heads", None)), rope.apply(k, cos, sin), v)
@@ -85,8 +114,10 @@ class Attention(nnx.Module):
       return y
     return y + getattr(self, f"{name}_bias")[...].astype(self.config.dtype)
 
-  def _o_weight(self):
-    return sharding.matmul_weight(self.o_kernel[...], ("q_heads", "head_dim", "embed"), self.config.dtype)
+  def _o_project(self, out):
+    """The attention output out [B, T, N, H] -> [B, T, D] through the o projection (and its adapters)."""
+    w = sharding.matmul_weight(self.o_kernel[...], ("q_heads", "head_dim", "embed"), self.config.dtype)
+    return adapted(self, "o", out, jnp.einsum("BTNH,NHD->BTD", out, w), "BTNH,NHI->BTI", "BTI,ID->BTD")
 
   def __call__(self, x, cos, sin, mask, cache: KVCache | paged.PagedStep | None = None, layer=None):
     """x: [B, T, D]; mask: [B, T, S] bool (True = may attend). Returns (y [B, T, D], cache).
@@ -102,7 +133,7 @@ class Attention(nnx.Module):
       out, cache = paged.paged_layer(cache, layer, q[:, 0], k[:, 0], v[:, 0],
                                      kernel=paged.decode_kernel(c, flash.platform(), _tensor_size()))
       out = sharding.constrain(out[:, None], ("batch", None, "heads", None))
-      return jnp.einsum("BTNH,NHD->BTD", out, self._o_weight()), cache
+      return self._o_project(out), cache
     if cache is None:
       k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H]
     else:
@@ -122,8 +153,7 @@ class Attention(nnx.Module):
     else:
       out = attention.attend(q, k, v, mask)
     out = sharding.constrain(out.reshape(B, T, N, H), ("batch", None, "heads", None))
-    y = jnp.einsum("BTNH,NHD->BTD", out, self._o_weight())
-    return y, cache
+    return self._o_project(out), cache
 
 
 def silu(x):
@@ -161,9 +191,11 @@ class MLP(nnx.Module):
     x = x.astype(dt)
     gate = jnp.einsum("BTD,DF->BTF", x, sharding.matmul_weight(self.gate_kernel[...], ("embed", "mlp"), dt))
     up = jnp.einsum("BTD,DF->BTF", x, sharding.matmul_weight(self.up_kernel[...], ("embed", "mlp"), dt))
+    gate = adapted(self, "gate", x, gate, "BTD,DI->BTI", "BTI,IF->BTF")
+    up = adapted(self, "up", x, up, "BTD,DI->BTI", "BTI,IF->BTF")
     h = sharding.constrain(self.activations[self.hidden_act](gate) * up, ("batch", None, "mlp"))
-
-    return jnp.einsum("BTF,FD->BTD", h, sharding.matmul_weight(self.down_kernel[...], ("mlp", "embed"), dt))
+    down = jnp.einsum("BTF,FD->BTD", h, sharding.matmul_weight(self.down_kernel[...], ("mlp", "embed"), dt))
+    return adapted(self, "down", h, down, "BTF,FI->BTI", "BTI,ID->BTD")
 
 
 class DecoderLayer(nnx.Module):

@@ -1,25 +1,35 @@
 """Checkpoint -> Hugging Face export: restores only the policy parameters and writes them with `hf.save_pretrained`,
-beside the run's tokenizer and generation config (`pacs_jax.data.tokenizers`).
+beside the run's tokenizer and generation config (`pacs_jax.data.tokenizers`). A LoRA run's checkpoint holds its
+adapters only: its base weights are read again from the run's `model.hf_path` (or drawn again from its seed), checked
+against the base fingerprint of the checkpoint's record, and the merged W + scale · A B is written; or, with
+`adapter=True`, the adapters alone as a PEFT adapter folder.
 
 Workdirs and outputs may be local or `gs://`; reading a workdir never creates or deletes anything in it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import tempfile
 
 import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
 
 from pacs_jax import config as config_lib
 from pacs_jax import paths
+from pacs_jax import sharding
 from pacs_jax.data import tokenizers
-from pacs_jax.models import decoder, hf, registry
+from pacs_jax.models import decoder, hf, lora, registry
 from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.storage import checkpoint as checkpoint_lib
+from pacs_jax.storage import resume
 from pacs_jax.storage import workdir as workdir_lib
 from pacs_jax.storage.workdir import CHECKPOINT_DIR, MODEL_DIR
 
@@ -59,9 +69,56 @@ def latest_step(workdir: str) -> int:
     ckpt.close()
 
 
+class NoAdapters(checkpoint_lib.CheckpointMismatch):
+  """An adapter export of a full-parameter run: its checkpoint holds no adapters."""
+
+
+class BaseChanged(checkpoint_lib.CheckpointMismatch):
+  """A LoRA run's base weights (model.hf_path) are not the ones its adapters were trained on."""
+
+
+@dataclasses.dataclass
+class Policy:
+  """A checkpoint's policy: `model` (a LoRA run's holds its adapters on the base), the step, and a LoRA run's spec
+  and base (`model.hf_path`, empty for a seeded random init)."""
+  model: decoder.CausalLM
+  step: int
+  spec: lora.LoraSpec | None = None
+  base_path: str = ""
+
+
+def lora_spec_of(saved: dict) -> lora.LoraSpec | None:
+  """The LoraSpec of a checkpoint's saved config (None: a full-parameter run, or one saved before LoRA existed)."""
+  if not (saved.get("lora") or {}).get("rank"):
+    return None
+  return config_lib.lora_spec(ml_collections.ConfigDict(saved))
+
+
+def load_base(saved: dict, config: ModelConfig, record: dict | None, where: str) -> nnx.State:
+  """A LoRA run's frozen base weights (`config.param_dtype`), as its trainer built them: `model.hf_path`'s, or the
+  seeded random init; BaseChanged when their fingerprint is not the checkpoint record's."""
+  cfg = ml_collections.ConfigDict(saved)
+  expected = (record or {}).get("base")
+  if expected is not None and resume.base_fingerprint(cfg) != expected:
+    raise BaseChanged(f"{where}: its adapters were trained on another base than model.hf_path="
+                      f"{cfg.model.hf_path or '(a random init)'} holds now (fingerprint {expected} in the checkpoint)")
+  if cfg.model.hf_path:
+    model, _ = hf.load_pretrained(cfg.model.hf_path, dtype=config.param_dtype)
+  else:
+    model = sharding.create_sharded(lambda: registry.causal_lm(config, rngs=nnx.Rngs(cfg.seed)), None)
+  return nnx.state(model, nnx.Param)
+
+
 def load_policy(workdir: str, step: int | None = None) -> tuple[decoder.CausalLM, int]:
   """The policy of a training checkpoint on one device; the optimizer state is never read. Default: the
   newest checkpoint that restores (a damaged newer one is skipped with a warning)."""
+  policy = load(workdir, step)
+  return policy.model, policy.step
+
+
+def load(workdir: str, step: int | None = None, adapters_only: bool = False) -> Policy:
+  """`load_policy`'s policy with what a LoRA run's export needs; `adapters_only`: a LoRA run's adapters on an
+  abstract base (nothing of the base is read), and NoAdapters for a full-parameter run."""
   ckpt = open_checkpoints(workdir)
   try:
     with paths.local_dir(workdir_lib.model_dir(workdir)) as model_dir:
@@ -69,23 +126,42 @@ def load_policy(workdir: str, step: int | None = None) -> tuple[decoder.CausalLM
         raise FileNotFoundError(f"{workdir_lib.model_dir(workdir)}: missing {hf.CONFIG_FILE} (written when "
                                 "training starts)")
 
-      def restore(s: int) -> decoder.CausalLM:
-        param_dtype = config_lib.dtype(ckpt.restore_config(s)["model"]["param_dtype"])
+      def restore(s: int) -> tuple:
+        saved = ckpt.restore_config(s)
+        param_dtype = config_lib.dtype(saved["model"]["param_dtype"])
         config = hf.load_config(model_dir, param_dtype=param_dtype, dtype=param_dtype)
-        abstract = nnx.eval_shape(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0)))
-        graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+        spec = lora_spec_of(saved)
+        if spec is None and adapters_only:
+          raise NoAdapters(f"--adapter: {paths.join(ckpt.directory, str(s))} is a full-parameter run's checkpoint "
+                           "(lora.rank 0): it has no adapters; export the model without --adapter")
+        graphdef, trained, base = _abstract_policy(config, spec)
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)
-        return nnx.merge(graphdef, ckpt.restore_params(s, target))
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), trained)
+        return saved, config, spec, graphdef, ckpt.restore_params(s, target), base
 
       if step is not None:
         if step not in ckpt.all_steps():
           raise FileNotFoundError(f"{ckpt.directory}: no checkpoint of step {step} (there are {ckpt.all_steps()})")
-        return restore(step), step
-      step, model = ckpt.restore_newest(restore)
-      return model, step
+        restored = restore(step)
+      else:
+        step, restored = ckpt.restore_newest(restore)
+      saved, config, spec, graphdef, trained, base = restored
+      if spec is None:
+        return Policy(nnx.merge(graphdef, trained), step)
+      if not adapters_only:  # read after the step is chosen: a base that fails to load is no damaged checkpoint
+        base = load_base(saved, config, ckpt.read_record(step), paths.join(ckpt.directory, str(step)))
+      return Policy(nnx.merge(graphdef, trained, base), step, spec, saved["model"].get("hf_path") or "")
   finally:
     ckpt.close()
+
+
+def _abstract_policy(config: ModelConfig, spec: lora.LoraSpec | None):
+  """(graphdef, the checkpoint's trained parameters, abstract base or None) of the policy, abstract: a full run's
+  parameters, or a LoRA run's adapters (fp32, as trained: any narrower dtype converts exactly) and its base."""
+  if spec is None:
+    return *nnx.split(nnx.eval_shape(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0))), nnx.Param), None
+  return lora.split(nnx.eval_shape(lambda: lora.add_adapters(registry.causal_lm(config, rngs=nnx.Rngs(0)), spec,
+                                                              nnx.Rngs(0), dtype=jnp.float32)))
 
 
 EXPORT_MARKER = ".pacs_jax_export.json"  # in an export: the files it wrote, so --overwrite replaces only those
@@ -106,34 +182,47 @@ def save_model_dir(model, out_dir: str, tokenizer=None, *, max_shard_size: int |
 
 
 def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | None = None,
-           max_shard_size: str | int | None = "5GB", overwrite: bool = False) -> str:
-  """Writes the checkpoint's policy as a Hugging Face directory (weights, config.json, tokenizer).
+           max_shard_size: str | int | None = "5GB", overwrite: bool = False, adapter: bool = False) -> str:
+  """Writes the checkpoint's policy as a Hugging Face directory (weights, config.json, tokenizer): a LoRA run's with
+  its adapters merged into the base. `adapter`: a LoRA run's adapters alone, as a PEFT adapter folder (NoAdapters
+  for a full-parameter run).
 
   The files are written into a fresh temporary folder and moved into place. An `out_dir` that holds files is
   refused unless `overwrite`, which replaces only the files a previous export wrote there (listed in its
   `.pacs_jax_export.json`); any other file there is left alone, and with one the export is refused.
   """
   previous = _previous_export(out_dir, overwrite)  # before the checkpoint is read: refuse early
-  model, step = load_policy(workdir, step)
-  with paths.local_dir(workdir_lib.model_dir(workdir)) as model_dir:
-    tokenizer = tokenizers.load_tokenizer(model_dir)  # read whole: no file of it is needed afterwards
-    generation = tokenizers.generation_config(tokenizer, model_dir)
+  policy = load(workdir, step, adapters_only=adapter)
   local_parent = None if paths.is_remote(out_dir) else paths.parent(out_dir)
   if local_parent:
     os.makedirs(local_parent, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=f".{os.path.basename(paths.normalize(out_dir))}.partial-", dir=local_parent)
   try:
-    save_model_dir(model, staging, tokenizer, max_shard_size=max_shard_size,
-                   dtype=config_lib.dtype(dtype) if dtype else None, generation_config=generation)
+    if adapter:
+      peft = lora.to_peft(lora.split(policy.model)[1], policy.spec, policy.model.config, policy.base_path or None)
+      if jax.process_index() == 0:
+        _write_adapter(*peft, staging, dtype)
+    else:
+      _write_model(policy, workdir, staging, dtype, max_shard_size)
     if jax.process_index() == 0:
       files = sorted(os.path.relpath(os.path.join(root, name), staging)
                      for root, _, names in os.walk(staging) for name in names)
       with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
-        json.dump({"workdir": paths.normalize(workdir), "step": step, "files": files}, f, indent=1)
+        json.dump({"workdir": paths.normalize(workdir), "step": policy.step, "files": files}, f, indent=1)
       _move_into_place(staging, out_dir, files, previous)
   finally:
     shutil.rmtree(staging, ignore_errors=True)
   return paths.normalize(out_dir)
+
+
+def _write_model(policy: Policy, workdir: str, local: str, dtype: str | None, max_shard_size) -> None:
+  """The policy (a LoRA run's merged) as a Hugging Face directory, with the run's tokenizer, into `local`."""
+  with paths.local_dir(workdir_lib.model_dir(workdir)) as model_dir:
+    tokenizer = tokenizers.load_tokenizer(model_dir)  # read whole: no file of it is needed afterwards
+    generation = tokenizers.generation_config(tokenizer, model_dir)
+  model = lora.merged_model(policy.model, policy.spec) if policy.spec else policy.model
+  save_model_dir(model, local, tokenizer, max_shard_size=max_shard_size,
+                 dtype=config_lib.dtype(dtype) if dtype else None, generation_config=generation)
 
 
 def _previous_export(out_dir: str, overwrite: bool) -> list[str]:
@@ -168,10 +257,10 @@ def _move_into_place(staging: str, out_dir: str, files: list[str], previous: lis
   marker = paths.join(out_dir, EXPORT_MARKER)
   # While files move, the marker claims both sets: an interrupted export or overwrite can be redone.
   paths.write_atomic(marker, json.dumps({"files": sorted(set(previous) | set(files))}, indent=1))
-  for name in sorted(previous, key=lambda n: n != hf.CONFIG_FILE):
+  for name in sorted(previous, key=lambda n: n not in (hf.CONFIG_FILE, lora.ADAPTER_CONFIG)):
     if name != EXPORT_MARKER:
       paths.remove(paths.join(out_dir, name))
-  last = (hf.CONFIG_FILE, EXPORT_MARKER)
+  last = (hf.CONFIG_FILE, lora.ADAPTER_CONFIG, EXPORT_MARKER)
   for name in sorted(files, key=lambda n: (n in last, n)) + [EXPORT_MARKER]:
     source, target = os.path.join(staging, name), paths.join(out_dir, name)
     if paths.is_remote(out_dir):
@@ -202,3 +291,26 @@ def model_to_evaluate(path: str, step: int | None = None) -> str:
     # but is not; an earlier attempt's files are replaced.
     export(path, out, step=step, overwrite=True)
   return out
+
+
+def export_adapter(adapters: nnx.State, spec: lora.LoraSpec, config: ModelConfig, out_dir: str, *,
+                   base_model_name_or_path: str | None = None, dtype=None) -> str:
+  """Writes a causal LM's LoRA adapters as a PEFT adapter folder (adapter_config.json, adapter_model.safetensors
+  with PEFT's key names) that `peft.PeftModel.from_pretrained(base, out_dir)` loads and vLLM serves as a LoRA
+  adapter; `base_model_name_or_path` goes into its config, `dtype` (e.g. "bfloat16") converts on the way out.
+  Every process takes part in gathering the adapters; process 0 writes (the config last, on Cloud Storage)."""
+  peft = lora.to_peft(adapters, spec, config, base_model_name_or_path)
+  if jax.process_index() == 0:
+    with paths.staged_dir(out_dir, last=(lora.ADAPTER_CONFIG,)) as local:
+      _write_adapter(*peft, local, dtype)
+  return paths.normalize(out_dir)
+
+
+def _write_adapter(tensors: dict[str, np.ndarray], adapter_config: dict, local: str, dtype) -> None:
+  """A PEFT adapter folder's two files (`lora.to_peft`'s tensors and config) into the local folder `local`."""
+  if dtype is not None:
+    tensors = {k: v.astype(config_lib.dtype(dtype) if isinstance(dtype, str) else dtype) for k, v in tensors.items()}
+  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(local, lora.ADAPTER_WEIGHTS),
+            metadata={"format": "pt"})
+  with open(os.path.join(local, lora.ADAPTER_CONFIG), "w") as f:
+    json.dump(adapter_config, f, indent=2)

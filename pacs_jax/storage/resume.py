@@ -1,11 +1,14 @@
-"""What gives a checkpoint's state its meaning (algorithm, model shape, tokenizer, the objective's settings),
-saved with each checkpoint and compared on resume: a change refuses the resume, other config changes warn.
+"""What gives a checkpoint's state its meaning (algorithm, model shape, tokenizer, the objective's settings; for a
+LoRA run its adapters' settings and the base model they sit on), saved with each checkpoint and compared on resume:
+a change refuses the resume, other config changes warn.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import os
 from typing import Any
 
 import ml_collections
@@ -13,6 +16,7 @@ from absl import logging
 
 from pacs_jax.algos import registry as algo_registry
 from pacs_jax.config.checks import ALLOWABLE
+from pacs_jax.models import hf
 from pacs_jax.storage.checkpoint import CheckpointMismatch
 
 # The model fields that decide the parameters' shapes and what they compute.
@@ -24,6 +28,11 @@ EXPECTED_CHANGES = ("steps", "checkpoint.restore", "checkpoint.allow_changes")
 # Fields that decide the prompt order; the data iterator's saved position means nothing without them.
 DATA_ORDER_FIELDS = ("seed", "data.train", "data.synthetic_train_size", "data.max_prompt_length",
                      "data.skip_bad_rows", "train.batch_prompts")
+# The lora fields that decide what a LoRA checkpoint's adapters are (lora.lr_multiplier is a learning rate).
+LORA_FIELDS = ("rank", "alpha", "targets", "use_rslora")
+SECTIONS = ("algorithm", "model", "lora", "base", "tokenizer", "objective")
+# A safetensors file's fingerprint reads its header and this many blocks of its tensor data, evenly spaced.
+_BLOCKS, _BLOCK_BYTES = 16, 1 << 16
 
 
 def tokenizer_fingerprint(tokenizer) -> dict:
@@ -33,28 +42,69 @@ def tokenizer_fingerprint(tokenizer) -> dict:
   return {"vocab_size": len(vocab), "vocab_sha256": digest}
 
 
+def _safetensors_fingerprint(path: str, digest) -> None:
+  """Adds a safetensors file's name, size, header (tensor names, dtypes, shapes, offsets) and _BLOCKS blocks of its
+  tensor data, evenly spaced, to `digest`: a few MiB read, where hashing a 7B model's 15 GB would take minutes."""
+  size = os.path.getsize(path)
+  digest.update(f"{os.path.basename(path)}:{size}:".encode())
+  with open(path, "rb") as f:
+    header_len = int.from_bytes(f.read(8), "little")
+    digest.update(f.read(header_len))
+    start = 8 + header_len
+    for i in range(_BLOCKS):
+      f.seek(start + (size - start) * i // _BLOCKS)
+      digest.update(f.read(_BLOCK_BYTES))
+
+
+def base_fingerprint(cfg: ml_collections.ConfigDict) -> dict:
+  """What identifies a LoRA run's frozen base weights: a sha256 of `model.hf_path`'s config.json and its
+  safetensors files (`_safetensors_fingerprint`), or the preset, vocabulary, dtype and seed of a random init."""
+  if not cfg.model.hf_path:
+    return {"preset": cfg.model.preset, "vocab_size": cfg.model.vocab_size, "param_dtype": cfg.model.param_dtype,
+            "seed": cfg.seed}
+  directory = hf.resolve_path(cfg.model.hf_path)
+  digest = hashlib.sha256()
+  with open(os.path.join(directory, hf.CONFIG_FILE), "rb") as f:
+    digest.update(f.read())
+  for path in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+    _safetensors_fingerprint(path, digest)
+  return {"sha256": digest.hexdigest()[:16]}
+
+
+def _lora_section(lora: dict) -> dict | None:
+  """The record's `lora` section of a config's lora block: None for full fine-tuning (rank 0)."""
+  return {k: lora.get(k) for k in LORA_FIELDS} if lora.get("rank") else None
+
+
 def make_record(cfg: ml_collections.ConfigDict, hf_config: dict, tokenizer) -> dict:
+  """The record of a run of `cfg` (a LoRA run's adds `lora` and the `base` fingerprint; a full run's has neither,
+  as before LoRA existed)."""
   algorithm = cfg.algorithm
-  block = cfg.get(algorithm)  # the algorithm's own settings block (pacs, grpo, ppo), if it has one
-  objective = block.to_dict() if block is not None else {}
-  return {
+  objective = algo_registry.get(algorithm).settings(cfg).as_dict()  # the algorithm's own typed settings
+  record = {
       "algorithm": algorithm,
       "model": {k: hf_config.get(k) for k in MODEL_FIELDS},
       "tokenizer": {"name": cfg.tokenizer or cfg.model.hf_path, **tokenizer_fingerprint(tokenizer)},
       "objective": {f"{algorithm}.{k}": v for k, v in sorted(objective.items())},
   }
+  lora = _lora_section(cfg.lora.to_dict())
+  if lora is not None:
+    record.update(lora=lora, base=base_fingerprint(cfg))
+  return record
 
 
 def legacy_record(saved_config: dict) -> dict:
   """The part of a record that a checkpoint saved before records existed still tells (its config)."""
   algorithm = saved_config.get("algorithm")
   model = saved_config.get("model", {})
-  return {
+  record = {
       "algorithm": algorithm,
       "model": {k: model.get(k) for k in ("preset", "hf_path", "vocab_size")},
       "tokenizer": {"name": saved_config.get("tokenizer") or model.get("hf_path")},
       "objective": {f"{algorithm}.{k}": v for k, v in sorted(saved_config.get(algorithm, {}).items())},
   }
+  lora = _lora_section(saved_config.get("lora", {}))
+  return {**record, "lora": lora} if lora is not None else record
 
 
 def legacy_record_of(cfg: ml_collections.ConfigDict) -> dict:
@@ -76,10 +126,13 @@ def with_moved_settings(saved: dict, saved_config: dict) -> dict:
 def differences(saved: dict, current: dict) -> dict[str, list[str]]:
   """{section: ["field: saved -> current", ...]} for each record section that differs."""
   out = {}
-  for section in ("algorithm", "model", "tokenizer", "objective"):
+  for section in SECTIONS:
     old, new = saved.get(section), current.get(section)
-    if old == new or section == "objective" and "algorithm" in out:  # another algorithm has other settings
+    if (old == new or section == "objective" and "algorithm" in out  # another algorithm has other settings
+        or section == "base" and ("lora" in out or "model" in out)):  # the adapters or shapes differ already
       continue
+    if section == "lora" and not (old and new):  # LoRA on one side only: its rank says it
+      old, new = {"rank": (old or {}).get("rank", 0)}, {"rank": (new or {}).get("rank", 0)}
     if isinstance(old, dict) and isinstance(new, dict):
       keys = sorted(set(old) | set(new))
       out[section] = [f"{k if section == 'objective' else f'{section}.{k}'}: {old.get(k)!r} -> {new.get(k)!r}"
@@ -96,9 +149,13 @@ def refusal(step: int, directory: str, diffs: dict[str, list[str]], allowed: tup
     return None
   changes = "; ".join(line for lines in blocking.values() for line in lines)
   allowable = [k for k in blocking if k in ALLOWABLE]
-  if "model" in blocking:
-    fix = ("the parameters cannot be restored into another shape: use another --workdir, or "
-           "--config.checkpoint.restore=never to start from scratch here")
+  if "model" in blocking or "lora" in blocking:
+    what = "the parameters cannot be restored into another shape" if "model" in blocking else (
+        "adapters are resumed with the settings they were trained with")
+    fix = f"{what}: use another --workdir, or --config.checkpoint.restore=never to start from scratch here"
+  elif "base" in blocking:
+    fix = ("its adapters were trained on another base model: set model.hf_path (or the seed of a random init) to "
+           "that base, use another --workdir, or --config.checkpoint.restore=never to start from scratch here")
   else:
     fix = (f"use another --workdir, or --config.checkpoint.allow_changes={','.join(allowable)} to resume this "
            "state anyway")
@@ -155,7 +212,8 @@ def check(step: int, where: str, saved_config: dict, saved_record: dict | None, 
   for section in diffs:
     logging.warning("resuming step %d with another %s, as checkpoint.allow_changes permits: %s", step, section,
                     "; ".join(diffs[section]))
-  others = other_changes(saved_config, cfg, ("algorithm", "tokenizer", "pacs", "grpo", "ppo", *DATA_ORDER_FIELDS))
+  # Every algorithm's block: the record compares the configured one's; another's means nothing to this run.
+  others = other_changes(saved_config, cfg, ("algorithm", "tokenizer", *algo_registry.names(), *DATA_ORDER_FIELDS))
   if others:
     logging.warning("config changed since checkpoint step %d: %s", step, "; ".join(others))
   for field, (old, new) in changed_data_fields(saved_config, cfg).items():

@@ -28,7 +28,7 @@ def correct_counts(trainer, records: list[dict], n: int, seed: int) -> np.ndarra
   prompt_ids = [ids.tolist() for ids in prompts_lib.encode_prompts(trainer.tokenizer, [r["problem"] for r in records],
                                                                   None)]
   with jax.set_mesh(trainer.mesh):
-    params = trainer.programs.to_sample_params(trainer.state.params)
+    params = trainer.sample_params()
     completions = scheduler.generate(trainer.engine, params, prompt_ids, n=n, max_new_tokens=trainer.R,
                                      sampling=trainer.sampling, seed=seed, eos_ids=trainer.eos_ids,
                                      prompt_ids=[zlib.crc32(r["problem"].encode()) & 0x7FFFFFFF for r in records])

@@ -28,6 +28,9 @@ class PackedRollout:
   finish_reasons: list[str]
   # The algorithm's host inputs ([rows, R] each; `Algorithm.host_inputs`), e.g. PACS's padding replication.
   extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  # The verifier's verdicts [rows] before the algorithm shaped them into `rewards` (`Algorithm.shape_rewards`, e.g.
+  # DAPO's overlong penalty); None: the rewards are the verdicts.
+  scores: np.ndarray | None = None
 
 
 def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
@@ -99,16 +102,17 @@ def rollout_metrics(packed: PackedRollout, reward_stats: dict, source_names: lis
   source_ids = np.asarray([source_names.index(s) for s in packed.data_sources], np.float32)
   finished_by_length = np.asarray([r == "length" for r in packed.finish_reasons], np.float32)
   counts = np.asarray([reward_stats.get("errors", 0), reward_stats.get("timeouts", 0)], np.float32)
-  rows = np.stack([packed.rewards, packed.response_mask.sum(-1), finished_by_length, source_ids], axis=1)  # [rows, 4]
+  scores = packed.rewards if packed.scores is None else packed.scores
+  rows = np.stack([packed.rewards, packed.response_mask.sum(-1), finished_by_length, source_ids, scores], axis=1)  # [rows, 5]
   rows, counts = multihost.gather_rows(rows), multihost.sum_over_processes(counts)
-  rewards, lengths, clipped, ids = rows.T
+  rewards, lengths, clipped, ids, scores = rows.T
   m = {"reward/mean": float(np.mean(rewards)),
        "response_length/mean": float(np.mean(lengths)),
        "response_length/max": float(np.max(lengths)),
        "response_length/clip_ratio": float(np.mean(clipped)),
        "reward/errors": float(counts[0]),
        "reward/timeouts": float(counts[1])}
-  m.update(per_source_mean(rewards, [source_names[int(i)] for i in ids], "accuracy"))
+  m.update(per_source_mean(scores, [source_names[int(i)] for i in ids], "accuracy"))  # the verifier's, unshaped
   return m
 
 

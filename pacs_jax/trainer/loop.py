@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
-from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import paths
@@ -38,6 +37,7 @@ from pacs_jax.trainer import metrics as metrics_lib
 from pacs_jax.trainer import multihost
 from pacs_jax.trainer import build
 from pacs_jax.trainer import preemption as preemption_lib
+from pacs_jax.trainer import dynamic_sampling
 from pacs_jax.trainer import programs as programs_lib
 from pacs_jax.trainer import stages
 from pacs_jax.trainer import state as state_lib
@@ -75,6 +75,7 @@ class Trainer:
     self.tokenizer = build.load_tokenizer(cfg)
     model_config = config_lib.model_config(cfg)
     config_lib.check_tokenizer_fits_model(cfg, len(self.tokenizer), model_config.vocab_size)
+    config_lib.check_lora_fits_model(cfg, model_config)
     for warning in config_lib.advisories(cfg):
       logging.warning("%s", warning)
     # Ids that stop a response, and those whose first occurrence ends its mask (config.rollout.stop_tokens).
@@ -120,31 +121,28 @@ class Trainer:
       policy = build.build_policy(cfg, self.mesh)
     self.policy_config = policy.config  # the model card (model/) is written once a resume is known to be this run's
     self.record = resume_lib.make_record(cfg, policy.config.to_hf_dict(), self.tokenizer)
-    self.graphdef, params = nnx.split(policy, nnx.Param)
+    run = build.run_params(cfg, policy, self.mesh)
+    self.graphdef, self.critic_graphdef = run.graphdef, run.critic_graphdef
+    # A frozen reference (or None: the policy that sampled), and a LoRA run's frozen base (None for a full run).
+    self.ref_params, self.base, self.frozen = run.ref_params, run.base, run.frozen
     self.optimizer, self.critic_optimizer = programs_lib.make_optimizers(cfg)
-    critic_graphdef = critic_params = critic_opt_state = None
-    if self.algo.has_critic:
-      with jax.set_mesh(self.mesh):
-        critic = build.build_critic(cfg, policy, self.mesh)
-      critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
-      critic_opt_state = state_lib.init_opt_state(self.critic_optimizer, critic_params, self.mesh)
-    self.critic_graphdef = critic_graphdef
-    # The frozen reference: a copy of the initial weights, same shardings, no optimizer state.
-    self.ref_params = jax.tree.map(jnp.copy, params) if programs_lib.needs_frozen_ref(cfg) else None
+    critic_opt_state = None
+    if run.critic_params is not None:
+      critic_opt_state = state_lib.init_opt_state(self.critic_optimizer, run.critic_params, self.mesh)
     self.state = state_lib.TrainState(
-        step=jnp.zeros((), jnp.int32), params=params,
-        opt_state=state_lib.init_opt_state(self.optimizer, params, self.mesh),
-        rng=state_lib.initial_rng(cfg.seed), critic_params=critic_params, critic_opt_state=critic_opt_state)
+        step=jnp.zeros((), jnp.int32), params=run.params,
+        opt_state=state_lib.init_opt_state(self.optimizer, run.params, self.mesh),
+        rng=state_lib.initial_rng(cfg.seed), critic_params=run.critic_params, critic_opt_state=critic_opt_state)
     # The shardings `--compile_only` compiles for (a no-op move for arrays already in place).
     self.state_shardings = programs_lib.train_state_shardings(self.state, self.mesh, self.optimizer,
                                                               self.critic_optimizer)
     self.state = jax.device_put(self.state, self.state_shardings)
 
-    self.engine = programs_lib.make_engine(cfg, nnx.merge(self.graphdef, params), self.mesh, self.eos_ids)
+    self.engine = programs_lib.make_engine(cfg, run.decode_model, self.mesh, self.eos_ids)
     self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
-    self.programs = programs_lib.make_programs(cfg, self.graphdef, critic_graphdef, self.optimizer,
+    self.programs = programs_lib.make_programs(cfg, self.graphdef, self.critic_graphdef, self.optimizer,
                                                self.critic_optimizer, self.state_shardings,
-                                               self.engine.param_shardings)
+                                               self.engine.param_shardings, run.frozen)
     self.batch_layout = programs_lib.batch_layout(cfg)
     self.checkpointer = checkpoint_lib.Checkpointer(paths.join(workdir, CHECKPOINT_DIR), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
@@ -163,27 +161,60 @@ class Trainer:
     seed = state_lib.rollout_seed(self.state.rng)  # the train step's last update moves the RNG on
     prompt_ids = [ids.tolist() for ids in prompts["prompt_ids"]]
     first = " (the first step compiles its programs)" if not self._stepped else ""
+    sampled = {}  # dynamic sampling's metrics
     with console.StepProgress(len(prompt_ids) * jax.process_count() * self.cfg.rollout.n,
                               lambda: f"step {int(self.state.step) + 1}: rollout{first}") as progress:
-      completions = self.rollout(prompt_ids, seed, on_finish=progress.on_finish)
-      clock.lap("rollout")
-      progress.stage("rollout", "reward and update")
-      scored = stages.score(scorer, self.tokenizer, prompts, completions)
+      if self.algo.sampling_rounds(self.cfg) == 1:
+        completions = self.rollout(prompt_ids, seed, on_finish=progress.on_finish)
+        clock.lap("rollout")
+        progress.stage("rollout", "reward and update")
+        scored = stages.score(scorer, self.tokenizer, prompts, completions)
+      else:  # the kept groups of rollouts drawn until the batch is full (trainer/dynamic_sampling.py)
+        prompt_ids, completions, scored, sampled = self.sample(prompts, seed, scorer, progress.on_finish)
+        clock.lap("rollout")
+        progress.stage("rollout", "update")
       clock.lap("score")
       packed = stages.pack(prompt_ids, completions, scored, P=self.P, R=self.R, n=self.cfg.rollout.n,
                            pad_id=self.pad_id, mask_eos_ids=self.mask_eos_ids,
-                           host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R))
+                           host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R),
+                           shape_rewards=lambda scores, mask: self.algo.shape_rewards(self.cfg, scores, mask))
       metrics = self.update(packed)
       clock.lap("update")
       self._stepped = True
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
       stages.dump(self.cfg.rollout_data_dir, int(self.state.step), self.tokenizer, prompt_ids, completions, scored)
-    return stages.record(metrics, packed, scored, clock, self.source_names)
+    row = stages.record(metrics, packed, scored, clock, self.source_names)
+    row.update(sampled)  # (its timings split the rounds' rollouts from their scoring)
+    return row
+
+  def sample(self, prompts: dict[str, Any], seed: int, scorer, on_finish=None):
+    """The step's dynamically sampled rollout (`dynamic_sampling.sample`): refills are the pipeline's next elements."""
+    def generate(global_prompts, round_seed):
+      with jax.set_mesh(self.mesh):
+        params_sample = self.programs.to_sample_params(self.state.params)
+        return stages.generate(self.engine, params_sample, global_prompts, n=self.cfg.rollout.n,
+                               max_new_tokens=self.R, sampling=self.sampling, seed=round_seed, eos_ids=self.eos_ids,
+                               on_finish=on_finish)
+    return dynamic_sampling.sample(
+        prompts, lambda: next(self.data_iter), generate,
+        lambda element, completions: stages.score(scorer, self.tokenizer, element, completions),
+        lambda scores: self.algo.keep_groups(self.cfg, scores),
+        lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True),
+        n=self.cfg.rollout.n, P=self.P, max_rounds=self.algo.sampling_rounds(self.cfg), seed=seed)
+
+  def sample_params(self):
+    """The current policy's rollout weights (a LoRA run's: the base with the adapters merged in). Under the mesh."""
+    return self.programs.to_sample_params(self.state.params, *self.frozen_args)
+
+  @property
+  def frozen_args(self) -> tuple:
+    """The programs' trailing argument: a LoRA run's base weights, or nothing."""
+    return () if self.base is None else (self.base,)
 
   def rollout(self, prompt_ids: list[list[int]], seed: int, on_finish=None) -> list:
     """This process's completions of the step's rollout (n samples per prompt) by the current policy."""
     with jax.set_mesh(self.mesh):
-      params_sample = self.programs.to_sample_params(self.state.params)
+      params_sample = self.sample_params()
       return stages.rollout(self.engine, params_sample, prompt_ids, P=self.P, n=self.cfg.rollout.n,
                             max_new_tokens=self.R, sampling=self.sampling, seed=seed, eos_ids=self.eos_ids,
                             on_finish=on_finish)
@@ -191,7 +222,7 @@ class Trainer:
   def update(self, packed: batching.PackedRollout) -> dict[str, Any]:
     """The update stage on the trainer's state; keeps each mini-batch's own metrics in `minibatch_metrics`."""
     self.state, per_minibatch = stages.update(self.programs, self.state, self.ref_params, packed, self.batch_layout,
-                                              self.mesh, programs_lib.updates_per_step(self.cfg))
+                                              self.mesh, programs_lib.updates_per_step(self.cfg), self.frozen_args)
     # Each mini-batch's own metrics, for inspection (e.g. r̂ = 0 on the first one with the rollout reference).
     self.minibatch_metrics = [{k: float(np.asarray(v)) for k, v in m.items()} for m in per_minibatch]
     return stages.step_metrics(per_minibatch)
@@ -204,7 +235,7 @@ class Trainer:
     cfg = self.cfg
     max_new = cfg.rollout.val_max_new_tokens or self.R
     with jax.set_mesh(self.mesh):
-      params_sample = self.programs.to_sample_params(self.state.params)
+      params_sample = self.sample_params()
       completions = scheduler.generate(self.engine, params_sample, self.val_prompts, n=1,
                                        max_new_tokens=min(max_new, self.R), sampling=sampling_lib.Greedy(),
                                        seed=0, eos_ids=self.eos_ids)

@@ -57,6 +57,24 @@ def gather_prompts(local: list[list[int]], max_len: int) -> list[list[int]]:
   return [[t for t in row if t >= 0] for row in gather_rows(padded)]
 
 
+def gather_strings(local: list[str]) -> list[str]:
+  """Every process's strings (each process the same number), processes in order."""
+  if jax.process_count() == 1:
+    return list(local)
+  data = [list(s.encode("utf-8")) for s in local]
+  longest = int(gather_rows(np.asarray([max((len(d) for d in data), default=0)], np.int32)).max())
+  return [bytes(row).decode("utf-8") for row in gather_prompts(data, longest)]
+
+
+def process_count() -> int:
+  return jax.process_count()
+
+
+def process_offset(num_local: int) -> int:
+  """Where this process's share of `num_local` items starts in the global order (processes in order)."""
+  return jax.process_index() * num_local
+
+
 def local_share(completions: list, num_local_prompts: int) -> list:
   """The completions of this process's prompts (of a global rollout), their prompt indices made local."""
   start = jax.process_index() * num_local_prompts

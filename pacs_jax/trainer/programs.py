@@ -1,5 +1,12 @@
 """The jitted programs a training run executes, their shardings and argument shapes: built by the same
 functions for the trainer (`loop.Trainer`) and for compiling ahead of time (`pacs_jax.compile.aot`), so the two cannot drift.
+
+A LoRA run (`lora.rank` > 0) trains its adapters only: the TrainState's params are the adapters, and the frozen
+base weights enter the programs as one more argument (`adapters.Frozen` describes them; `abstract_base` gives
+them abstractly): `train_step(state, minibatch, ends_step, base)`, `logprob_fn(params, minibatch, base)`,
+`value_fn(critic_params, minibatch, base)`, `to_sample_params(params, base)`, and the frozen reference
+`ref_logprob_fn(base, minibatch)`; the rollout engine runs the base's graph (`nnx.merge(frozen.ref_graphdef, base)`).
+A full run's programs take no base.
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.algos import batch as batch_lib, registry
-from pacs_jax.models import decoder
+from pacs_jax.models import decoder, lora
 from pacs_jax.models import registry as model_registry
 from pacs_jax.rollout import engine as engine_lib
+from pacs_jax.trainer import adapters as adapters_lib
 from pacs_jax.trainer import state as state_lib
 from pacs_jax.trainer import step as step_lib
 
@@ -45,12 +53,14 @@ def micro_batches(cfg: ml_collections.ConfigDict) -> int:
 
 
 def make_optimizers(cfg: ml_collections.ConfigDict):
-  """(policy optimizer, critic optimizer or None)."""
+  """(policy optimizer, critic optimizer or None). A LoRA run's learning rates are `lora.lr_multiplier` times the
+  config's (LoRA's best is about 10x full fine-tuning's)."""
   total_updates = cfg.steps * updates_per_step(cfg)
-  optimizer = state_lib.make_optimizer(cfg.train, cfg.train.lr, total_updates)
+  scale = cfg.lora.lr_multiplier if config_lib.lora_spec(cfg) else 1.0
+  optimizer = state_lib.make_optimizer(cfg.train, scale * cfg.train.lr, total_updates)
   algo, critic = registry.of(cfg), None
   if algo.has_critic:
-    critic = state_lib.make_optimizer(cfg.train, algo.critic_lr(cfg), total_updates)
+    critic = state_lib.make_optimizer(cfg.train, scale * algo.critic_lr(cfg), total_updates)
   return optimizer, critic
 
 
@@ -114,17 +124,32 @@ def abstract_policy(cfg: ml_collections.ConfigDict) -> decoder.CausalLM:
   return nnx.eval_shape(lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(0)))
 
 
-def abstract_train_state(cfg: ml_collections.ConfigDict, mesh):
-  """(policy graphdef, critic graphdef or None, TrainState of ShapeDtypeStructs in their shardings)."""
-  policy = abstract_policy(cfg)
-  graphdef, params = nnx.split(policy, nnx.Param)
-  optimizer, critic_optimizer = make_optimizers(cfg)
-  critic_graphdef = critic_params = critic_opt_state = None
-  algo = registry.of(cfg)
+def _abstract_parts(cfg: ml_collections.ConfigDict):
+  """(policy graphdef, its trained params, critic graphdef, critic params, base, reference graphdef), abstract; the
+  last two None for a full run."""
+  spec, algo = config_lib.lora_spec(cfg), registry.of(cfg)
+  critic_graphdef = critic_params = base = ref_graphdef = None
+  if spec is None:
+    policy = abstract_policy(cfg)
+    graphdef, params = nnx.split(policy, nnx.Param)
+    if algo.has_critic:
+      critic = nnx.eval_shape(lambda: algo.make_critic(policy.config, nnx.Rngs(1)))
+      critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
+    return graphdef, params, critic_graphdef, critic_params, base, ref_graphdef
+  mc = config_lib.preset_model_config(cfg)
+  graphdef, params, base, ref_graphdef = adapters_lib.abstract_policy(
+      lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(0)), spec)
   if algo.has_critic:
-    critic = nnx.eval_shape(lambda: algo.make_critic(policy.config, nnx.Rngs(1)))
-    critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
-    critic_opt_state = jax.eval_shape(critic_optimizer.init, critic_params)
+    critic_graphdef, critic_params = adapters_lib.critic(lambda: algo.make_critic(mc, nnx.Rngs(1)), spec, 0)
+  return graphdef, params, critic_graphdef, critic_params, base, ref_graphdef
+
+
+def abstract_train_state(cfg: ml_collections.ConfigDict, mesh):
+  """(policy graphdef, critic graphdef or None, TrainState of ShapeDtypeStructs in their shardings). A LoRA run's
+  graphdefs have adapters, and its state's params are the adapters (`abstract_base` gives the frozen rest)."""
+  graphdef, params, critic_graphdef, critic_params, _, _ = _abstract_parts(cfg)
+  optimizer, critic_optimizer = make_optimizers(cfg)
+  critic_opt_state = jax.eval_shape(critic_optimizer.init, critic_params) if critic_params is not None else None
   state = state_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
                                opt_state=jax.eval_shape(optimizer.init, params),
                                rng=jax.eval_shape(lambda: state_lib.initial_rng(0)),
@@ -132,6 +157,24 @@ def abstract_train_state(cfg: ml_collections.ConfigDict, mesh):
   shardings = train_state_shardings(state, mesh, optimizer, critic_optimizer)
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
   return graphdef, critic_graphdef, abstract
+
+
+def frozen_base(cfg: ml_collections.ConfigDict, ref_graphdef, base: nnx.State, mesh) -> adapters_lib.Frozen | None:
+  """The `adapters.Frozen` of a LoRA run whose base (concrete or abstract) is `base`; None for a full run."""
+  spec = config_lib.lora_spec(cfg)
+  if spec is None:
+    return None
+  return adapters_lib.Frozen(spec, ref_graphdef, _full_tree(base, sharding.state_shardings(base, mesh, "train")))
+
+
+def abstract_base(cfg: ml_collections.ConfigDict, mesh) -> tuple[adapters_lib.Frozen, nnx.State] | None:
+  """A LoRA run's (Frozen, base weights as ShapeDtypeStructs in their shardings), from `model.preset` as
+  `abstract_train_state`; None for a full run."""
+  _, _, _, _, base, ref_graphdef = _abstract_parts(cfg)
+  if base is None:
+    return None
+  frozen = frozen_base(cfg, ref_graphdef, base, mesh)
+  return frozen, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), base, frozen.shardings)
 
 
 def make_engine(cfg: ml_collections.ConfigDict, model: decoder.CausalLM, mesh, eos_ids) -> engine_lib.Engine:
@@ -144,18 +187,22 @@ def make_engine(cfg: ml_collections.ConfigDict, model: decoder.CausalLM, mesh, e
 
 @dataclasses.dataclass
 class Programs:
-  """The trainer's jitted functions (the rollout engine holds the rollout ones)."""
+  """The trainer's jitted functions (the rollout engine holds the rollout ones). A LoRA run's take the frozen base
+  as one more argument (the module docstring)."""
   train_step: Callable  # (state, minibatch, ends_step) -> (state, metrics); the state is donated
-  logprob_fn: Callable  # (params, minibatch) -> log-probs [k, m, R]: reference and old log-probs
+  logprob_fn: Callable  # (params, minibatch) -> log-probs [k, m, R]: the policy's (old log-probs)
   value_fn: Callable | None  # (critic params, minibatch) -> values [k, m, R] (PPO)
   # (minibatches) -> [{field: [k, m, R]}]: the algorithm's step inputs (PPO's GAE), or None without any
   step_inputs: Callable | None
   to_sample_params: Callable  # train-mode params -> rollout weights (compute dtype, sample layout)
+  # (reference params, minibatch) -> log-probs [k, m, R] of a frozen reference: a full run's `logprob_fn` on its
+  # copy of the initial weights; a LoRA run's base model without adapters, on the base
+  ref_logprob_fn: Callable | None = None
 
 
 def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, optimizer, critic_optimizer,
-                  state_shardings: Any, sample_shardings: Any) -> Programs:
-  step_fn = step_lib.make_train_step(cfg, graphdef, optimizer, critic_graphdef, critic_optimizer)
+                  state_shardings: Any, sample_shardings: Any, frozen: adapters_lib.Frozen | None = None) -> Programs:
+  """The programs of a run; `frozen` (`frozen_base`) for a LoRA run."""
   mesh = jax.tree.leaves(state_shardings)[0].mesh
   layout = batch_layout(cfg)
   abstract = layout.abstract(lambda ndim: minibatch_sharding(mesh, ndim))
@@ -165,11 +212,46 @@ def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, opt
   # Rollout weights: sample-mode layout in the compute dtype. The model casts every weight to that
   # dtype before use, so sampling numerics are unchanged while memory and bandwidth drop.
   compute = config_lib.dtype(cfg.model.dtype)
+  if frozen is not None:
+    return _lora_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
+                          sample_shardings, frozen, batch_shardings, targets, compute, layout)
+  step_fn = step_lib.make_train_step(cfg, graphdef, optimizer, critic_graphdef, critic_optimizer)
+  logprob_fn = jax.jit(step_lib.make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.train.logits_chunk, targets))
   return Programs(
       train_step=jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings, sharding.replicated(mesh)),
                          out_shardings=(state_shardings, None), donate_argnums=(0,)),
-      logprob_fn=jax.jit(step_lib.make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.train.logits_chunk, targets)),
+      logprob_fn=logprob_fn,
       value_fn=(jax.jit(step_lib.make_value_fn(critic_graphdef, algo.critic_mask)) if critic_graphdef is not None
                 else None),
-      step_inputs=jax.jit(lambda mbs: algo.step_inputs(cfg, mbs)) if layout.names(batch_lib.STEP) else None,
-      to_sample_params=jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute), p), out_shardings=sample_shardings))
+      step_inputs=_step_inputs(cfg, layout),
+      to_sample_params=jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute), p), out_shardings=sample_shardings),
+      ref_logprob_fn=logprob_fn)
+
+
+def _step_inputs(cfg: ml_collections.ConfigDict, layout: batch_lib.BatchLayout) -> Callable | None:
+  algo = registry.of(cfg)
+  return jax.jit(lambda mbs: algo.step_inputs(cfg, mbs)) if layout.names(batch_lib.STEP) else None
+
+
+def _lora_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings, sample_shardings,
+                   frozen: adapters_lib.Frozen, batch_shardings, targets, compute, layout) -> Programs:
+  """A LoRA run's programs: the base is an argument (never donated, no gradient); the rollout weights are the
+  merged W + scale · A B, formed on device from the adapters and the base at each policy update."""
+  mesh = jax.tree.leaves(state_shardings)[0].mesh
+  algo = registry.of(cfg)
+  step_fn = step_lib.make_train_step(cfg, graphdef, optimizer, critic_graphdef, critic_optimizer, frozen=True)
+  temperature, chunk = cfg.rollout.temperature, cfg.train.logits_chunk
+
+  def to_sample_params(params, base):
+    return jax.tree.map(lambda x: x.astype(compute), lora.merge_into(base, params, frozen.spec))
+
+  return Programs(
+      train_step=jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings, sharding.replicated(mesh),
+                                                frozen.shardings),
+                         out_shardings=(state_shardings, None), donate_argnums=(0,)),
+      logprob_fn=jax.jit(step_lib.make_logprob_fn(graphdef, temperature, chunk, targets, frozen=True)),
+      value_fn=(jax.jit(step_lib.make_value_fn(critic_graphdef, algo.critic_mask, frozen=True))
+                if critic_graphdef is not None else None),
+      step_inputs=_step_inputs(cfg, layout),
+      to_sample_params=jax.jit(to_sample_params, out_shardings=sample_shardings),
+      ref_logprob_fn=jax.jit(step_lib.make_logprob_fn(frozen.ref_graphdef, temperature, chunk, targets)))

@@ -28,10 +28,17 @@ def rollout(engine, params_sample, prompt_ids: list[list[int]], *, P: int, n: in
             seed: int, eos_ids, on_finish: Callable[[], None] | None = None) -> list[rollout_state.Completion]:
   """This process's completions of a rollout over every process's prompts (all run the same global one);
   `on_finish()` is called as each response finishes. Run under the mesh `params_sample` lives on."""
-  completions = scheduler.generate(engine, params_sample, multihost.gather_prompts(prompt_ids, P), n=n,
-                                   max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
-                                   on_finish=on_finish)
+  completions = generate(engine, params_sample, multihost.gather_prompts(prompt_ids, P), n=n,
+                         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
+                         on_finish=on_finish)
   return multihost.local_share(completions, len(prompt_ids))
+
+
+def generate(engine, params_sample, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling, seed: int,
+             eos_ids, on_finish: Callable[[], None] | None = None) -> list[rollout_state.Completion]:
+  """Every completion of the global rollout of `prompts` (every process's, processes in order), prompt-major."""
+  return scheduler.generate(engine, params_sample, prompts, n=n, max_new_tokens=max_new_tokens, sampling=sampling,
+                            seed=seed, eos_ids=eos_ids, on_finish=on_finish)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,33 +63,38 @@ def score(scorer, tokenizer, prompts: dict[str, Any], completions: list[rollout_
 
 def pack(prompt_ids: list[list[int]], completions: list[rollout_state.Completion], scored: Scored, *, P: int,
          R: int, n: int, pad_id: int, mask_eos_ids,
-         host_inputs: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]]) -> batching.PackedRollout:
+         host_inputs: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]],
+         shape_rewards: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> batching.PackedRollout:
   """The responses as host rows (prompt left-padded to P, response right-padded to R), checked to be grouped
-  prompt-major; `host_inputs(input_ids, attention_mask)`: the algorithm's extra host fields."""
+  prompt-major; `host_inputs(input_ids, attention_mask)`: the algorithm's extra host fields;
+  `shape_rewards(scores, response_mask)`: the rewards the loss sees (default: the verifier's scores)."""
   input_ids, attention_mask, resp_mask = batching.pack_rows(prompt_ids, completions, P, R, pad_id, mask_eos_ids)
   batching.check_groups(input_ids, attention_mask, P, n)
-  return batching.PackedRollout(input_ids, attention_mask, resp_mask, np.asarray(scored.scores, np.float32),
-                               scored.data_sources, [c.finish_reason for c in completions],
-                               extra=host_inputs(input_ids, attention_mask))
+  scores = np.asarray(scored.scores, np.float32)
+  rewards = scores if shape_rewards is None else np.asarray(shape_rewards(scores, resp_mask), np.float32)
+  return batching.PackedRollout(input_ids, attention_mask, resp_mask, rewards, scored.data_sources,
+                               [c.finish_reason for c in completions], extra=host_inputs(input_ids, attention_mask),
+                               scores=scores)
 
 
 def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_params, packed: batching.PackedRollout,
-           layout: batch_lib.BatchLayout, mesh, num_minibatches: int) -> tuple[state_lib.TrainState, list[dict]]:
+           layout: batch_lib.BatchLayout, mesh, num_minibatches: int, frozen: tuple = ()
+           ) -> tuple[state_lib.TrainState, list[dict]]:
   """Reference / old log-probs (and values) for the whole step first, then the algorithm's step inputs, then one
   optimizer update per mini-batch (the last one moves the step counter and the RNG on). `ref_params`: a frozen
-  reference, or None for the policy that sampled the step. Returns the new state (`state` is donated) and each
-  mini-batch's metrics (device scalars)."""
+  reference, or None for the policy that sampled the step; `frozen`: a LoRA run's (base,), the programs' last
+  argument. Returns the new state (`state` is donated) and each mini-batch's metrics (device scalars)."""
   old, ref, values = batch_lib.OLD_LOGPROBS.name, batch_lib.REF_LOGPROBS.name, batch_lib.OLD_VALUES.name
   passes = layout.names(batch_lib.PASS)
   with jax.set_mesh(mesh):
     minibatches = batching.to_minibatches(packed, layout, mesh, num_minibatches)
     for mb in minibatches:
       if old in passes:
-        mb[old] = programs.logprob_fn(state.params, mb)
-      if ref in passes:  # a frozen copy, or the policy that sampled this step (e.g. PACS "rollout")
-        mb[ref] = programs.logprob_fn(ref_params, mb) if ref_params is not None else mb[old]
+        mb[old] = programs.logprob_fn(state.params, mb, *frozen)
+      if ref in passes:  # a frozen copy (or base), or the policy that sampled this step (e.g. PACS "rollout")
+        mb[ref] = programs.ref_logprob_fn(ref_params, mb) if ref_params is not None else mb[old]
       if values in passes:
-        mb[values] = programs.value_fn(state.critic_params, mb)
+        mb[values] = programs.value_fn(state.critic_params, mb, *frozen)
     if programs.step_inputs is not None:
       for mb, inputs in zip(minibatches, programs.step_inputs(minibatches)):
         mb.update(inputs)
@@ -91,7 +103,7 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
         raise ValueError(f"mini-batch fields {sorted(mb)}, expected {sorted(layout.names())}")
     per_minibatch = []
     for j, mb in enumerate(minibatches):
-      state, m = programs.train_step(state, mb, programs_lib.ends_step(mesh, j == len(minibatches) - 1))
+      state, m = programs.train_step(state, mb, programs_lib.ends_step(mesh, j == len(minibatches) - 1), *frozen)
       per_minibatch.append(m)
   return state, per_minibatch
 

@@ -1,5 +1,5 @@
-"""The pure train step `(state, minibatch, ends_step) -> (state, metrics)` and the jitted log-prob / value passes
-it needs.
+"""The pure train step `(state, minibatch, ends_step) -> (state, metrics)` (a LoRA run's takes its frozen base
+weights too) and the jitted log-prob / value passes it needs.
 
 A mini-batch (an `algos.batch.Batch`) has a leading micro-batch axis: every array is [k, m, ...] with k
 micro-batches of m rows (whole prompt groups). Gradients are accumulated over micro-batches weighted by each
@@ -26,6 +26,7 @@ from pacs_jax.algos import registry
 from pacs_jax.algos.batch import Batch
 from pacs_jax.algos.masked import masked_mean
 from pacs_jax.models import chunked_logprobs
+from pacs_jax.trainer import adapters as adapters_lib
 from pacs_jax.trainer import state as state_lib
 from pacs_jax.trainer.state import TrainState
 
@@ -60,33 +61,41 @@ def response_values(critic, input_ids, attention_mask, response_len: int):
 def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.GradientTransformation,
                     critic_graphdef=None, critic_optimizer: optax.GradientTransformation | None = None,
                     optimizer_metrics: Callable[[Any], dict[str, jax.Array]] = state_lib.optimizer_metrics,
-                    ) -> Callable[..., tuple[TrainState, dict]]:
+                    frozen: bool = False) -> Callable[..., tuple[TrainState, dict]]:
   """Builds the pure step `(state, minibatch, ends_step=True)`: accumulate gradients over micro-batches, then one
   (possibly skipped) update; when `ends_step` (the training step's last mini-batch; by default the mini-batch is
   a whole training step), `state.step` + 1 and the next RNG key.
 
   `optimizer_metrics(opt_state)`: the metrics read from the optimizer state (skipped updates, learning rate).
+  `frozen` (a LoRA run): the step is `(state, minibatch, ends_step, base)`, the models are the state's adapters on
+  the frozen `base` weights (PPO's critic on its backbone), and the gradients are the adapters' (and the critic
+  head's) only.
   """
   algo = registry.of(cfg)
   temperature = cfg.rollout.temperature
 
-  def micro_loss(params, micro):
-    model = nnx.merge(graphdef, params)
-    R = micro["response_mask"].shape[-1]
-    logp, entropy = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
-                                      with_entropy=True, targets=algo.logprob_targets(cfg, micro),
-                                      logits_chunk=cfg.train.logits_chunk, keep_logits=cfg.train.keep_logits)
-    # The entropy only carries gradient when it is part of the objective (GRPO's entropy bonus).
-    loss, metrics = algo.loss(cfg, logp, entropy if algo.entropy_has_grad(cfg) else jax.lax.stop_gradient(entropy),
-                              micro)
-    metrics = dict(metrics)
-    metrics["entropy"] = masked_mean(jax.lax.stop_gradient(entropy), micro["response_mask"])
-    return loss, metrics
+  def losses(base):
+    """The policy's and the critic's micro-batch losses of their trained params (on `base` in a LoRA run)."""
 
-  def critic_loss(critic_params, micro):
-    critic = nnx.merge(critic_graphdef, critic_params)
-    R = micro["response_mask"].shape[-1]
-    return algo.critic_loss(cfg, response_values(critic, micro["input_ids"], micro["attention_mask"], R), micro)
+    def micro_loss(params, micro):
+      model = adapters_lib.merge(graphdef, params, base)
+      R = micro["response_mask"].shape[-1]
+      logp, entropy = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
+                                        with_entropy=True, targets=algo.logprob_targets(cfg, micro),
+                                        logits_chunk=cfg.train.logits_chunk, keep_logits=cfg.train.keep_logits)
+      # The entropy only carries gradient when it is part of the objective (GRPO's entropy bonus).
+      loss, metrics = algo.loss(cfg, logp, entropy if algo.entropy_has_grad(cfg) else jax.lax.stop_gradient(entropy),
+                                micro)
+      metrics = dict(metrics)
+      metrics["entropy"] = masked_mean(jax.lax.stop_gradient(entropy), micro["response_mask"])
+      return loss, metrics
+
+    def critic_loss(critic_params, micro):
+      critic = adapters_lib.merge(critic_graphdef, critic_params, None if base is None else adapters_lib.critic_base(base))
+      R = micro["response_mask"].shape[-1]
+      return algo.critic_loss(cfg, response_values(critic, micro["input_ids"], micro["attention_mask"], R), micro)
+
+    return micro_loss, critic_loss
 
   def accumulate(loss_fn, params, minibatch, weight_fn):
     """Σ_j c_j ∇loss_j / Σ_j c_j over micro-batches j (c_j = the loss normaliser of micro-batch j); the metrics
@@ -116,8 +125,9 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  def train_step(state: TrainState, minibatch: Batch, ends_step: jax.Array | bool = True
-                 ) -> tuple[TrainState, dict]:  # minibatch: [k, m, ...] each
+  def step(state: TrainState, minibatch: Batch, ends_step: jax.Array | bool, base: nnx.State | None
+           ) -> tuple[TrainState, dict]:  # minibatch: [k, m, ...] each
+    micro_loss, critic_loss = losses(base)
     grads, metrics = accumulate(micro_loss, state.params, minibatch, lambda m: algo.normaliser(cfg, m))
     metrics["grad_norm"] = optax.tree.norm(grads)
     params, opt_state = apply(optimizer, state.params, state.opt_state, grads)
@@ -133,21 +143,30 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
                           critic_opt_state=critic_opt_state)
     return state_lib.advance(state, ends_step), metrics
 
+  if frozen:
+    def train_step(state: TrainState, minibatch: Batch, ends_step: jax.Array | bool, base: nnx.State
+                   ) -> tuple[TrainState, dict]:
+      return step(state, minibatch, ends_step, base)
+  else:
+    def train_step(state: TrainState, minibatch: Batch, ends_step: jax.Array | bool = True
+                   ) -> tuple[TrainState, dict]:
+      return step(state, minibatch, ends_step, None)
+
   return train_step
 
 
 def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = chunked_logprobs.DEFAULT_CHUNK_SIZE,
-                    targets: Callable[[Batch], jax.Array | None] | None = None
-                    ) -> Callable[[nnx.State, Batch], jax.Array]:
+                    targets: Callable[[Batch], jax.Array | None] | None = None, frozen: bool = False
+                    ) -> Callable[..., jax.Array]:
   """(params, minibatch [k, m, ...]) -> log-probs [k, m, R] of the responses (or of `targets(minibatch)`
   [k, m, R], e.g. the algorithm's `logprob_targets`), one micro-batch at a time (`logits_chunk` as
-  `response_logprobs`)."""
+  `response_logprobs`). `frozen` (a LoRA run): (adapters, minibatch, base)."""
 
-  def fn(params, minibatch):
+  def logprobs(params, minibatch, base):
     R = minibatch["response_mask"].shape[-1]
 
     def one(micro):  # merged inside the mapped function's trace, so no module crosses a trace boundary
-      model = nnx.merge(graphdef, params)
+      model = adapters_lib.merge(graphdef, params, base)
       return response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
                                targets=micro.get("targets"), logits_chunk=logits_chunk)
 
@@ -157,22 +176,35 @@ def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = chunked_lo
       mapped["targets"] = tokens
     return jax.lax.map(one, mapped)
 
+  if frozen:
+    def fn(params, minibatch, base):
+      return logprobs(params, minibatch, base)
+  else:
+    def fn(params, minibatch):
+      return logprobs(params, minibatch, None)
   return fn
 
 
-def make_value_fn(critic_graphdef, critic_mask: Callable[[Batch], jax.Array]
-                  ) -> Callable[[nnx.State, Batch], jax.Array]:
+def make_value_fn(critic_graphdef, critic_mask: Callable[[Batch], jax.Array], frozen: bool = False
+                  ) -> Callable[..., jax.Array]:
   """(critic params, minibatch [k, m, ...]) -> values [k, m, R], zero outside `critic_mask(micro)` [m, R] (the
-  algorithm's; PPO's is attention_mask[:, -R-1:-1], as the released dp_critic.compute_values)."""
+  algorithm's; PPO's is attention_mask[:, -R-1:-1], as the released dp_critic.compute_values). `frozen` (a LoRA
+  run): (critic params, minibatch, base), the critic's backbone the base's."""
 
-  def fn(critic_params, minibatch):
+  def values_of(critic_params, minibatch, base):
     R = minibatch["response_mask"].shape[-1]
 
     def one(micro):
-      critic = nnx.merge(critic_graphdef, critic_params)
+      critic = adapters_lib.merge(critic_graphdef, critic_params, base)
       values = response_values(critic, micro["input_ids"], micro["attention_mask"], R)
       return values * critic_mask(micro).astype(values.dtype)
 
     return jax.lax.map(one, {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")})
 
+  if frozen:
+    def fn(critic_params, minibatch, base):
+      return values_of(critic_params, minibatch, adapters_lib.critic_base(base))
+  else:
+    def fn(critic_params, minibatch):
+      return values_of(critic_params, minibatch, None)
   return fn

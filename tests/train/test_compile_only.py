@@ -149,6 +149,37 @@ def test_compile_only_builds_the_programs_the_trainer_runs(report, tmp_path):
   assert programs.train_step.lower(abstract, expected, flag_shape).as_text() == real
 
 
+@pytest.fixture(scope="module")
+def lora_report(tiny_tpu_config):
+  cfg = config_lib.load_config_file(tiny_tpu_config, {"lora.rank": 8})
+  with jax.default_matmul_precision("default"):
+    return aot.compile_run(cfg), cfg
+
+
+def test_a_lora_run_compiles_every_program_and_holds_less_in_its_update(report, lora_report):
+  """LoRA (rank 8, all seven projections): the same programs plus the frozen reference's own log-prob pass, the base
+  counted apart from the adapters (only these have Adam moments), no reference copy; less resident in the update
+  phase than the full run, and the train step costed at 4N per token (no weight gradient)."""
+  full, _ = report
+  lora, cfg = lora_report
+  assert_every_program_compiled(lora)
+  assert [p.name for p in lora.programs] == [p.name if p.name != "train_step" else "ref_logprobs" for p in
+                                             full.programs] + ["train_step"]
+  update = lora.resident["update"]
+  assert set(update) == {"base weights (frozen)", "adapters", "adapter optimizer state", "step batch (mini-batches)"}
+  assert 0 < update["adapters"] < update["base weights (frozen)"]
+  assert update["adapter optimizer state"] == pytest.approx(2 * update["adapters"], rel=0.01)  # Adam's two moments
+  assert sum(update.values()) < sum(full.resident["update"].values())
+  # The train step's own resident bytes: the state (adapters + moments), the mini-batch and the base, far below the
+  # full run's state (all parameters + moments); the reference pass takes the base alone.
+  train, full_train = by_name(lora, "train_step")[0], by_name(full, "train_step")[0]
+  assert train.resident < full_train.resident
+  assert train.model_flops == pytest.approx(full_train.model_flops * 4 / 6)
+  ref = by_name(lora, "ref_logprobs")[0]
+  assert ref.argument < by_name(lora, "logprobs")[0].argument
+  assert lora.fits and "LoRA: the base weights are frozen" in aot.format_report(lora)
+
+
 def run_cli(*args, env=None):
   return subprocess.run([sys.executable, "-m", "pacs_jax.train", *args], capture_output=True, text=True, timeout=900,
                         env={**os.environ, "XLA_FLAGS": "", **(env or {})})

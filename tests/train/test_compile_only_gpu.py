@@ -95,6 +95,24 @@ def test_the_report_is_per_gpu_with_a_verdict_and_no_time(report):
   assert "optimal time" not in text
 
 
+def test_a_lora_run_compiles_for_the_gpus_and_holds_less_in_its_update(report):
+  """LoRA (rank 8) for the same 8 GPUs: every program compiles, the frozen base counted apart from the adapters and
+  their Adam moments, no reference copy, and less resident in the update phase than the full run (the tiny model's
+  activations, a larger share than a real model's, are not compared)."""
+  full, _ = report
+  cfg = tiny_gpu_config(**{"lora.rank": 8})
+  with jax.default_matmul_precision("default"):
+    lora = aot.compile_run(cfg)
+  assert_every_program_compiled(lora)
+  assert {p.name for p in lora.programs} == {p.name for p in full.programs} | {"ref_logprobs"}
+  update = lora.resident["update"]
+  assert {"base weights (frozen)", "adapters", "adapter optimizer state"} <= set(update)
+  assert "frozen reference" in full.resident["update"] and "frozen reference" not in update
+  assert sum(update.values()) < sum(full.resident["update"].values())
+  assert by_name(lora, "train_step")[0].resident < by_name(full, "train_step")[0].resident
+  assert lora.fits
+
+
 def test_a_config_that_does_not_fit_returns_1_naming_the_program_and_its_size_per_gpu():
   # 2^25 decode slots: the KV cache alone is ~140 GB per GPU. Nothing is loaded (the weights path does not exist).
   cfg = tiny_gpu_config(**{"rollout.slots": 2 ** 25, "model.hf_path": "/nonexistent/weights"})

@@ -1,0 +1,78 @@
+"""The step at which each objective's demo (configs/tiny_cpu.py:<algorithm>) reaches a 10-step mean reward of 0.9.
+
+  python benchmarks/objectives_demo.py [--algorithms=dapo,drgrpo,gspo] [--max_steps=300] [--window=10]
+
+The reward of a step is the verifier's mean over every response it sampled: DAPO's dynamic sampling trains on the
+groups whose verdicts differ, so its trained batch's `reward/mean` stays below 1 by construction; it reports every
+sampled response's as `sampling/score_mean`, the others' `accuracy/all` is the same mean. Trains in process, one
+objective after another, without checkpoints or validation, and stops an objective at the first step whose
+trailing `window` steps average at least `target`.
+"""
+
+import importlib.util
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from pacs_jax.rewards import math as rewards_lib
+from pacs_jax.trainer import loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_ALGORITHMS = flags.DEFINE_list("algorithms", ["dapo", "drgrpo", "gspo"], "Registered objectives to train.")
+_MAX_STEPS = flags.DEFINE_integer("max_steps", 300, "Give up on an objective after this many steps.")
+_WINDOW = flags.DEFINE_integer("window", 10, "Steps the running mean covers.")
+_TARGET = flags.DEFINE_float("target", 0.9, "The running mean to reach.")
+
+
+def sampled_reward(row: dict) -> float:
+  """The verifier's mean over every response the step sampled."""
+  return row.get("sampling/score_mean", row["accuracy/all"])
+
+
+def steps_to_target(algorithm: str, workdir: str) -> tuple[int | None, list[float], float]:
+  """(the first step whose trailing window averages >= target or None, every step's reward, seconds)."""
+  cfg = demo_config(algorithm)
+  trainer = loop.Trainer(cfg, workdir, devices=jax.devices()[:1])
+  rewards, start, reached = [], time.perf_counter(), None
+  try:
+    with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
+      for step in range(1, _MAX_STEPS.value + 1):
+        rewards.append(sampled_reward(trainer.train_one_step(next(trainer.data_iter), scorer)))
+        if step >= _WINDOW.value and np.mean(rewards[-_WINDOW.value:]) >= _TARGET.value:
+          reached = step
+          break
+  finally:  # what `Trainer.run` lets go of (it never ran): the checkpointer and the workdir lock
+    trainer.checkpointer.close()
+    trainer.lock.release()
+  return reached, rewards, time.perf_counter() - start
+
+
+def demo_config(algorithm: str):
+  """`--config configs/tiny_cpu.py:<algorithm>` (its per-algorithm settings), with no validation runs."""
+  spec = importlib.util.spec_from_file_location("tiny_cpu", os.path.join(ROOT, "configs", "tiny_cpu.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = module.get_config(algorithm)
+  cfg.eval_every = 0
+  return cfg
+
+
+def main(argv):
+  del argv
+  print(f"{'objective':<10} {'steps to ' + str(_TARGET.value):>14} {'first ' + str(_WINDOW.value):>9} "
+        f"{'last ' + str(_WINDOW.value):>8} {'seconds':>8}", flush=True)
+  for name in _ALGORITHMS.value:
+    with tempfile.TemporaryDirectory() as workdir:
+      step, rewards, seconds = steps_to_target(name, workdir)
+    reached = str(step) if step is not None else f"> {_MAX_STEPS.value}"
+    print(f"{name:<10} {reached:>14} {np.mean(rewards[:_WINDOW.value]):>9.3f} "
+          f"{np.mean(rewards[-_WINDOW.value:]):>8.3f} {seconds:>8.0f}", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

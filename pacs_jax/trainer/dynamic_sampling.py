@@ -1,0 +1,119 @@
+"""Dynamic sampling (DAPO's filter_groups): a step keeps the prompt groups its algorithm keeps (`Algorithm.keep_groups`,
+e.g. those whose verdicts differ) and draws rollouts of new prompts until it has `train.batch_prompts` of them or
+its rounds run out (`Algorithm.sampling_rounds`); then it trains on the first `batch_prompts` kept groups, the
+dropped ones filling what the last round left short. The batch always has `batch_prompts` groups, so the compiled
+programs' shapes never change.
+
+Multi-host: every process runs each round's global rollout (so every process holds every completion), scores its
+own share and learns the others' verdicts, answers and data sources by all-gathers; every process then makes the
+same selection over the global groups, in global prompt order, and takes its contiguous share of it, exactly as
+one process with the same global batch would. Every process draws the same number of rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from pacs_jax.rollout import state as rollout_state
+from pacs_jax.trainer import multihost
+from pacs_jax.trainer import stages
+
+Completion = rollout_state.Completion
+
+
+def round_seed(seed: int, round_index: int) -> int:
+  """The sampling seed of a step's `round_index`-th rollout: the step's own for the first (as without dynamic
+  sampling), one derived from it for each refill (the same seed would repeat the first round's draws)."""
+  if round_index == 0:
+    return seed
+  return int(np.random.SeedSequence([seed, round_index]).generate_state(1)[0] % (2**31 - 1))
+
+
+def select_groups(keeps: list[np.ndarray], batch_groups: int) -> tuple[list[tuple[int, int]], int]:
+  """(round, group) pairs the batch trains on, from each round's [U] keep flags (groups in global prompt order):
+  the first `batch_groups` kept ones in order; when fewer were kept (the rounds ran out), the dropped ones in order
+  after them. Returns (pairs, how many are dropped ones: the filler)."""
+  kept = [(r, int(g)) for r, keep in enumerate(keeps) for g in np.nonzero(keep)[0]]
+  if len(kept) >= batch_groups:
+    return kept[:batch_groups], 0
+  dropped = [(r, int(g)) for r, keep in enumerate(keeps) for g in np.nonzero(~keep)[0]]
+  filler = batch_groups - len(kept)
+  return kept + dropped[:filler], filler
+
+
+@dataclasses.dataclass
+class Round:
+  """One rollout of a step, seen globally: every process's prompts (processes in order) and completions (prompt-
+  major, n per prompt), with each row's verdict, ground truth and data source."""
+  prompts: list[list[int]]
+  completions: list[Completion]
+  scores: np.ndarray  # [rows] float32
+  answers: list[str]
+  data_sources: list[str]
+  keep: np.ndarray  # [U] bool: the groups the algorithm keeps
+
+
+def sample(first: dict[str, Any], draw: Callable[[], dict[str, Any]],
+           generate: Callable[[list[list[int]], int], list[Completion]],
+           score: Callable[[dict[str, Any], list[Completion]], stages.Scored],
+           keep_groups: Callable[[np.ndarray], np.ndarray], decode: Callable[[list[int]], str], *, n: int, P: int,
+           max_rounds: int, seed: int) -> tuple[list[list[int]], list[Completion], stages.Scored, dict[str, float]]:
+  """A step's dynamically sampled rollout: (this process's prompts, its completions (prompt indices into them),
+  their `Scored`, the sampling metrics), as one plain rollout of the selected groups would give them.
+
+  `first`: the step's pipeline element; `draw()`: the next one (a refill); `generate(global prompts, seed)`: the
+  global rollout; `score(element, completions)`: the verdicts of this process's completions of `element`;
+  `keep_groups(global scores [rows]) -> [U]`; `decode(tokens)`: a response's text. `max_rounds` 0: no limit.
+  """
+  rounds: list[Round] = []
+  stats: dict[str, int] = {}
+  times = {"rollout": 0.0, "reward": 0.0}
+  element = first
+  while True:
+    start = time.perf_counter()
+    local_prompts = [ids.tolist() for ids in element["prompt_ids"]]
+    prompts = multihost.gather_prompts(local_prompts, P)
+    completions = generate(prompts, round_seed(seed, len(rounds)))
+    times["rollout"] += time.perf_counter() - start
+    start = time.perf_counter()
+    offset = multihost.process_offset(len(local_prompts))
+    local = [dataclasses.replace(c, prompt_index=c.prompt_index - offset) for c in completions
+             if offset <= c.prompt_index < offset + len(local_prompts)]
+    scored = score(element, local)
+    for key, value in scored.stats.items():
+      stats[key] = stats.get(key, 0) + value
+    scores = multihost.gather_rows(np.asarray(scored.scores, np.float32))
+    rounds.append(Round(prompts, completions, scores, multihost.gather_strings(scored.answers),
+                        multihost.gather_strings(scored.data_sources), np.asarray(keep_groups(scores), bool)))
+    times["reward"] += time.perf_counter() - start
+    if sum(int(r.keep.sum()) for r in rounds) >= len(prompts) or len(rounds) == max_rounds:
+      break
+    element = draw()
+
+  pairs, filler = select_groups([r.keep for r in rounds], len(prompts))
+  share = len(pairs) // multihost.process_count()
+  mine = pairs[multihost.process_offset(share):][:share]
+  prompts, completions, rows = [], [], []
+  for index, (r, g) in enumerate(mine):
+    prompts.append(rounds[r].prompts[g])
+    for row in range(g * n, (g + 1) * n):
+      c = rounds[r].completions[row]
+      if c.prompt_index != g:
+        raise ValueError(f"round {r}: completion {row} belongs to prompt {c.prompt_index}, not {g} (not prompt-major)")
+      completions.append(dataclasses.replace(c, prompt_index=index))
+      rows.append((r, row))
+  scored = stages.Scored(texts=[decode(c.tokens) for c in completions],
+                         answers=[rounds[r].answers[row] for r, row in rows],
+                         data_sources=[rounds[r].data_sources[row] for r, row in rows],
+                         scores=np.asarray([rounds[r].scores[row] for r, row in rows], np.float32), stats=stats)
+  metrics = {"sampling/rounds": float(len(rounds)),
+             "sampling/kept_groups": float(sum(int(r.keep.sum()) for r in rounds)),
+             "sampling/filler_groups": float(filler),
+             # Every response the step sampled (the trained batch's `reward/mean` is biased towards mixed groups).
+             "sampling/score_mean": float(np.mean(np.concatenate([r.scores for r in rounds]))),
+             "timing/rollout_s": times["rollout"], "timing/reward_s": times["reward"]}
+  return prompts, completions, scored, metrics
