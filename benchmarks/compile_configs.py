@@ -71,7 +71,7 @@ def gpu_summary(report, cfg) -> dict[str, str]:
   progs = {p.name: p for p in report.programs}
   train, logprobs = progs["train_step"], progs["logprobs"]
   out["train step compile time (this 2-core host)"] = f"{train.compile_s:.0f} s"
-  out["train step TFLOP per GPU: compiled / model (6N per token)"] = (
+  out["train step TFLOP per GPU: compiled / model (6N per token; LoRA 4N)"] = (
       f"{train.flops / 1e12:.0f} / {train.model_flops / 1e12:.0f}")
   out["log-prob pass TFLOP per GPU: compiled / model (2N per token)"] = (
       f"{logprobs.flops / 1e12:.0f} / {logprobs.model_flops / 1e12:.0f}")
@@ -97,7 +97,7 @@ def summary(report, cfg) -> dict[str, str]:
   updates = programs_lib.updates_per_step(cfg)
   out[f"train step: compiler's optimal time x {updates} updates"] = (
       f"{train.optimal_s:.2f} s x {updates} = {train.optimal_s * updates:.1f} s")
-  out["train step TFLOP per chip: compiled / model (6N per token)"] = (
+  out["train step TFLOP per chip: compiled / model (6N per token; LoRA 4N)"] = (
       f"{train.flops / 1e12:.0f} / {train.model_flops / 1e12:.0f}")
   out[f"log-prob passes: optimal time x {logprobs.calls:.0f}"] = (
       f"{logprobs.optimal_s:.2f} s x {logprobs.calls:.0f} = {logprobs.optimal_s * logprobs.calls:.1f} s")
