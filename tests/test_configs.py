@@ -78,6 +78,40 @@ def test_the_lora_configs_are_the_7b_recipe_with_adapters_at_10x_the_learning_ra
   assert max(memory.phase_totals(parts).values()) < 0.9 * cfg.hardware.hbm_gb * memory.GB
 
 
+def test_a_bf16_base_computes_what_an_fp32_base_computes():
+  """The LoRA configs hold their frozen base in bf16: for a checkpoint stored in bf16 (Qwen2.5's) and bf16 compute,
+  the logits, the adapters' gradients and the merged sampling weights are those of an fp32 base, bitwise."""
+  from flax import nnx
+  import jax.numpy as jnp
+  from pacs_jax.models import lora, registry as model_registry
+  spec = lora.LoraSpec(rank=8, alpha=16.0)
+  weights = None
+  models = []
+  for param_dtype in (jnp.float32, jnp.bfloat16):
+    model = model_registry.causal_lm(model_registry.preset("tiny", param_dtype=param_dtype, dtype=jnp.bfloat16),
+                                     rngs=nnx.Rngs(0))
+    weights = weights or jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model, nnx.Param))
+    nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype), weights))
+    lora.add_adapters(model, spec, nnx.Rngs(1), dtype=jnp.float32)
+    _, adapters, _ = lora.split(model)
+    nnx.update(model, jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(2), x.shape), adapters))
+    models.append(model)
+  ids = jax.random.randint(jax.random.key(3), (2, 12), 0, 64)
+
+  def figures(model):
+    graphdef, adapters, base = lora.split(model)
+
+    @jax.jit
+    def run(adapters, base):
+      logits = nnx.merge(graphdef, adapters, base)(ids)
+      grads = jax.grad(lambda a: nnx.merge(graphdef, a, base)(ids).astype(jnp.float32).sum())(adapters)
+      return logits, grads, jax.tree.map(lambda x: x.astype(jnp.bfloat16), lora.merge_into(base, adapters, spec))
+    return [np.asarray(x.astype(jnp.float32)) for x in jax.tree.leaves(run(adapters, base))]
+
+  for fp32, bf16 in zip(*map(figures, models), strict=True):
+    np.testing.assert_array_equal(fp32, bf16)
+
+
 def test_dry_run_cli_prints_the_per_device_table():
   out = subprocess.run([sys.executable, "-m", "pacs_jax.train", "--config", os.path.join(ROOT, "configs", "qwen3b_v5p.py"),
                         "--dry_run"], capture_output=True, text=True, check=True, env={**os.environ, "XLA_FLAGS": ""},
