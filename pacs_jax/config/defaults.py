@@ -106,8 +106,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.lora.targets = "q,k,v,o,gate,up,down"
   c.lora.use_rslora = False
   # A LoRA run's learning rates (the policy's train.lr and a critic's rate) are times this: LoRA's best
-  # learning rate is about 10x full fine-tuning's (Thinking Machines, "LoRA Without Regret", 2025), so a config's full fine-tuning
-  # rate carries over when LoRA is turned on. 1 = use train.lr as it is.
+  # learning rate is about 10x full fine-tuning's (Thinking Machines, "LoRA Without Regret", 2025), so a
+  # config's full fine-tuning rate carries over when LoRA is turned on. 1 = use train.lr as it is.
   c.lora.lr_multiplier = 10.0
 
   c.mesh = ml_collections.ConfigDict()
