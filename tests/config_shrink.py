@@ -12,9 +12,11 @@ from __future__ import annotations
 import ml_collections
 
 from pacs_jax import sharding
+from pacs_jax.algos import registry
 
-# Kept exactly as the config sets them. A trailing ".*" keeps a whole group: `pacs`, `grpo` and `ppo` are
-# the algorithm; `hardware` and `distributed` describe the target machine, not what a step computes.
+# Kept exactly as the config sets them. A trailing ".*" keeps a whole group: `hardware` and `distributed`
+# describe the target machine, not what a step computes. Every registered algorithm's settings block (pacs,
+# grpo, ppo, dapo, ...) is the algorithm, kept whole (`_kept`).
 KEEP = (
     "seed", "algorithm", "model.param_dtype", "model.dtype", "model.remat", "model.remat_policy",
     "data.skip_bad_rows", "data.val_max_examples",
@@ -22,7 +24,7 @@ KEEP = (
     "rollout.stop_tokens", "rollout_data_dir", "validation_data_dir",
     "train.lr", "train.schedule", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.b1",
     "train.b2", "train.eps", "train.grad_clip", "train.verl_micro_batch_rows", "train.keep_logits",
-    "pacs.*", "grpo.*", "ppo.*", "lora.alpha", "lora.targets", "lora.use_rslora", "lora.lr_multiplier",
+    "lora.alpha", "lora.targets", "lora.use_rslora", "lora.lr_multiplier",
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.restore",
     "checkpoint.lock_stale_after_s", "checkpoint.allow_changes",
     "eval_every", "log_every", "reward_timeout_s",
@@ -44,6 +46,8 @@ def _fields(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
 
 
 def _kept(field: str) -> bool:
+  if field.split(".")[0] in registry.names():
+    return True
   return any(field == k or (k.endswith(".*") and field.startswith(k[:-1])) for k in KEEP)
 
 
