@@ -65,12 +65,13 @@ def watch_storage(*locations: str | None) -> None:
   _watched.extend(paths.normalize(p) for p in locations if p and paths.is_remote(p))
 
 
-def root_cause(e: BaseException) -> BaseException:
-  """The innermost exception of an explicit `raise ... from` chain (libraries wrap the precise error)."""
+def _causes(e: BaseException) -> list[BaseException]:
+  """`e` and the exceptions of its explicit `raise ... from` chain, outermost first."""
   seen = [e]
   while seen[-1].__cause__ is not None and seen[-1].__cause__ not in seen:
     seen.append(seen[-1].__cause__)
-  return seen[-1]
+  return seen
+
 
 
 def first_line(e: BaseException) -> str:
@@ -97,8 +98,8 @@ def classify(e: BaseException) -> Failure | None:
     return Failure(EXIT_CHECKPOINT, str(e))
   if isinstance(e, paths.StorageError):
     return Failure(EXIT_STORAGE, str(e))
-  root = root_cause(e)
-  if isinstance(root, OSError) and root.errno in _DISK_ERRNOS:
+  root = next((link for link in _causes(e) if isinstance(link, OSError) and link.errno in _DISK_ERRNOS), None)
+  if root is not None:
     where = root.filename or ""
     return Failure(EXIT_STORAGE, f"{where + ': ' if where else ''}{os.strerror(root.errno)}")
   unreachable = _unreachable_storage(e)
@@ -203,7 +204,7 @@ def _flag_failure(e: flags.Error) -> Failure:
   required = re.fullmatch(r"flag --(\w+)=None: Flag --\w+ must have a value other than None\.", line)
   if required:
     name = required.group(1)
-    return Failure(EXIT_INPUT, f"--{name} is required ({flags.FLAGS[name].help})")
+    return Failure(EXIT_INPUT, f"--{name} is required: {flags.FLAGS[name].help}")
   if line.startswith("flag --config."):
     return Failure(EXIT_CONFIG, line.removeprefix("flag "))
   return Failure(EXIT_USAGE, line)
