@@ -332,8 +332,8 @@ _STRUCTURE_MISMATCH = "User-provided restore item and on-disk value metadata tre
 
 
 def _structure_difference(message: str) -> str | None:
-  """Orbax's refusal of a target whose tree differs from the saved one, as "this run's x is not in it; its y is
-  not this run's; z differs" (at most 3 names each); None for any other error."""
+  """Orbax's refusal of a target whose tree differs from the saved one, as "not in the checkpoint: x; not in this
+  run's: y; of another form: z" (at most 3 names each); None for any other error."""
   lines = message.splitlines()
   if not lines or not lines[0].startswith(_STRUCTURE_MISMATCH):
     return None
@@ -347,9 +347,8 @@ def _structure_difference(message: str) -> str | None:
       kinds["other"].remove(key)
       kinds["missing" if "Target" in line else "extra"].append(key)
   names = lambda keys: ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
-  parts = [f"{label}{names(kinds[kind])} {verb}" for kind, label, verb in (
-      ("missing", "this run's ", "is not in it"), ("extra", "its ", "is not this run's"), ("other", "", "differs"))
-           if kinds[kind]]
+  parts = [f"{label}: {names(kinds[kind])}" for kind, label in (
+      ("missing", "not in the checkpoint"), ("extra", "not in this run's"), ("other", "of another form")) if kinds[kind]]
   return "; ".join(parts) or "the trees differ"
 
 

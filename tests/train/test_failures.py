@@ -217,7 +217,7 @@ def test_a_resume_under_another_run_is_refused_in_one_line(change, one_layer_run
                      "--config.checkpoint.allow_changes=tokenizer"]),
       # Allowed, but PPO's state has a critic that PACS's has not: healthy checkpoints of another state, not damage.
       "algorithm_allowed": (two_layer_run, ["--config.algorithm=ppo", "--config.checkpoint.allow_changes=algorithm"],
-                            ["holds another training state than this run's (this run's critic",
+                            ["holds another training state than this run's (of another form: critic_opt_state, critic_params)",
                              "use another --workdir, or --config.checkpoint.restore=never"]),
   }[change]
   before = sorted(os.listdir(workdir / "checkpoints"))
