@@ -224,7 +224,7 @@ def test_a_resume_under_another_run_is_refused_in_one_line(change, one_layer_run
   result = cli("pacs_jax.train", *RUN, "--workdir", str(workdir), "--config.steps=3", *args, cwd=tmp_path)
   start = (f"train: {workdir}/checkpoints/1: " if change == "algorithm_allowed" else
            f"train: {workdir}/checkpoints: checkpoint step 1 was trained with")
-  assert_failed_in_lines(result, 2 if change == "algorithm_allowed" else 1, errors.EXIT_CHECKPOINT, start, *expected)
+  assert_failed_in_lines(result, 3 if change == "algorithm_allowed" else 1, errors.EXIT_CHECKPOINT, start, *expected)
   assert "Repair" not in result.stderr
   assert sorted(os.listdir(workdir / "checkpoints")) == before  # nothing set aside, nothing saved
   assert [r["step"] for r in read_rows(str(workdir / "metrics.jsonl"))] == [1]
