@@ -11,6 +11,7 @@ import dataclasses
 import errno
 import logging as std_logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -19,9 +20,10 @@ from typing import Callable
 
 from absl import app, flags, logging
 
-# Exit statuses, one per kind of failure (1 stays absl's for a usage error, and Python's for a bug).
-EXIT_INPUT = 2  # a missing or unreadable file or directory given on the command line, an occupied --out
-EXIT_CONFIG = 3  # a config file that fails, an unknown field, a value out of range
+# Exit statuses, one per kind of failure (docs/training.md's table).
+EXIT_USAGE = 1  # absl's for a usage error (an unknown flag, a flag's value of the wrong type), and Python's for a bug
+EXIT_INPUT = 2  # a required flag not given, a missing or unreadable file or directory given, an occupied --out
+EXIT_CONFIG = 3  # a config file that fails, an unknown field, a value out of range or of the wrong type
 EXIT_DATA = 4  # a data file that cannot be read, rows that are malformed, no prompt that fits
 EXIT_CHECKPOINT = 5  # no checkpoint restores, or it belongs to another run (algorithm, model, tokenizer)
 EXIT_LOCKED = 6  # another trainer holds the workdir
@@ -40,7 +42,12 @@ class Failure:
   message: str
 
 
+class InputError(ValueError):
+  """A command-line input that names nothing usable (e.g. a data set name without --data_dir): EXIT_INPUT."""
+
+
 _log_dir: str | None = None
+_watched: list[str] = []  # remote locations whose outage explains a failure (watch_storage)
 _held_records: list[std_logging.LogRecord] = []
 
 
@@ -51,12 +58,20 @@ def log_to(directory: str) -> None:
   _log_dir = paths.normalize(directory)
 
 
-def root_cause(e: BaseException) -> BaseException:
-  """The innermost exception of an explicit `raise ... from` chain (libraries wrap the precise error)."""
+def watch_storage(*locations: str | None) -> None:
+  """Locations a command reads or writes besides its workdir (export's and evaluate's --workdir, --model, --out):
+  a failure while the object store of a `gs://` one does not answer is named as that outage."""
+  from pacs_jax import paths
+  _watched.extend(paths.normalize(p) for p in locations if p and paths.is_remote(p))
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+  """`e` and the exceptions of its explicit `raise ... from` chain, outermost first."""
   seen = [e]
   while seen[-1].__cause__ is not None and seen[-1].__cause__ not in seen:
     seen.append(seen[-1].__cause__)
-  return seen[-1]
+  return seen
+
 
 
 def first_line(e: BaseException) -> str:
@@ -68,10 +83,13 @@ def classify(e: BaseException) -> Failure | None:
   """The exit status and the line to print for an expected failure; None for a bug."""
   from pacs_jax import config, paths
   from pacs_jax.data import sources
+  from pacs_jax.models import hf
   from pacs_jax.storage import checkpoint, lock
 
   if isinstance(e, config.ConfigError):
     return Failure(EXIT_CONFIG, str(e))
+  if isinstance(e, (InputError, hf.WeightsMismatch)):
+    return Failure(EXIT_INPUT, str(e))
   if isinstance(e, sources.DataError):
     return Failure(EXIT_DATA, str(e))
   if isinstance(e, lock.WorkdirLocked):
@@ -80,8 +98,8 @@ def classify(e: BaseException) -> Failure | None:
     return Failure(EXIT_CHECKPOINT, str(e))
   if isinstance(e, paths.StorageError):
     return Failure(EXIT_STORAGE, str(e))
-  root = root_cause(e)
-  if isinstance(root, OSError) and root.errno in _DISK_ERRNOS:
+  root = next((link for link in _causes(e) if isinstance(link, OSError) and link.errno in _DISK_ERRNOS), None)
+  if root is not None:
     where = root.filename or ""
     return Failure(EXIT_STORAGE, f"{where + ': ' if where else ''}{os.strerror(root.errno)}")
   unreachable = _unreachable_storage(e)
@@ -99,10 +117,11 @@ def _unreachable_storage(e: BaseException) -> str | None:
   again: the error itself is often a side effect, a directory that "does not exist", a closed handle), or `e` was
   caused by a failed connection (the store may answer again by now)."""
   from pacs_jax import paths
-  if not (_log_dir and paths.is_remote(_log_dir)):
-    return None
-  cause = paths.unreachable(_log_dir) or _connection_failure(e)
-  return f"{_log_dir}: storage unreachable ({cause}); rerun the same command to resume" if cause else None
+  for location in ([_log_dir] if _log_dir and paths.is_remote(_log_dir) else []) + _watched:
+    cause = paths.unreachable(location) or _connection_failure(e)
+    if cause:
+      return f"{location}: storage unreachable ({cause}); rerun the same command to resume"
+  return None
 
 
 def _connection_failure(e: BaseException) -> str | None:
@@ -166,14 +185,29 @@ def _flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
     try:
       return flags.FLAGS(argv)
     except flags.Error as e:
-      print(f"{prog}: {first_line(e)}", file=sys.stderr)
-      print("Pass --helpshort or --helpfull to see help on flags.", file=sys.stderr)
-      sys.exit(1)
+      failure = _flag_failure(e)
+      print(f"{prog}: {failure.message}", file=sys.stderr)
+      if failure.status == EXIT_USAGE:
+        print("Pass --helpshort or --helpfull to see help on flags.", file=sys.stderr)
+      sys.exit(failure.status)
     except Exception as e:  # noqa: BLE001 (a config file's get_config() may raise anything)
       print(f"{prog}: {_config_message(e, argv)}", file=sys.stderr)
       sys.exit(EXIT_CONFIG)
 
   return parse
+
+
+def _flag_failure(e: flags.Error) -> Failure:
+  """A flag that fails to parse: a required flag not given is a missing input (EXIT_INPUT, with the flag's help), a
+  `--config.field` value of the wrong type a config error (EXIT_CONFIG); anything else a usage error."""
+  line = first_line(e)
+  required = re.fullmatch(r"flag --(\w+)=None: Flag --\w+ must have a value other than None\.", line)
+  if required:
+    name = required.group(1)
+    return Failure(EXIT_INPUT, f"--{name} is required: {flags.FLAGS[name].help}")
+  if line.startswith("flag --config."):
+    return Failure(EXIT_CONFIG, line.removeprefix("flag "))
+  return Failure(EXIT_USAGE, line)
 
 
 def _config_message(e: BaseException, argv: list[str]) -> str:

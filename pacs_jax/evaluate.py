@@ -3,20 +3,21 @@ data source, written in the released layouts (`eval_rollout.jsonl`, `eval_metric
 `eval_summary.json` (resumable). `--data synthetic/mod3` alone evaluates the demo's task at the demo's sizes."""
 
 import ml_collections
-from absl import app, flags
+from absl import flags
 
 from pacs_jax import config
 from pacs_jax import errors
 from pacs_jax.eval import settings as settings_lib
 
-_MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory, or a training workdir (its checkpoint "
-                             "is exported to WORKDIR/export_step_<S> first).", required=True)
+_MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory, or a training workdir (never written: its "
+                             "checkpoint is read into a temporary folder).", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step of a workdir (default: the latest).")
 _DATA = flags.DEFINE_list("data", ["math500", "aime2024", "aime2025", "amc23"],
                           "Data sets: names (math500, aime2024, aime2025, amc23, gsm8k) under --data_dir, or "
                           ".json/.jsonl/.parquet paths, hf://owner/name[:split], synthetic/<task>.")
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Folder holding <name>/test.jsonl for the named data sets.")
-_OUT = flags.DEFINE_string("out", None, "Output directory (default: the evaluated model directory).")
+_OUT = flags.DEFINE_string("out", None, "Output directory (default: the evaluated model directory; for a "
+                            "workdir W, W-eval_step_<S> beside it).")
 _CHUNK = flags.DEFINE_integer("chunk_problems", 0, "Problems per generate call and file append (0: ~4x batch_slots "
                               "responses).")
 _LIMIT = flags.DEFINE_integer("limit", None, "Only the first N problems of each data set (default: all; 64 of a "
@@ -69,7 +70,7 @@ def eval_config_from_flags(synthetic_only: bool = False) -> ml_collections.Confi
     config.validate_eval(cfg)
   except config.ConfigError as e:
     flag = next(f"--{n}" for n, (field, _) in CONFIG_FLAGS.items() if str(e).startswith(f"config.{field}:"))
-    raise app.UsageError(f"{flag}: {e}") from e
+    raise config.ConfigError(f"{flag}: {e}") from e
   return cfg
 
 
@@ -77,15 +78,16 @@ def main(argv):
   errors.no_arguments_quiet_logs(argv)
   from pacs_jax.trainer import runtime
   runtime.start_command_line()
+  errors.watch_storage(_MODEL.value, _OUT.value)
   import jax
 
   from pacs_jax import sharding
   from pacs_jax.eval import problems, results, runner
 
-  try:  # bad flags get a usage message, not a traceback
+  try:
     data = problems.resolve_data(_DATA.value, _DATA_DIR.value)
-  except (ValueError, FileNotFoundError) as e:
-    raise app.UsageError(str(e)) from e
+  except ValueError as e:  # (a missing file is a FileNotFoundError: the same exit status, EXIT_INPUT)
+    raise errors.InputError(str(e)) from e
   synthetic_only = all(problems.is_synthetic(spec) for spec in data)
   cfg = eval_config_from_flags(synthetic_only)
   limit = _LIMIT.value or (settings_lib.SYNTHETIC_LIMIT if synthetic_only else None)
@@ -93,17 +95,11 @@ def main(argv):
   mesh = None
   if jax.device_count() > 1:
     mesh = sharding.make_mesh(data=-1, fsdp=1, tensor=cfg.mesh.tensor)
-  from pacs_jax import paths
-  from pacs_jax.data import sources
-  from pacs_jax.storage import checkpoint
-  try:
-    metrics = runner.evaluate(_MODEL.value, data, settings, out_dir=_OUT.value, step=_STEP.value, mesh=mesh,
-                              reward_workers=cfg.reward_workers, reward_timeout_s=cfg.reward_timeout_s)
-  except (FileNotFoundError, checkpoint.NoRestorableCheckpoint, sources.DataError) as e:
-    raise SystemExit(f"evaluate: {e}") from None  # one message, no traceback
+  # An expected failure (a missing file, a checkpoint that does not restore, bad data) ends in one line.
+  metrics = runner.evaluate(_MODEL.value, data, settings, out_dir=_OUT.value, step=_STEP.value, mesh=mesh,
+                            reward_workers=cfg.reward_workers, reward_timeout_s=cfg.reward_timeout_s)
   print(runner.summary_table(metrics))
-  out_dir = _OUT.value or metrics["settings"]["model"]
-  print(f"wrote {results.ROLLOUT_FILE}, {results.METRICS_FILE} and {results.SUMMARY_FILE} in {paths.normalize(out_dir)}")
+  print(f"wrote {results.ROLLOUT_FILE}, {results.METRICS_FILE} and {results.SUMMARY_FILE} in {metrics['out_dir']}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ def main(argv):
   from pacs_jax.storage import export as export_lib
   from pacs_jax.trainer import runtime
   runtime.start_command_line()
+  errors.watch_storage(_WORKDIR.value, _OUT.value)
   path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,
                            max_shard_size=_SHARD.value, overwrite=_OVERWRITE.value, adapter=_ADAPTER.value)
   print(f"wrote {path}")

@@ -144,12 +144,16 @@ def write_released_metrics(out_dir: str) -> dict[str, dict[str, float]]:
   return metrics
 
 
+class OtherEvaluation(FileExistsError, ValueError):
+  """An --out that holds another evaluation's results (another model or settings): a used --out (EXIT_INPUT)."""
+
+
 def check_resumable(out_dir: str, settings: dict, lines: dict, problems: Sequence[Problem]) -> None:
   """Refuses to mix in lines written with other sampling settings, another model or other answers."""
   before = (read_summary(out_dir) or {}).get("settings", {})
   for name in _RESPONSE_SETTINGS + ("model",):
     if name in before and before[name] != settings[name]:
-      raise ValueError(f"{out_dir} holds an evaluation with {name}={before[name]!r}, not {settings[name]!r}: "
+      raise OtherEvaluation(f"{out_dir} holds an evaluation with {name}={before[name]!r}, not {settings[name]!r}: "
                        f"use another --out, or move {ROLLOUT_FILE} and {SUMMARY_FILE} away")
   answers = {p.key: p.answer for p in problems}
   for (source, index), line in lines.items():

@@ -24,13 +24,25 @@ logger = logging.getLogger(__name__)
 def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, out_dir: str | None = None,
              data_dir: str | None = None, step: int | None = None, mesh=None, scorer=None, reward_workers: int = 2,
              reward_timeout_s: float = 10.0, progress: bool = True) -> dict[str, Any]:
-  """Samples, scores and writes what is missing from `out_dir` (default: beside the evaluated weights);
-  returns the summary written to `eval_summary.json` (settings, and per data source pass@k and counts over
-  this evaluation's problems).
+  """Samples, scores and writes what is missing from `out_dir` (default: beside the evaluated weights; for a
+  training workdir, which is never written, `<workdir>-eval_step_<S>`); returns the summary written to
+  `eval_summary.json` (settings, and per data source pass@k and counts over this evaluation's problems) and
+  `out_dir`.
 
   `scorer`: anything with `score_batch(responses, answers, data_sources) -> (scores, stats)`
   (default: a math-verify `RewardScorer` with `reward_workers` processes).
   """
+  from pacs_jax.storage import export as storage_export
+  with storage_export.model_to_evaluate(model, step) as (model_dir, default_out, name):
+    out_dir = out_dir or default_out
+    summary = _evaluate(model_dir, name, data, settings, out_dir, data_dir, mesh, scorer, reward_workers,
+                        reward_timeout_s, progress)
+  return summary | {"out_dir": paths.normalize(out_dir)}
+
+
+def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: str, data_dir, mesh, scorer,
+              reward_workers: int, reward_timeout_s: float, progress: bool) -> dict[str, Any]:
+  """`evaluate` of the Hugging Face directory `model_dir`, recorded as `name`."""
   import jax
   from tqdm.auto import tqdm
 
@@ -41,21 +53,18 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
   from pacs_jax.rollout import scheduler
   from pacs_jax.rollout import sampling as sampling_lib
   from pacs_jax.rollout import stop_tokens
-  from pacs_jax.storage import export as storage_export
 
   sampling = sampling_lib.from_config(settings.temperature, settings.top_k, settings.top_p)
   specs = problems_lib.resolve_data(data, data_dir)
-  model_dir = storage_export.model_to_evaluate(model, step)
-  out_dir = out_dir or model_dir
   paths.makedirs(out_dir)
   with paths.local_dir(model_dir, exclude=(".safetensors",)) as local_model:  # a gs:// model: a local copy
     tokenizer = tokenizers.load_tokenizer(local_model)
   problems, dropped = problems_lib.load_problems(specs, tokenizer, settings.max_prompt_length, settings.limit)
   if not problems:
-    raise ValueError(f"no problem of {specs} fits max_prompt_length={settings.max_prompt_length} "
-                     f"(dropped per source: {dropped})")
+    raise config_lib.ConfigError(f"--max_prompt_length={settings.max_prompt_length}: no problem of {specs} fits "
+                                 f"(dropped per source: {dropped})")
   n = settings.n
-  recorded = dataclasses.asdict(settings) | {"model": paths.canonical(model_dir), "data": specs}
+  recorded = dataclasses.asdict(settings) | {"model": name, "data": specs}
   rollout_path = paths.join(out_dir, ROLLOUT_FILE)
   lines, others = results.read_rollout(rollout_path)
   if others:

@@ -81,6 +81,31 @@ def weight_files(path: str) -> dict[str, str]:
     return {name: single for name in f.keys()}
 
 
+class WeightsMismatch(ValueError):
+  """A model directory whose weights hold a tensor its config.json's family does not use, or lack one it needs."""
+
+
+# Tensors a checkpoint may hold that no family reads (transformers ignores them too): rotary tables some older
+# exports saved, and an lm_head saved beside embeddings it is tied to.
+_IGNORED_TENSORS = re.compile(r"(.*\.rotary_emb\.inv_freq|lm_head\.weight)")
+
+
+def check_tensor_names(path: str, config: ModelConfig, needed: list[str], files: dict[str, str]) -> None:
+  """WeightsMismatch, naming the first tensor and the model_type, unless the weights hold exactly the tensors
+  the family of `config` reads (`needed`): a tensor it would ignore (q/k/v biases of Qwen2 weights under a llama
+  config.json) changes what the model computes as surely as a missing one."""
+  wanted = set(needed)
+  missing = [name for name in needed if name not in files]
+  unused = sorted(name for name in files if name not in wanted and not (
+      _IGNORED_TENSORS.fullmatch(name) and (name != "lm_head.weight" or config.tie_word_embeddings)))
+  for names, what in ((missing, f"is missing from the weights, and model_type {config.model_type!r} needs it"),
+                      (unused, f"is not used by model_type {config.model_type!r}")):
+    if names:
+      more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+      raise WeightsMismatch(f"{path}: tensor {names[0]!r}{more} {what} (from {CONFIG_FILE}: "
+                            f"{config.num_hidden_layers} layers); are {CONFIG_FILE} and the weights of one model?")
+
+
 def _read_into(maps, files, abstract_state, mesh, dtype) -> dict:
   """Returns {path: jax.Array} for every mapped parameter, each HF tensor checked against its expected shape.
 
@@ -156,7 +181,9 @@ def load_pretrained(path: str, dtype=jnp.float32, mesh=None, compute_dtype=None,
   abstract = nnx.eval_shape(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)
   flat = nnx.to_flat_state(abstract_state)
-  arrays = _read_into(registry.tensor_maps(config, [p for p, _ in flat]), files, abstract_state, mesh, dtype)
+  maps = registry.tensor_maps(config, [p for p, _ in flat])
+  check_tensor_names(path, config, [m.hf_name for m in maps], files)
+  arrays = _read_into(maps, files, abstract_state, mesh, dtype)
   for p, var in flat:
     var.set_value(arrays[p])
   state = nnx.from_flat_state(flat)
@@ -198,6 +225,18 @@ def _plan_shards(maps, flat, dtype, limit) -> list[list[TensorMap]]:
   return shards
 
 
+def save_safetensors(tensors: dict[str, np.ndarray], file: str) -> None:
+  """safetensors' `save_file` (with transformers' metadata), a failed write raised as the OSError it is (e.g.
+  ENOSPC naming the file: safetensors reports the errno inside the text of its own error type)."""
+  try:
+    save_file(tensors, file, metadata={"format": "pt"})
+  except Exception as e:  # noqa: BLE001 (SafetensorError: "... IoError(Os { code: 28, kind: StorageFull, ...")
+    code = re.search(r"Os \{ code: (\d+)", str(e))
+    if code is None:
+      raise
+    raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), file) from e
+
+
 def save_pretrained(model: CausalLM, out_dir: str, max_shard_size: int | str | None = "5GB", dtype=None,
                     token_ids: dict | None = None) -> None:
   """Writes the weights and config.json of a directory `transformers.AutoModelForCausalLM.from_pretrained` loads
@@ -225,7 +264,7 @@ def save_pretrained(model: CausalLM, out_dir: str, max_shard_size: int | str | N
       total += tensors[m.hf_name].nbytes
     fname = SINGLE_FILE if len(plan) == 1 else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
     if write:
-      save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+      save_safetensors(tensors, os.path.join(out_dir, fname))
     weight_map.update({name: fname for name in tensors})
   if not write:
     return

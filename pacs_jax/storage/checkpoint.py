@@ -9,6 +9,7 @@ empty step folder): `restore_newest` then falls back to the next older step and 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -22,6 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from absl import logging
+from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
 from pacs_jax import paths
@@ -61,6 +63,51 @@ def _with_storage_retries(get_ts_context: Callable[..., ts.Context]) -> Callable
 # from its caller (orbax-checkpoint 0.12): wrapped once, for all of them.
 if not hasattr(tensorstore_utils.get_ts_context, "storage_retries"):
   tensorstore_utils.get_ts_context = _with_storage_retries(tensorstore_utils.get_ts_context)
+
+
+# How long a failed Orbax operation's other reads and writes may take to finish before their tasks are cancelled
+# (each is one tensorstore request, retried at most paths.STORAGE_RETRIES: about 15 s).
+DRAIN_TIMEOUT_S = 60.0
+
+
+def _run_sync_draining(coro):
+  """Orbax's `asyncio_utils._run_sync_via_new_loop` (every synchronous read and write of a checkpoint runs its
+  coroutine through it), which also waits for the coroutine's other tasks before it closes its event loop.
+
+  When one array of a restore or save fails, `asyncio.gather` raises at once while the other arrays' tensorstore
+  reads are still in flight; Orbax closed the loop under them, and each of their completions then called into
+  the closed loop from tensorstore's threads: hundreds of lines of `RuntimeError: Event loop is closed`, and at
+  exit "Exception ignored in <coroutine ...>" for the tasks left pending."""
+  loop = asyncio.new_event_loop()
+  try:
+    asyncio.set_event_loop(loop)
+    return loop.run_until_complete(coro)
+  finally:
+    try:
+      _finish_tasks(loop)
+    finally:
+      asyncio.set_event_loop(None)
+      loop.close()
+
+
+def _finish_tasks(loop: asyncio.AbstractEventLoop) -> None:
+  """Runs `loop` until its tasks are done (their outcome dropped: the first failure is already raised); those
+  still running after DRAIN_TIMEOUT_S are cancelled and awaited."""
+  pending = asyncio.all_tasks(loop)
+  if not pending:
+    return
+  _, late = loop.run_until_complete(asyncio.wait(pending, timeout=DRAIN_TIMEOUT_S))
+  for task in late:
+    task.cancel()
+  if late:
+    loop.run_until_complete(asyncio.wait(late))
+  for task in pending:  # retrieved, so that no "exception was never retrieved" is logged for them
+    if not task.cancelled():
+      task.exception()
+
+
+if asyncio_utils._run_sync_via_new_loop is not _run_sync_draining:  # pylint: disable=protected-access
+  asyncio_utils._run_sync_via_new_loop = _run_sync_draining  # pylint: disable=protected-access
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +200,17 @@ class Checkpointer:
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """Restores into the shardings/dtypes of `abstract_state` (a tree of jax.ShapeDtypeStruct with shardings)."""
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=_restore_args(abstract_state), data=ocp.args.JsonRestore()))
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=_restore_args(abstract_state), data=ocp.args.JsonRestore()))
+    except ValueError as e:
+      differs = _structure_difference(str(e))
+      if differs is None:
+        raise
+      raise CheckpointMismatch(
+          f"{paths.join(self.directory, str(step))}: holds another training state than this run's ({differs}), "
+          "e.g. of an algorithm with other parts (a critic): use another --workdir, or "
+          "--config.checkpoint.restore=never to start from scratch here") from e
     return restored["state"], restored["data"]
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
@@ -172,10 +228,10 @@ class Checkpointer:
   def restore_newest(self, restore_fn: Callable[[int], T]) -> tuple[int, T] | None:
     """`restore_fn(step)` on the newest committed step, falling back to older ones while it raises.
 
-    Returns (step, result), or None when there is no checkpoint at all. A damaged step is named in a
-    warning with its cause and moved to `checkpoints_set_aside/` once an older one restored (a later save
-    of the same step number would collide with it). Raises NoRestorableCheckpoint when every step fails:
-    training from scratch beside checkpoints would silently discard them.
+    Returns (step, result), or None when there is no checkpoint at all. A damaged step is named in one warning
+    line with its cause once an older one restored, and moved to `checkpoints_set_aside/` (a later save of the
+    same step number would collide with it; a read-only Checkpointer moves nothing). Raises NoRestorableCheckpoint
+    when every step fails: training from scratch beside checkpoints would silently discard them.
     """
     failures = []
     for step in self.all_steps():
@@ -190,20 +246,25 @@ class Checkpointer:
       if not _all_processes(ok):
         if ok:
           failures.append(Failure(step, "another process could not restore it"))
-        logging.warning("checkpoint step %d cannot be restored (%s); trying the next older one", step,
-                        failures[-1].cause)
         continue
+      for failure in failures:
+        logging.warning("checkpoint step %d cannot be restored (%s); restored step %d instead", failure.step,
+                        failure.cause, step)
       if failures and not self.read_only:
         self._set_aside([f.step for f in failures], "damaged")
       self._complete_step = step
       return step, result
-    if failures:
-      tried = "\n".join(f"  step {f.step}: {f.cause}" for f in failures)
-      raise NoRestorableCheckpoint(
-          f"no checkpoint in {self.directory} can be restored; tried:\n{tried}\n"
-          "Repair or move them, or pass --config.checkpoint.restore=never to start from scratch (the existing "
-          f"checkpoints are then moved to {SET_ASIDE_DIR}/).")
-    return None
+    if not failures:
+      return None
+    if self.read_only:  # export, evaluate: one line (they cannot start from scratch)
+      tried = "; ".join(f"step {f.step}: {f.cause}" for f in failures)
+      raise NoRestorableCheckpoint(f"no checkpoint in {self.directory} can be restored ({tried}); repair or move "
+                                   "the damaged steps, or choose another workdir")
+    tried = "\n".join(f"  step {f.step}: {f.cause}" for f in failures)
+    raise NoRestorableCheckpoint(
+        f"no checkpoint in {self.directory} can be restored; tried:\n{tried}\n"
+        "Repair or move them, or pass --config.checkpoint.restore=never to start from scratch (the existing "
+        f"checkpoints are then moved to {SET_ASIDE_DIR}/).")
 
   def set_aside_all(self) -> list[int]:
     """Moves every committed step to `checkpoints_set_aside/` (a fresh start in a used workdir)."""
@@ -265,6 +326,30 @@ def _describe(e: BaseException) -> str:
   root = seen[-1]
   lines = [line for line in str(root).strip().splitlines() if line.strip()]
   return f"{type(root).__name__}: {lines[0][:300]}" if lines else type(root).__name__
+
+
+_STRUCTURE_MISMATCH = "User-provided restore item and on-disk value metadata tree structures do not match"
+
+
+def _structure_difference(message: str) -> str | None:
+  """Orbax's refusal of a target whose tree differs from the saved one, as "not in the checkpoint: x; not in this
+  run's: y; of another form: z" (at most 3 names each); None for any other error."""
+  lines = message.splitlines()
+  if not lines or not lines[0].startswith(_STRUCTURE_MISMATCH):
+    return None
+  kinds: dict[str, list[str]] = {"missing": [], "extra": [], "other": []}
+  key = None
+  for line in lines[1:]:
+    if line and not line[0].isspace() and line.endswith(":"):
+      key = line[:-1]
+      kinds["other"].append(key)
+    elif key and line.strip() in ("- Target: MISSING", "- Source: MISSING"):
+      kinds["other"].remove(key)
+      kinds["missing" if "Target" in line else "extra"].append(key)
+  names = lambda keys: ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+  parts = [f"{label}: {names(kinds[kind])}" for kind, label in (
+      ("missing", "not in the checkpoint"), ("extra", "not in this run's"), ("other", "of another form")) if kinds[kind]]
+  return "; ".join(parts) or "the trees differ"
 
 
 def _all_processes(ok: bool) -> bool:

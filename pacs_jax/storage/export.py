@@ -9,18 +9,20 @@ Workdirs and outputs may be local or `gs://`; reading a workdir never creates or
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import socket
 import tempfile
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
 
 from pacs_jax import config as config_lib
 from pacs_jax import paths
@@ -116,6 +118,23 @@ def load_policy(workdir: str, step: int | None = None) -> tuple[decoder.CausalLM
   return policy.model, policy.step
 
 
+class ModelCardMismatch(checkpoint_lib.CheckpointMismatch):
+  """A workdir whose model/config.json describes another model than its checkpoint was trained as."""
+
+
+def check_model_card(ckpt: checkpoint_lib.Checkpointer, step: int, config: ModelConfig, where: str) -> None:
+  """ModelCardMismatch, naming the fields, when the shape fields (`resume.MODEL_FIELDS`) of the checkpoint's record
+  differ from those of `config` (the workdir's model/config.json); a checkpoint without a record is not checked."""
+  record = ckpt.read_record(step)
+  if record is None:
+    return
+  current = {k: config.to_hf_dict().get(k) for k in resume.MODEL_FIELDS}
+  changes = resume.differences({"model": record.get("model")}, {"model": current}).get("model")
+  if changes:
+    raise ModelCardMismatch(f"{paths.join(ckpt.directory, str(step))}: trained as another model than "
+                            f"{where}/{hf.CONFIG_FILE} describes ({'; '.join(changes)}): the two are of different runs")
+
+
 def load(workdir: str, step: int | None = None, adapters_only: bool = False) -> Policy:
   """`load_policy`'s policy with what a LoRA run's export needs; `adapters_only`: a LoRA run's adapters on an
   abstract base (nothing of the base is read), and NoAdapters for a full-parameter run."""
@@ -130,6 +149,7 @@ def load(workdir: str, step: int | None = None, adapters_only: bool = False) -> 
         saved = ckpt.restore_config(s)
         param_dtype = config_lib.dtype(saved["model"]["param_dtype"])
         config = hf.load_config(model_dir, param_dtype=param_dtype, dtype=param_dtype)
+        check_model_card(ckpt, s, config, workdir_lib.model_dir(workdir))
         spec = lora_spec_of(saved)
         if spec is None and adapters_only:
           raise NoAdapters(f"--adapter: {paths.join(ckpt.directory, str(s))} is a full-parameter run's checkpoint "
@@ -191,12 +211,10 @@ def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | Non
   refused unless `overwrite`, which replaces only the files a previous export wrote there (listed in its
   `.pacs_jax_export.json`); any other file there is left alone, and with one the export is refused.
   """
+  remove_stale_staging(out_dir)
   previous = _previous_export(out_dir, overwrite)  # before the checkpoint is read: refuse early
   policy = load(workdir, step, adapters_only=adapter)
-  local_parent = None if paths.is_remote(out_dir) else paths.parent(out_dir)
-  if local_parent:
-    os.makedirs(local_parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=f".{os.path.basename(paths.normalize(out_dir))}.partial-", dir=local_parent)
+  staging = _staging_dir(out_dir)
   try:
     if adapter:
       peft = lora.to_peft(lora.split(policy.model)[1], policy.spec, policy.model.config, policy.base_path or None)
@@ -225,10 +243,56 @@ def _write_model(policy: Policy, workdir: str, local: str, dtype: str | None, ma
                  dtype=config_lib.dtype(dtype) if dtype else None, generation_config=generation)
 
 
+STAGING = ".pacs_jax_export.partial"  # `<STAGING>-<host>-<pid>-<random>`: an export being written
+
+
+def _staging_dir(out_dir: str) -> str:
+  """A fresh local folder to write the export into, on the file system it will end up on (renamed into place):
+  beside a new `out_dir`, inside an existing empty one (e.g. a mount point, which cannot be replaced), a
+  temporary folder for a `gs://` one."""
+  prefix = f"{STAGING}-{socket.gethostname()}-{os.getpid()}-"
+  if paths.is_remote(out_dir):
+    return tempfile.mkdtemp(prefix=prefix)
+  target = paths.normalize(out_dir)
+  if os.path.isdir(target):
+    return tempfile.mkdtemp(prefix=prefix, dir=target)
+  os.makedirs(os.path.dirname(target), exist_ok=True)
+  return tempfile.mkdtemp(prefix=f".{os.path.basename(target)}{prefix}", dir=os.path.dirname(target))
+
+
+def remove_stale_staging(out_dir: str) -> list[str]:
+  """Removes the staging folders of earlier exports to `out_dir` (beside or inside it) whose process is gone (a
+  kill -9 leaves one holding full weights); returns their paths. Another host's are left alone."""
+  if paths.is_remote(out_dir):
+    return []
+  target = paths.normalize(out_dir)
+  candidates = [os.path.join(target, n) for n in paths.listdir(target) if n.startswith(STAGING + "-")]
+  beside = f".{os.path.basename(target)}{STAGING}-"
+  candidates += [os.path.join(os.path.dirname(target), n) for n in paths.listdir(os.path.dirname(target))
+                 if n.startswith(beside)]
+  removed = []
+  for folder in candidates:
+    host, pid = os.path.basename(folder).split(STAGING + "-", 1)[1].rsplit("-", 2)[:2]
+    if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+      shutil.rmtree(folder, ignore_errors=True)
+      removed.append(folder)
+  return removed
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True  # another user's process
+  return True
+
+
 def _previous_export(out_dir: str, overwrite: bool) -> list[str]:
   """The files of the previous export in `out_dir` that `overwrite` replaces ([] for a missing or empty
   folder); OutputNotEmpty when the folder holds files that may not be replaced."""
-  names = paths.listdir(out_dir)
+  names = [n for n in paths.listdir(out_dir) if not n.startswith(STAGING + "-")]
   if not names:
     if paths.isfile(out_dir):
       raise OutputNotEmpty(f"--out {paths.normalize(out_dir)}: is a file, not a folder")
@@ -248,11 +312,8 @@ def _previous_export(out_dir: str, overwrite: bool) -> list[str]:
 def _move_into_place(staging: str, out_dir: str, files: list[str], previous: list[str]) -> None:
   """A new folder is renamed into place whole; over a previous export, its files are replaced by the new ones
   (config.json first out and last in: a folder that has it is complete) and nothing else is touched."""
-  if not paths.is_remote(out_dir) and not previous:
-    target = paths.normalize(out_dir)
-    if os.path.isdir(target):
-      os.rmdir(target)  # empty (checked): a directory rename may not replace it on every system
-    os.replace(staging, target)
+  if not paths.is_remote(out_dir) and not previous and not os.path.isdir(out_dir):
+    os.replace(staging, paths.normalize(out_dir))  # a new folder, whole
     return
   marker = paths.join(out_dir, EXPORT_MARKER)
   # While files move, the marker claims both sets: an interrupted export or overwrite can be redone.
@@ -275,22 +336,22 @@ def is_workdir(path: str) -> bool:
       paths.join(workdir_lib.model_dir(path), hf.CONFIG_FILE))
 
 
-def model_to_evaluate(path: str, step: int | None = None) -> str:
-  """A Hugging Face directory: `path` itself, or a training workdir's checkpoint exported to
-  `path/export_step_<S>` (latest step by default; reused when already there)."""
+@contextlib.contextmanager
+def model_to_evaluate(path: str, step: int | None = None) -> Iterator[tuple[str, str, str]]:
+  """(Hugging Face directory to read, default output folder, the name evaluate records) of `--model path`: a
+  Hugging Face directory itself; of a training workdir, its checkpoint (the newest that restores by default)
+  exported into a temporary local folder removed afterwards, the results going to `<workdir>-eval_step_<S>`
+  beside it: a workdir is never written."""
   if not is_workdir(path):
     if not paths.isfile(paths.join(path, hf.CONFIG_FILE)):
       raise FileNotFoundError(f"--model {path}: neither a Hugging Face directory ({hf.CONFIG_FILE}) nor a training "
                               f"workdir ({CHECKPOINT_DIR}/ and {MODEL_DIR}/)")
-    return path
-  if step is None:
-    step = latest_step(path)
-  out = paths.join(path, f"export_step_{step}")
-  if not paths.isfile(paths.join(out, hf.CONFIG_FILE)):
-    # Written beside and moved into place (config.json last on Cloud Storage): never a folder that looks complete
-    # but is not; an earlier attempt's files are replaced.
-    export(path, out, step=step, overwrite=True)
-  return out
+    yield path, path, paths.canonical(path)
+    return
+  with tempfile.TemporaryDirectory(prefix="pacs_jax_evaluate_") as tmp:
+    local = export(path, os.path.join(tmp, "model"), step=step)
+    step = json.loads(paths.read_text(os.path.join(local, EXPORT_MARKER)))["step"]
+    yield local, f"{paths.normalize(path)}-eval_step_{step}", f"{paths.canonical(path)} step {step}"
 
 
 def export_adapter(adapters: nnx.State, spec: lora.LoraSpec, config: ModelConfig, out_dir: str, *,
@@ -310,7 +371,6 @@ def _write_adapter(tensors: dict[str, np.ndarray], adapter_config: dict, local: 
   """A PEFT adapter folder's two files (`lora.to_peft`'s tensors and config) into the local folder `local`."""
   if dtype is not None:
     tensors = {k: v.astype(config_lib.dtype(dtype) if isinstance(dtype, str) else dtype) for k, v in tensors.items()}
-  save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(local, lora.ADAPTER_WEIGHTS),
-            metadata={"format": "pt"})
+  hf.save_safetensors({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(local, lora.ADAPTER_WEIGHTS))
   with open(os.path.join(local, lora.ADAPTER_CONFIG), "w") as f:
     json.dump(adapter_config, f, indent=2)

@@ -314,7 +314,8 @@ def test_resolve_data(data_dir):
 
 
 def test_cli_on_a_training_workdir(data_dir, tokenizer, tmp_path):
-  """The CLI end to end on one device: checkpoint -> export_step_<S> -> both files there, math-verify scores."""
+  """The CLI end to end on one device: checkpoint -> a temporary export -> both files in WORKDIR-eval_step_<S>,
+  math-verify scores; the workdir is not written."""
   from pacs_jax.storage import checkpoint as checkpoint_lib
   from pacs_jax.storage import export as export_lib
 
@@ -325,6 +326,7 @@ def test_cli_on_a_training_workdir(data_dir, tokenizer, tmp_path):
   ckpt.save(3, {"params": nnx.state(model, nnx.Param)}, {},
             ml_collections.ConfigDict({"model": {"param_dtype": "float32"}}))
   ckpt.close()
+  before = sorted(os.walk(workdir))
   data = ",".join(os.path.join(data_dir, name, "test.jsonl") for name in ("amc23", "math500"))
   env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
   env["PACS_JAX_COMPILATION_CACHE"] = os.path.join(REPO, ".jax_cache")
@@ -333,7 +335,8 @@ def test_cli_on_a_training_workdir(data_dir, tokenizer, tmp_path):
        "--max_new_tokens=4", "--max_prompt_length=256", "--batch_slots=4", "--dtype=float32", "--reward_workers=1"],
       env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
   assert result.returncode == 0, result.stderr[-3000:]
-  out = os.path.join(workdir, "export_step_3")
+  out = f"{workdir}-eval_step_3"
+  assert sorted(os.walk(workdir)) == before
   assert "pass@2" in result.stdout and "amc23" in result.stdout
   summary = read_summary(out)
   assert summary["complete"] and set(summary["sources"]) == {"amc23", "math_500"}

@@ -205,7 +205,7 @@ def other_tokenizer(directory) -> str:
   return str(directory)
 
 
-@pytest.mark.parametrize("change", ["algorithm", "layers", "tokenizer"])
+@pytest.mark.parametrize("change", ["algorithm", "layers", "tokenizer", "algorithm_allowed"])
 def test_a_resume_under_another_run_is_refused_in_one_line(change, one_layer_run, two_layer_run, tmp_path):
   workdir, args, expected = {
       "algorithm": (two_layer_run, ["--config.algorithm=grpo"], ["another algorithm (algorithm: 'pacs' -> 'grpo')",
@@ -215,11 +215,17 @@ def test_a_resume_under_another_run_is_refused_in_one_line(change, one_layer_run
       "tokenizer": (two_layer_run, [f"--config.tokenizer={other_tokenizer(tmp_path / 'tok')}"],
                     ["another tokenizer (tokenizer.name: 'synthetic' ->", "tokenizer.vocab_sha256",
                      "--config.checkpoint.allow_changes=tokenizer"]),
+      # Allowed, but PPO's state has a critic that PACS's has not: healthy checkpoints of another state, not damage.
+      "algorithm_allowed": (two_layer_run, ["--config.algorithm=ppo", "--config.checkpoint.allow_changes=algorithm"],
+                            ["holds another training state than this run's (of another form: critic_opt_state, critic_params)",
+                             "use another --workdir, or --config.checkpoint.restore=never"]),
   }[change]
   before = sorted(os.listdir(workdir / "checkpoints"))
   result = cli("pacs_jax.train", *RUN, "--workdir", str(workdir), "--config.steps=3", *args, cwd=tmp_path)
-  assert_failed_in_lines(result, 1, errors.EXIT_CHECKPOINT, f"train: {workdir}/checkpoints: checkpoint step 1 was "
-                         "trained with", *expected)
+  start = (f"train: {workdir}/checkpoints/1: " if change == "algorithm_allowed" else
+           f"train: {workdir}/checkpoints: checkpoint step 1 was trained with")
+  assert_failed_in_lines(result, 3 if change == "algorithm_allowed" else 1, errors.EXIT_CHECKPOINT, start, *expected)
+  assert "Repair" not in result.stderr
   assert sorted(os.listdir(workdir / "checkpoints")) == before  # nothing set aside, nothing saved
   assert [r["step"] for r in read_rows(str(workdir / "metrics.jsonl"))] == [1]
   log = (workdir / errors.LOG_FILE).read_text()

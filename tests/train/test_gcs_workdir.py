@@ -69,8 +69,8 @@ def test_train_resume_export_evaluate_on_gs(local_gcs, tmp_path):
   run("pacs_jax.evaluate", "--model", workdir, "--data", "synthetic/mod3", "--limit", "4", "--n", "2",
       "--max_new_tokens", "4", "--max_prompt_length", "16", "--batch_slots", "8", "--dtype", "float32",
       "--reward_workers", "1", env=env, cwd=cwd)
-  exported = f"{workdir}/export_step_6"
-  assert paths.isfile(f"{exported}/config.json") and paths.isfile(f"{exported}/model.safetensors")
+  exported = f"{workdir}-eval_step_6"  # (the workdir itself is never written)
+  assert not paths.exists(f"{workdir}/export_step_6")
   # The released layouts (issue 11): one rollout line per problem holding its n samples, pass@k per source.
   summary = json.loads(paths.read_text(f"{exported}/eval_summary.json"))
   assert summary["complete"] and summary["overall"]["num_responses"] == 8
