@@ -4,8 +4,8 @@ line naming the symptom, the step and the last healthy checkpoint (`config.healt
 Dead: for `health.patience` consecutive steps no update applied (every gradient non-finite), a gradient norm of
 exactly 0 while the rewards within some group differ (so the objective has something to learn from; GRPO's
 all-equal groups legitimately give none), or the entropy pinned at the uniform policy's ln V. Diverged, at once:
-a parameter norm `health.max_param_growth` times its norm at the start, or one update's norm
-`health.max_update_ratio` times the parameters' (non-finite norms included).
+a parameter norm `health.max_param_growth` times its norm at the start, or one that moved by
+`health.max_update_ratio` times itself in one step (non-finite norms included).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Unhealthy(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Symptom:
-  name: str  # skipped_updates | zero_gradient | uniform_entropy | param_norm | update_norm
+  name: str  # skipped_updates | zero_gradient | uniform_entropy | param_norm | update_norm (its change)
   text: str  # what was seen, for the line
 
 
@@ -43,21 +43,20 @@ def dead_symptoms(row: dict[str, float], skipped: int, updates: int, log_vocab: 
 
 def diverged_symptoms(row: dict[str, float], start_norm: float, previous_norm: float, max_growth: float,
                       max_ratio: float) -> list[Symptom]:
-  """Exploding norms in one step's row: |θ| > max_growth |θ_start|, |Δθ| > max_ratio |θ before the step| (0 = off);
-  a non-finite norm always counts."""
+  """Exploding norms in one step's row: |θ| > max_growth |θ_start|, or ||θ| - |θ before the step|| > max_ratio |θ before
+  the step| (the update's norm is at least that; 0 = off); a non-finite norm always counts."""
   out = []
-  param_norm, update_norm = row["param_norm"], row["update_norm"]
+  param_norm = row["param_norm"]
+  update_norm = abs(param_norm - previous_norm)  # |Δθ| >= ||θ_t| - |θ_t-1|| (a lower bound, from the norms alone)
   if not math.isfinite(param_norm):
     out.append(Symptom("param_norm", f"parameter norm {param_norm} (it was {start_norm:.3g} at the start)"))
   elif max_growth and start_norm > 0 and param_norm > max_growth * start_norm:
     out.append(Symptom("param_norm", f"parameter norm {param_norm:.3g}, {param_norm / start_norm:.3g}x its "
                                      f"{start_norm:.3g} at the start (health.max_param_growth={max_growth:g})"))
-  if not math.isfinite(update_norm):
-    out.append(Symptom("update_norm", f"update norm {update_norm}"))
-  elif max_ratio and previous_norm > 0 and update_norm > max_ratio * previous_norm:
-    out.append(Symptom("update_norm", f"update norm {update_norm:.3g}, {update_norm / previous_norm:.3g}x the "
-                                      f"parameter norm {previous_norm:.3g} before it (health.max_update_ratio="
-                                      f"{max_ratio:g})"))
+  if math.isfinite(param_norm) and max_ratio and previous_norm > 0 and update_norm > max_ratio * previous_norm:
+    out.append(Symptom("update_norm", f"the parameter norm moved by {update_norm:.3g} in one step, "
+                                      f"{update_norm / previous_norm:.3g}x its {previous_norm:.3g} before it "
+                                      f"(health.max_update_ratio={max_ratio:g})"))
   return out
 
 

@@ -45,6 +45,8 @@ from pacs_jax.trainer import state as state_lib
 from pacs_jax.trainer import teardown
 
 
+_TREE_NORM = jax.jit(state_lib.tree_norm)
+
 # ----------------------------------------------------------------------------------------------
 # The loop
 
@@ -226,7 +228,13 @@ class Trainer:
                                               self.mesh, programs_lib.updates_per_step(self.cfg), self.frozen_args)
     # Each mini-batch's own metrics, for inspection (e.g. r̂ = 0 on the first one with the rollout reference).
     self.minibatch_metrics = [{k: float(np.asarray(v)) for k, v in m.items()} for m in per_minibatch]
-    return stages.step_metrics(per_minibatch)
+    return {**stages.step_metrics(per_minibatch), "param_norm": self.param_norm()}
+
+  def param_norm(self) -> float:
+    """|θ| of the trained params (a LoRA run's adapters), for the health check: a program of its own, so the train
+    step keeps no update tree alive for it (reading the params once costs milliseconds a step)."""
+    with jax.set_mesh(self.mesh):
+      return float(_TREE_NORM(self.state.params))
 
   # -- validation ------------------------------------------------------------------------------
 
@@ -304,9 +312,7 @@ class Trainer:
     cfg, writer, preemption = self.cfg, held.writer, held.preemption
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
     updates_per_step = programs_lib.updates_per_step(cfg)
-    with jax.set_mesh(self.mesh):
-      start_norm = float(jax.jit(state_lib.tree_norm)(self.state.params))
-    monitor = health.Monitor(cfg, self.policy_config.vocab_size, updates_per_step, start_norm, restored)
+    monitor = health.Monitor(cfg, self.policy_config.vocab_size, updates_per_step, self.param_norm(), restored)
     save_due = False  # a periodic save put off while the run looked dead
     last = {}
     with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:

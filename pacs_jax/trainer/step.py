@@ -122,18 +122,15 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     return grads, metrics
 
   def apply(optimizer, params, opt_state, grads):
-    """(new params, new opt_state, |update|): the norm of what the update added (0 when it was skipped)."""
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, state_lib.tree_norm(updates)
+    return optax.apply_updates(params, updates), opt_state
 
   def step(state: TrainState, minibatch: Batch, ends_step: jax.Array | bool, base: nnx.State | None
            ) -> tuple[TrainState, dict]:  # minibatch: [k, m, ...] each
     micro_loss, critic_loss = losses(base)
     grads, metrics = accumulate(micro_loss, state.params, minibatch, lambda m: algo.normaliser(cfg, m))
     metrics["grad_norm"] = optax.tree.norm(grads)
-    params, opt_state, metrics["update_norm"] = apply(optimizer, state.params, state.opt_state, grads)
-    # The training-health check's inputs (trainer/health.py): the trained params' norm after the update.
-    metrics["param_norm"] = state_lib.tree_norm(params)
+    params, opt_state = apply(optimizer, state.params, state.opt_state, grads)
     metrics.update(optimizer_metrics(opt_state))
     critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
     if critic_graphdef is not None:
@@ -141,7 +138,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
       critic_grads, critic_metrics = accumulate(critic_loss, critic_params, minibatch, value_weight)
       metrics.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in critic_metrics.items()})
       metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
-      critic_params, critic_opt_state, _ = apply(critic_optimizer, critic_params, critic_opt_state, critic_grads)
+      critic_params, critic_opt_state = apply(critic_optimizer, critic_params, critic_opt_state, critic_grads)
     state = state.replace(params=params, opt_state=opt_state, critic_params=critic_params,
                           critic_opt_state=critic_opt_state)
     return state_lib.advance(state, ends_step), metrics
