@@ -28,6 +28,8 @@ EXIT_DATA = 4  # a data file that cannot be read, rows that are malformed, no pr
 EXIT_CHECKPOINT = 5  # no checkpoint restores, or it belongs to another run (algorithm, model, tokenizer)
 EXIT_LOCKED = 6  # another trainer holds the workdir
 EXIT_STORAGE = 7  # a save or write failed: a full or read-only disk, an unreachable store
+EXIT_UNHEALTHY = 8  # training died or diverged (trainer/health.py): stopped before saving
+EXIT_INTERRUPTED = 130  # Ctrl-C before training began, or a second one during it (a shell's 128 + SIGINT)
 
 LOG_FILE = "errors.log"  # in the workdir: the traceback of each failure, appended
 
@@ -85,7 +87,10 @@ def classify(e: BaseException) -> Failure | None:
   from pacs_jax.data import sources
   from pacs_jax.models import hf
   from pacs_jax.storage import checkpoint, lock
+  from pacs_jax.trainer import health
 
+  if isinstance(e, health.Unhealthy):
+    return Failure(EXIT_UNHEALTHY, str(e))
   if isinstance(e, config.ConfigError):
     return Failure(EXIT_CONFIG, str(e))
   if isinstance(e, (InputError, hf.WeightsMismatch)):
@@ -287,8 +292,10 @@ def run(prog: str, main: Callable[[list[str]], object]) -> None:
       result = main(argv)
       _show_held_records()
       return result
-    except (SystemExit, KeyboardInterrupt, app.UsageError):
+    except (SystemExit, app.UsageError):
       raise
+    except KeyboardInterrupt as e:  # (once training runs, Ctrl-C saves a checkpoint first: trainer/preemption.py)
+      _exit(prog, Failure(EXIT_INTERRUPTED, "interrupted (Ctrl-C)"), e)
     except _ConfigFileError as e:
       _exit(prog, Failure(EXIT_CONFIG, str(e)), e)
     except Exception as e:  # noqa: BLE001 (classified below; a bug is re-raised whole)

@@ -250,7 +250,7 @@ def test_evaluate_reads_a_workdir_without_writing_into_it(workdir):
 
 def test_the_docs_exit_status_table_is_the_code(workdir):
   text = open(os.path.join(ROOT, "docs", "training.md")).read()
-  rows = dict(re.findall(r"^\| (\d) \| `(EXIT_\w+)` \|", text, re.M))
+  rows = dict(re.findall(r"^\| (\d+) \| `(EXIT_\w+)` \|", text, re.M))
   assert rows and {int(k): getattr(errors, v) for k, v in rows.items()} == {int(k): int(k) for k in rows}
   assert {name for name in dir(errors) if name.startswith("EXIT_")} == set(rows.values())
   assert "`train`, `evaluate` and `export`" in text

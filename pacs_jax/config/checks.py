@@ -100,6 +100,14 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   unknown = [s for s in c.checkpoint.allow_changes.split(",") if s.strip() and s.strip() not in ALLOWABLE]
   _check(not unknown, "checkpoint.allow_changes", f"{unknown} are not among {ALLOWABLE} (comma-separated)")
   _check(c.checkpoint.lock_stale_after_s > 0, "checkpoint.lock_stale_after_s", "must be positive (seconds)")
+  _check(isinstance(c.health.patience, int) and c.health.patience >= 0, "health.patience",
+         f"must be an integer >= 0 (steps; 0 = no dead-run check), got {c.health.patience!r}")
+  _check(c.health.entropy_tolerance >= 0, "health.entropy_tolerance",
+         f"must be >= 0 (nats), got {c.health.entropy_tolerance}")
+  _check(c.health.max_param_growth == 0 or c.health.max_param_growth > 1, "health.max_param_growth",
+         f"must be > 1 (times the starting norm; 0 = off), got {c.health.max_param_growth}")
+  _check(c.health.max_update_ratio >= 0, "health.max_update_ratio",
+         f"must be >= 0 (times the parameter norm; 0 = off), got {c.health.max_update_ratio}")
   _check(c.log_every >= 1, "log_every", f"must be >= 1 (the last step is always logged), got {c.log_every}")
   _check(c.eval_every >= 0, "eval_every", f"must be >= 0 (0 = no validation), got {c.eval_every}")
   _check(c.rollout.slots >= 0, "rollout.slots", f"must be >= 0 (0 = the whole rollout batch), got {c.rollout.slots}")

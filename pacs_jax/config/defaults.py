@@ -130,6 +130,19 @@ def default_config() -> ml_collections.ConfigDict:
   # without a heartbeat (on the same host: as soon as its process is gone).
   c.checkpoint.lock_stale_after_s = 300.0
 
+  # Training health (trainer/health.py): a dead or diverged run stops at the step boundary, before it saves, in
+  # one line (exit status 8). Dead: for `patience` consecutive steps no update applied, a gradient norm of 0 while
+  # the rewards within some group differ, or the entropy within `entropy_tolerance` nats of the uniform ln V
+  # (0 = no such check). Diverged, at once: the policy's parameter norm over `max_param_growth` times its norm at
+  # the start, or moved by over `max_update_ratio` times itself in one step (0 = off); a non-finite norm. (The
+  # demo's norm moves 0.003x a step and 1.1x in 60 steps, LoRA's on the demo 0.3x at its first step (B starts at 0)
+  # and 5x in 60; lr 1e3 multiplies it by 2e4 at once.)
+  c.health = ml_collections.ConfigDict()
+  c.health.patience = 3
+  c.health.entropy_tolerance = 1e-3
+  c.health.max_param_growth = 1000.0
+  c.health.max_update_ratio = 10.0
+
   c.eval_every = 5  # validation (greedy, per-source accuracy); 0 = off
   # Per-step JSONL dumps of the generations, as the released trainer.rollout_data_dir / validation_data_dir
   # ("" = off): one line per response {input, output, score, step, data_source, ground_truth}, file <step>.jsonl.

@@ -4,6 +4,8 @@ a per-item timeout (errors and timeouts score 0.0; a hung or dead worker is repl
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -12,6 +14,7 @@ import time
 from typing import Callable, Sequence
 
 import numpy as np
+import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 from pacs_jax.rewards import synthetic
@@ -33,6 +36,42 @@ for _name in ("math_verify.parser", "math_verify.grader"):
   logging.getLogger(_name).addFilter(_TimeoutDisabledFilter())
 
 
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(ground_truth: str) -> tuple:
+  """The gold answer's extractions, parsed once per answer (a prompt's n responses share it)."""
+  return tuple(parse("\\boxed{" + ground_truth + "}", _GOLD_TARGETS, parsing_timeout=None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _value_at_a_point(expr: sympy.Expr) -> sympy.Expr | None:
+  """`expr` with each free symbol replaced by a fixed rational (distinct, non-integer), or None if it is no number
+  then (a pole, a function left unevaluated with a symbol)."""
+  point = {s: sympy.Rational(1009 + 37 * i, 113 + 7 * i) for i, s in enumerate(sorted(expr.free_symbols, key=str))}
+  value = expr.subs(point)
+  return value if value.is_number and not value.free_symbols else None
+
+
+def _cannot_be_equal(gold, pred) -> bool:
+  """True when math-verify's comparison of this pair (`sympy_expr_eq`) can only say no, without running it: one is
+  an exact number, the other an expression of free symbols (no relation, set, lone symbol or matrix: e.g. a word
+  in the answer, parsed as a product of its letters) whose value at a rational point provably differs from it. Then
+  gold - pred is not identically 0, so neither the structural, numeric nor symbolic (`simplify`: 0.1-3 s a pair)
+  test can succeed. False means: ask math-verify."""
+  for number, expr in ((gold, pred), (pred, gold)):
+    if (isinstance(number, sympy.Number) and not isinstance(number, sympy.Float) and isinstance(expr, sympy.Expr)
+        and not isinstance(expr, (sympy.Symbol, sympy.MatrixExpr)) and expr.free_symbols and not expr.has(sympy.Float)):
+      value = _value_at_a_point(expr)
+      return value is not None and (value - number).is_zero is False  # (None: sympy cannot tell)
+  return False
+
+
+def verify_pairs(gold, pred) -> bool:
+  """math-verify's `verify(gold, pred)` at 6 decimals (true if any gold extraction equals any predicted one), each
+  pair compared as `verify` does, but pairs that `_cannot_be_equal` skipped."""
+  return any(not _cannot_be_equal(g, p) and verify(g, p, float_rounding=6, timeout_seconds=None)
+             for g, p in itertools.product(gold, pred))
+
+
 def checked_score(solution_str: str, ground_truth: str) -> tuple[float, str | None]:
   """(score, error message or None); `compute_score` with its errors reported instead of hidden."""
   try:
@@ -40,11 +79,11 @@ def checked_score(solution_str: str, ground_truth: str) -> tuple[float, str | No
       raise TypeError(f"expected str, got {type(solution_str).__name__} and {type(ground_truth).__name__}")
     # math-verify's own timeouts use signal.alarm (main thread only, whole seconds); they are off
     # here and RewardScorer enforces the timeout by killing the worker instead.
-    gold = parse("\\boxed{" + ground_truth + "}", _GOLD_TARGETS, parsing_timeout=None)
+    gold = _parse_gold(ground_truth)
     if not gold:  # math_metric raises here, which the released compute_score turns into 0.0
       return 0.0, f"no gold answer could be parsed from {ground_truth!r:.100}"
     pred = parse(solution_str, _PRED_TARGETS, parsing_timeout=None)
-    return (1.0 if verify(gold, pred, float_rounding=6, timeout_seconds=None) else 0.0), None
+    return (1.0 if verify_pairs(gold, pred) else 0.0), None
   except Exception as e:  # noqa: BLE001 -- any parser failure scores 0.0, as released
     return 0.0, f"{type(e).__name__}: {e}"[:500]
 

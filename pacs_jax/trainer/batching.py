@@ -97,8 +97,9 @@ def check_groups(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: 
                      "differ: the batch is not grouped prompt-major (row = prompt * n + sample)")
 
 
-def rollout_metrics(packed: PackedRollout, reward_stats: dict, source_names: list[str]) -> dict[str, float]:
-  """Reward, accuracy per data source, response lengths: over every process's rows (the global batch)."""
+def rollout_metrics(packed: PackedRollout, reward_stats: dict, source_names: list[str], n: int) -> dict[str, float]:
+  """Reward, accuracy per data source, response lengths, the share of groups (n rows each) whose rewards differ:
+  over every process's rows (the global batch; each process's rows are whole groups)."""
   source_ids = np.asarray([source_names.index(s) for s in packed.data_sources], np.float32)
   finished_by_length = np.asarray([r == "length" for r in packed.finish_reasons], np.float32)
   counts = np.asarray([reward_stats.get("errors", 0), reward_stats.get("timeouts", 0)], np.float32)
@@ -111,9 +112,17 @@ def rollout_metrics(packed: PackedRollout, reward_stats: dict, source_names: lis
        "response_length/max": float(np.max(lengths)),
        "response_length/clip_ratio": float(np.mean(clipped)),
        "reward/errors": float(counts[0]),
-       "reward/timeouts": float(counts[1])}
+       "reward/timeouts": float(counts[1]),
+       "reward/mixed_groups": mixed_groups(rewards, n)}
   m.update(per_source_mean(scores, [source_names[int(i)] for i in ids], "accuracy"))  # the verifier's, unshaped
   return m
+
+
+def mixed_groups(rewards: np.ndarray, n: int) -> float:
+  """The share of groups (n consecutive rows of [rows] rewards) whose rewards are not all equal: the groups that
+  give an objective comparing a prompt's responses (GRPO, PACS) a non-zero gradient."""
+  groups = np.asarray(rewards).reshape(-1, n)  # [groups, n]
+  return float(np.mean(np.any(groups != groups[:, :1], axis=1)))
 
 
 def per_source_mean(scores, data_sources: list[str], prefix: str) -> dict[str, float]:

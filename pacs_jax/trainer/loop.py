@@ -38,11 +38,14 @@ from pacs_jax.trainer import multihost
 from pacs_jax.trainer import build
 from pacs_jax.trainer import preemption as preemption_lib
 from pacs_jax.trainer import dynamic_sampling
+from pacs_jax.trainer import health
 from pacs_jax.trainer import programs as programs_lib
 from pacs_jax.trainer import stages
 from pacs_jax.trainer import state as state_lib
 from pacs_jax.trainer import teardown
 
+
+_TREE_NORM = jax.jit(state_lib.tree_norm)
 
 # ----------------------------------------------------------------------------------------------
 # The loop
@@ -183,7 +186,7 @@ class Trainer:
       self._stepped = True
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
       stages.dump(self.cfg.rollout_data_dir, int(self.state.step), self.tokenizer, prompt_ids, completions, scored)
-    row = stages.record(metrics, packed, scored, clock, self.source_names)
+    row = stages.record(metrics, packed, scored, clock, self.source_names, self.cfg.rollout.n)
     row.update(sampled)  # (its timings split the rounds' rollouts from their scoring)
     return row
 
@@ -225,7 +228,13 @@ class Trainer:
                                               self.mesh, programs_lib.updates_per_step(self.cfg), self.frozen_args)
     # Each mini-batch's own metrics, for inspection (e.g. r̂ = 0 on the first one with the rollout reference).
     self.minibatch_metrics = [{k: float(np.asarray(v)) for k, v in m.items()} for m in per_minibatch]
-    return stages.step_metrics(per_minibatch)
+    return {**stages.step_metrics(per_minibatch), "param_norm": self.param_norm()}
+
+  def param_norm(self) -> float:
+    """|θ| of the trained params (a LoRA run's adapters), for the health check: a program of its own, so the train
+    step keeps no update tree alive for it (reading the params once costs milliseconds a step)."""
+    with jax.set_mesh(self.mesh):
+      return float(_TREE_NORM(self.state.params))
 
   # -- validation ------------------------------------------------------------------------------
 
@@ -295,17 +304,19 @@ class Trainer:
         print(console.already_done(start, self.cfg.steps), flush=True)
       held.preemption = preemption_lib.Preemption()
       held.step_in_progress = start  # from here on, a failure may be a storage outage
-      return self._steps(held, validate_first=restored is None)
+      return self._steps(held, restored)
 
-  def _steps(self, held: teardown.Held, validate_first: bool) -> dict[str, Any]:
+  def _steps(self, held: teardown.Held, restored: int | None) -> dict[str, Any]:
     """The steps after `held.step_in_progress` (each number held there as it runs), with validation, metrics rows,
-    checkpoints and a stop on SIGTERM or a lost lock."""
+    checkpoints and a stop on SIGTERM or Ctrl-C, a lost lock, or a dead or diverged run (trainer/health.py)."""
     cfg, writer, preemption = self.cfg, held.writer, held.preemption
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
     updates_per_step = programs_lib.updates_per_step(cfg)
+    monitor = health.Monitor(cfg, self.policy_config.vocab_size, updates_per_step, self.param_norm(), restored)
+    save_due = False  # a periodic save put off while the run looked dead
     last = {}
     with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
-      if validate_first and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
+      if restored is None and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
         writer.write(0, self.validate(scorer))
       for step in range(held.step_in_progress + 1, cfg.steps + 1):
         held.step_in_progress = step
@@ -318,19 +329,24 @@ class Trainer:
         last["data/dropped_prompts"] = float(self.pipeline.num_dropped)
         last["data/skipped_rows"] = float(self.skipped_rows)
         last["data/epoch"] = float(prompts["epoch"])
+        skipped = int(last["skipped_updates"]) - skipped_before
         skipped_before = metrics_lib.warn_skipped_updates(step, last["skipped_updates"], skipped_before, updates_per_step)
         if cfg.eval_every and step % cfg.eval_every == 0:
           last.update(self.validate(scorer))
         if step % cfg.log_every == 0 or step == cfg.steps:
           writer.write(step, last)
+        monitor.check(step, last, skipped)  # a dead or diverged run stops here, before it saves (every process)
         stop, lost_lock = preemption.agreed(self.lock.lost is not None)
         if lost_lock:  # its files are another trainer's now: stop without saving over them
           raise workdir_lock.WorkdirLocked(f"another trainer took over {self.workdir} "
                                            f"({self.lock.lost or 'seen by process 0'}); stopping without saving")
-        if step % cfg.checkpoint.every == 0 or step == cfg.steps or stop:
+        save_due = save_due or step % cfg.checkpoint.every == 0
+        if save_due and monitor.saving_is_healthy or step == cfg.steps or stop:
           self.save(step)
+          monitor.saved(step)
+          save_due = False
         if stop:
-          logging.warning("preempted: saved step %d, exiting", step)
+          logging.warning("%s: saved step %d, exiting", preemption.describe(), step)
           break
     return last
 

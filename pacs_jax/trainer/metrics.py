@@ -23,6 +23,7 @@ from pacs_jax.trainer import multihost
 
 CONSOLE_KEYS = ("reward/mean", "entropy", "loss", "grad_norm", "response_length/mean", "timing/step_s")
 METRICS_FILE = "metrics.jsonl"
+BAD_SUFFIX = ".bad"  # metrics.jsonl.bad: the lines a resume set aside (`repair`)
 TENSORBOARD_DIR = "tensorboard"
 
 
@@ -76,39 +77,60 @@ class MetricsWriter:
       self.tb.close()
 
 
+def _reject_constant(name: str):
+  raise ValueError(f"{name} is not JSON")  # NaN, Infinity: this writer spells them as strings
+
+
+def _finite(value: Any) -> bool:
+  if isinstance(value, float):
+    return math.isfinite(value)  # (1e400 parses as inf)
+  if isinstance(value, dict):
+    return all(_finite(v) for v in value.values())
+  if isinstance(value, list):
+    return all(_finite(v) for v in value)
+  return True
+
+
+def parse_row(line: bytes) -> dict | None:
+  """The row a metrics.jsonl line holds, or None unless it is one JSON object with an integer `step` >= 0 and
+  finite numbers only (a line cut off by a kill, garbage, a hand-edited row with NaN or a step "3")."""
+  try:
+    row = json.loads(line, parse_constant=_reject_constant)
+  except ValueError:  # (a UnicodeDecodeError too)
+    return None
+  if not isinstance(row, dict) or type(row.get("step")) is not int or row["step"] < 0 or not _finite(row):
+    return None
+  return row
+
+
 def read_rows(path: str) -> list[dict]:
-  """The complete rows of a metrics file (a cut-off last line is left out)."""
+  """The rows of a metrics file (a cut-off last line or any other line that is not a row is left out)."""
   if not paths.exists(path):
     return []
-  rows = []
-  for line in paths.read_bytes(path).split(b"\n"):
-    try:
-      rows.append(json.loads(line))
-    except ValueError:
-      continue
-  return rows
+  rows = (parse_row(line) for line in paths.read_bytes(path).split(b"\n"))
+  return [row for row in rows if row is not None]
 
 
 def repair(path: str, first_step: int) -> None:
-  """Keeps the complete rows logged before `first_step`: drops a line cut short by a kill (or any line
-  that is not a JSON row), and rows of steps the resumed run will log again."""
+  """Keeps the rows logged before `first_step` and drops those of steps the resumed run will log again. Any line
+  that is not a row (`parse_row`: cut short by a kill, damaged, hand-edited) never stops the resume: it is set
+  aside, appended to `<path>.bad`, with one warning naming the file and the line numbers."""
   if not paths.exists(path):
     return
   data = paths.read_bytes(path)
-  keep, dropped_lines = [], []
+  keep, bad = [], {}
   for number, line in enumerate(data.split(b"\n"), start=1):
     if not line.strip():
       continue
-    try:
-      row = json.loads(line)
-      step = int(row["step"])
-    except (ValueError, KeyError, TypeError):
-      dropped_lines.append(number)
-      continue
-    if step < first_step:
+    row = parse_row(line)
+    if row is None:
+      bad[number] = line
+    elif row["step"] < first_step:
       keep.append(line + b"\n")
-  if dropped_lines:
-    logging.warning("%s: dropped line(s) %s, not complete rows (cut off by a kill?)", path, dropped_lines)
+  if bad:
+    paths.append(path + BAD_SUFFIX, b"".join(line + b"\n" for line in bad.values()))
+    logging.warning("%s: line(s) %s not a finite-valued JSON row each (cut off by a kill, or edited): set aside "
+                    "in %s", path, ", ".join(map(str, bad)), path + BAD_SUFFIX)
   repaired = b"".join(keep)
   if repaired != data:
     paths.write_atomic(path, repaired)

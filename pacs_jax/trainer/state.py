@@ -77,6 +77,11 @@ def optimizer_metrics(opt_state) -> dict[str, jax.Array]:
   return {"skipped_updates": skipped_updates(opt_state).astype(jnp.float32), "lr": last_lr(opt_state)}
 
 
+def tree_norm(tree) -> jax.Array:
+  """sqrt(Σ x²) over every leaf, in float32 (16-bit weights' squares summed in 16 bits lose the total)."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
 def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State, mesh) -> Any:
   """Optimizer state created directly in the parameters' shardings (moments follow their params)."""
   if mesh is None:

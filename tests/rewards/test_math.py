@@ -96,6 +96,18 @@ PAIRS = [
     ("\\boxed{}", "5", 0.0),
     ("\\boxed{5}", "", 0.0),
     ("\\boxed{5}", "\\text{}", 0.0),
+    # answers with free symbols against numbers (the pairs `_cannot_be_equal` may skip): a constant in disguise still
+    # verifies; words parse as products of letters (e: Euler's number)
+    ("\\boxed{1}", "\\sin^2 x + \\cos^2 x", 1.0),
+    ("\\boxed{1}", "(x+1)^2 - x^2 - 2x", 1.0),
+    ("\\boxed{2}", "(x+1)^2 - x^2 - 2x", 0.0),
+    ("\\boxed{5}", "x = 5", 1.0),
+    ("\\boxed{x}", "x", 1.0),
+    ("\\boxed{12}", "the quick brown fox", 0.0),
+    ("\\boxed{the quick brown fox}", "the quick brown fox", 1.0),
+    ("user mod 12 +", "Paris", 0.0),
+    ("\\boxed{7}", "\\frac{1}{x}", 0.0),
+    ("\\boxed{x + 1}", "1 + x", 1.0),
 ]
 
 
@@ -217,3 +229,41 @@ def test_killed_workers_are_replaced(scorer):
 def test_lengths_must_match(scorer):
   with pytest.raises(ValueError, match="lengths differ"):
     scorer.score_batch(["a"], [], ["math"])
+
+
+# Answers math-verify parses into products of their letters, and demo-like responses (numbers and words).
+WORD_ANSWERS = ["the quick brown fox", "Paris", "yes", "no answer", "red", "blue", "abc", "xyz"]
+DEMO_RESPONSES = ["7 12 mod +", "user 3", "mod mod 41", "+ 9 assistant 30", "13", "system 2 2", "54 +", "0 mod 5"]
+
+
+def test_words_against_numbers_skip_sympys_simplify(monkeypatch):
+  """A word answer against a number: its value at a rational point differs from the number, so math-verify's
+  `simplify` (0.1-3 s a pair) is never asked; the verdicts stay the released ones."""
+  from math_verify import grader
+  calls = []
+  simplify = grader.simplify
+  monkeypatch.setattr(grader, "simplify", lambda *a, **k: calls.append(a) or simplify(*a, **k))
+  for answer in WORD_ANSWERS:
+    for response in DEMO_RESPONSES:
+      assert reward_math.checked_score(response, answer) == (0.0, None)
+  assert calls == []
+  assert reward_math.checked_score("\\boxed{1}", "\\sin^2 x + \\cos^2 x") == (1.0, None)  # still asked here
+  assert calls
+
+
+def test_a_batch_of_word_answers_costs_about_a_batch_of_numbers():
+  """Issue 34: answers math-verify cannot parse as numbers made a demo step take 35-79 s instead of 0.1 s. Scoring
+  64 demo-like responses against word answers costs at most about twice scoring them against numbers."""
+  logging.getLogger("math_verify").setLevel(logging.ERROR)
+  reward_math.checked_score("\\boxed{1}", "ab")  # first use of the parsers and the point evaluation
+
+  def seconds(answers):
+    start = time.perf_counter()
+    for answer in answers:
+      for response in DEMO_RESPONSES:
+        reward_math.checked_score(response, answer)
+    return time.perf_counter() - start
+
+  numbers = seconds([str(n) for n in range(20, 28)])
+  words = seconds(WORD_ANSWERS)
+  assert words <= 2 * numbers + 0.5, (words, numbers)
