@@ -22,7 +22,7 @@ KEEP = (
     "rollout.stop_tokens", "rollout_data_dir", "validation_data_dir",
     "train.lr", "train.schedule", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.b1",
     "train.b2", "train.eps", "train.grad_clip", "train.verl_micro_batch_rows", "train.keep_logits",
-    "pacs.*", "grpo.*", "ppo.*", "lora.alpha", "lora.targets", "lora.use_rslora", "lora.lr_multiplier",
+    "pacs.*", "grpo.*", "ppo.*", "dapo.*", "drgrpo.*", "gspo.*", "lora.alpha", "lora.targets", "lora.use_rslora", "lora.lr_multiplier",
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.restore",
     "checkpoint.lock_stale_after_s", "checkpoint.allow_changes",
     "eval_every", "log_every", "reward_timeout_s",
