@@ -39,13 +39,19 @@ HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 
 
 def resolve_path(path_or_repo_id: str) -> str:
-  """A local checkpoint directory as is; a hub id (`Qwen/Qwen2.5-3B`) downloaded once to the local cache."""
+  """A local checkpoint directory as is; a hub id (`Qwen/Qwen2.5-3B`) downloaded once to the local cache;
+  FileNotFoundError naming both places when it is neither (a mistyped local path looks like a hub id)."""
   if os.path.isdir(path_or_repo_id) or not re.fullmatch(r"[\w.-]+/[\w.-]+", path_or_repo_id):
     return path_or_repo_id
   if paths.looks_local(path_or_repo_id):  # `./model`, or `runs/x` where runs/ exists: a path, not a hub id
     raise FileNotFoundError(f"{path_or_repo_id}: no such model directory (relative to {os.getcwd()})")
   from huggingface_hub import snapshot_download
-  return snapshot_download(path_or_repo_id, allow_patterns=HUB_FILES)
+  try:
+    return snapshot_download(path_or_repo_id, allow_patterns=HUB_FILES)
+  except Exception as e:  # no network, no such repo, gated: all one answer to a user who may have meant a path
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise FileNotFoundError(f"{path_or_repo_id}: no such local directory (relative to {os.getcwd()}), and not found "
+                            f"on the Hugging Face hub either ({type(e).__name__}: {reason[:160]})") from e
 
 
 def load_config(path: str, **overrides) -> ModelConfig:
@@ -226,6 +232,7 @@ def save_pretrained(model: CausalLM, out_dir: str, max_shard_size: int | str | N
     fname = SINGLE_FILE if len(plan) == 1 else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
     if write:
       save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+      paths.ordinary_permissions(os.path.join(out_dir, fname))  # safetensors writes 0600
     weight_map.update({name: fname for name in tensors})
   if not write:
     return
