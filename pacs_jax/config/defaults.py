@@ -139,6 +139,18 @@ def default_config() -> ml_collections.ConfigDict:
   c.reward_workers = 2
   c.reward_timeout_s = 10.0
 
+  # Weights & Biases logging beside TensorBoard and metrics.jsonl (pip install wandb), process 0 only: the same rows
+  # and the config. The run id is kept in the workdir (wandb_run_id), so a resumed run continues the same wandb
+  # run. A service that cannot be reached costs one warning line, never the run.
+  c.wandb = ml_collections.ConfigDict()
+  c.wandb.enabled = False
+  c.wandb.project = "pacs-jax"
+  c.wandb.entity = ""  # "" = the account's default entity
+  c.wandb.name = ""  # the run's display name; "" = the workdir's name
+  c.wandb.tags = ""  # comma-separated
+  c.wandb.mode = "online"  # online | offline (files under <workdir>/wandb, `wandb sync` later) | disabled
+  c.wandb.init_timeout_s = 60.0  # how long to wait for the service before going on without it
+
   # The target machine: `--compile_only` and `--dry_run` build the mesh and compile for it before any launch.
   c.hardware = ml_collections.ConfigDict()
   # A TPU slice as libtpu names it, "<generation>:<topology>": "v5p:2x4x4" is a v5p-64 (32 chips, 8 hosts),

@@ -42,6 +42,7 @@ from pacs_jax.trainer import programs as programs_lib
 from pacs_jax.trainer import stages
 from pacs_jax.trainer import state as state_lib
 from pacs_jax.trainer import teardown
+from pacs_jax.trainer import tracking
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,7 +290,8 @@ class Trainer:
       # After the resume check: a refused resume must not leave another model's card beside the checkpoints.
       export_lib.write_model_card(self.workdir, self.policy_config, self.tokenizer,
                                   source_dir=self.cfg.model.hf_path and hf.resolve_path(self.cfg.model.hf_path))
-      held.writer = metrics_lib.MetricsWriter(self.workdir, resume_step=restored)
+      held.writer = metrics_lib.MetricsWriter(self.workdir, resume_step=restored,
+                                              tracker=tracking.start(self.cfg, self.workdir))
       start = restored or 0
       if start >= self.cfg.steps:
         print(console.already_done(start, self.cfg.steps), flush=True)

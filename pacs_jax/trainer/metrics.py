@@ -1,4 +1,5 @@
-"""Per-step metrics to tensorBoardX, `metrics.jsonl` and a one-line console summary (process 0 only).
+"""Per-step metrics to tensorBoardX, `metrics.jsonl`, optionally wandb, and a one-line console summary (process 0
+only).
 
 Each row is one newline-terminated append, so a kill leaves at most one cut-off last line. On start the
 file is repaired to the rows before the first step this run will log (a partial line and rows a kill left
@@ -43,12 +44,13 @@ def _console_value(v: Any) -> str | None:
 
 
 class MetricsWriter:
-  def __init__(self, workdir: str, resume_step: int | None = None):
+  def __init__(self, workdir: str, resume_step: int | None = None, tracker=None):
     """`resume_step`: the step of the restored checkpoint (this run logs the steps after it), or None for a
-    fresh start (it logs from step 0: rows an earlier, killed attempt left are dropped)."""
+    fresh start (it logs from step 0: rows an earlier, killed attempt left are dropped). `tracker`: one more
+    destination of every row, `log(step, row)` and `close()` (`tracking.start`'s wandb run)."""
     self.active = jax.process_index() == 0
     self.path = paths.join(workdir, METRICS_FILE)
-    self.tb = None
+    self.tb, self.tracker = None, tracker
     if not self.active:
       return
     first_step = 0 if resume_step is None else resume_step + 1
@@ -66,6 +68,8 @@ class MetricsWriter:
       if k != "step" and isinstance(v, (int, float)):
         self.tb.add_scalar(k, v, step)
     self.tb.flush()
+    if self.tracker is not None:
+      self.tracker.log(step, row)
     shown = ((k, _console_value(row.get(k))) for k in CONSOLE_KEYS)
     summary = "  ".join(f"{k.split('/')[-1] if k != 'reward/mean' else 'reward'}={v}" for k, v in shown if v)
     logging.info("step %d  %s", step, summary)
@@ -74,6 +78,8 @@ class MetricsWriter:
   def close(self) -> None:
     if self.tb is not None:
       self.tb.close()
+    if self.tracker is not None:
+      self.tracker.close()
 
 
 def read_rows(path: str) -> list[dict]:
