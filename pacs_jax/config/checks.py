@@ -18,7 +18,7 @@ LR_SCHEDULES = ("constant", "cosine")
 RESTORE_MODES = ("latest", "never")
 # The checkpoint record's sections a resume may be allowed to change (`checkpoint.allow_changes`; the record is
 # storage/resume.py's); the model's shape never can.
-ALLOWABLE = ("algorithm", "tokenizer", "objective")
+ALLOWABLE = ("algorithm", "tokenizer", "objective", "data", "rollout")
 
 
 # Fields that were removed, and why: a config (file, override) that still sets one fails naming it.

@@ -123,8 +123,9 @@ def default_config() -> ml_collections.ConfigDict:
   # warning); exit with an error if checkpoints exist but none restores. never: start from scratch, the
   # existing checkpoints moved to checkpoints_set_aside/.
   c.checkpoint.restore = "latest"
-  # A resume refuses a checkpoint trained with another algorithm, tokenizer or objective settings
-  # (storage/resume.py); a comma-separated list of those it may change anyway ("algorithm,tokenizer,objective").
+  # A resume refuses a checkpoint trained with another algorithm, tokenizer or objective settings, other data (data
+  # order, validation set, instruction) or other rollout programs (n, max_new_tokens, sampling) (storage/resume.py);
+  # a comma-separated list of those it may change anyway ("algorithm,tokenizer,objective,data,rollout").
   c.checkpoint.allow_changes = ""
   # One trainer per workdir: a lock whose holder runs on another host is taken over after this long
   # without a heartbeat (on the same host: as soon as its process is gone).

@@ -97,8 +97,10 @@ def check_groups(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: 
                      "differ: the batch is not grouped prompt-major (row = prompt * n + sample)")
 
 
-def rollout_metrics(packed: PackedRollout, reward_stats: dict, source_names: list[str]) -> dict[str, float]:
-  """Reward, accuracy per data source, response lengths: over every process's rows (the global batch)."""
+def rollout_metrics(packed: PackedRollout, reward_stats: dict, source_names: list[str], n: int = 0) -> dict[str, float]:
+  """Reward, accuracy per data source, response lengths: over every process's rows (the global batch); with the
+  group size `n`, `reward/equal_groups`: the fraction of groups whose n rewards are all equal (no signal to learn
+  from within the group)."""
   source_ids = np.asarray([source_names.index(s) for s in packed.data_sources], np.float32)
   finished_by_length = np.asarray([r == "length" for r in packed.finish_reasons], np.float32)
   counts = np.asarray([reward_stats.get("errors", 0), reward_stats.get("timeouts", 0)], np.float32)
@@ -113,6 +115,9 @@ def rollout_metrics(packed: PackedRollout, reward_stats: dict, source_names: lis
        "reward/errors": float(counts[0]),
        "reward/timeouts": float(counts[1])}
   m.update(per_source_mean(scores, [source_names[int(i)] for i in ids], "accuracy"))  # the verifier's, unshaped
+  if n and rewards.size % n == 0:
+    groups = rewards.reshape(-1, n)  # [G, n]: rows are prompt-major, and each process holds whole groups
+    m["reward/equal_groups"] = float(np.mean(np.all(groups == groups[:, :1], axis=1)))
   return m
 
 

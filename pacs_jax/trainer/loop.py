@@ -41,6 +41,7 @@ from pacs_jax.trainer import dynamic_sampling
 from pacs_jax.trainer import programs as programs_lib
 from pacs_jax.trainer import stages
 from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import equal_rewards as signal_lib
 from pacs_jax.trainer import teardown
 from pacs_jax.trainer import tracking
 
@@ -184,7 +185,7 @@ class Trainer:
       self._stepped = True
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
       stages.dump(self.cfg.rollout_data_dir, int(self.state.step), self.tokenizer, prompt_ids, completions, scored)
-    row = stages.record(metrics, packed, scored, clock, self.source_names)
+    row = stages.record(metrics, packed, scored, clock, self.source_names, self.cfg.rollout.n)
     row.update(sampled)  # (its timings split the rounds' rollouts from their scoring)
     return row
 
@@ -305,6 +306,7 @@ class Trainer:
     cfg, writer, preemption = self.cfg, held.writer, held.preemption
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
     updates_per_step = programs_lib.updates_per_step(cfg)
+    no_signal = signal_lib.EqualRewardsWatch(cfg.algorithm)
     last = {}
     with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
       if validate_first and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
@@ -321,6 +323,7 @@ class Trainer:
         last["data/skipped_rows"] = float(self.skipped_rows)
         last["data/epoch"] = float(prompts["epoch"])
         skipped_before = metrics_lib.warn_skipped_updates(step, last["skipped_updates"], skipped_before, updates_per_step)
+        no_signal.observe(step, last)
         if cfg.eval_every and step % cfg.eval_every == 0:
           last.update(self.validate(scorer))
         if step % cfg.log_every == 0 or step == cfg.steps:

@@ -22,7 +22,10 @@ from tensorboardX import record_writer
 from pacs_jax import paths
 from pacs_jax.trainer import multihost
 
-CONSOLE_KEYS = ("reward/mean", "entropy", "loss", "grad_norm", "response_length/mean", "timing/step_s")
+# The console line's metrics and their names there.
+CONSOLE_KEYS = {"reward/mean": "reward", "entropy": "entropy", "loss": "loss", "grad_norm": "grad_norm",
+                "response_length/mean": "response_length", "timing/step_s": "step_s",
+                "val/accuracy/all": "val_accuracy"}
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -70,8 +73,10 @@ class MetricsWriter:
     self.tb.flush()
     if self.tracker is not None:
       self.tracker.log(step, row)
-    shown = ((k, _console_value(row.get(k))) for k in CONSOLE_KEYS)
-    summary = "  ".join(f"{k.split('/')[-1] if k != 'reward/mean' else 'reward'}={v}" for k, v in shown if v)
+    shown = ((name, _console_value(row.get(k))) for k, name in CONSOLE_KEYS.items())
+    summary = "  ".join(f"{name}={v}" for name, v in shown if v)
+    if not summary:  # a row of nothing the console shows (e.g. validation of another name only)
+      return
     logging.info("step %d  %s", step, summary)
     print(f"step {step:5d}  {summary}", flush=True)
 

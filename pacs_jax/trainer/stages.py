@@ -134,11 +134,11 @@ class Clock:
 
 
 def record(update_metrics: dict[str, float], packed: batching.PackedRollout, scored: Scored, clock: Clock,
-           source_names: list[str]) -> dict[str, float]:
+           source_names: list[str], n: int = 0) -> dict[str, float]:
   """The step's metrics row: the update's, then reward, accuracy per data source and response lengths over every
   process's rows, then the timings."""
   row = dict(update_metrics)
-  row.update(batching.rollout_metrics(packed, scored.stats, source_names))
+  row.update(batching.rollout_metrics(packed, scored.stats, source_names, n))
   tokens = float(np.sum(packed.attention_mask)) * jax.process_count()
   row.update(clock.metrics(tokens))
   return row

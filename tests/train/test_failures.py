@@ -205,7 +205,7 @@ def other_tokenizer(directory) -> str:
   return str(directory)
 
 
-@pytest.mark.parametrize("change", ["algorithm", "layers", "tokenizer"])
+@pytest.mark.parametrize("change", ["algorithm", "layers", "tokenizer", "data_and_rollout"])
 def test_a_resume_under_another_run_is_refused_in_one_line(change, one_layer_run, two_layer_run, tmp_path):
   workdir, args, expected = {
       "algorithm": (two_layer_run, ["--config.algorithm=grpo"], ["another algorithm (algorithm: 'pacs' -> 'grpo')",
@@ -215,6 +215,10 @@ def test_a_resume_under_another_run_is_refused_in_one_line(change, one_layer_run
       "tokenizer": (two_layer_run, [f"--config.tokenizer={other_tokenizer(tmp_path / 'tok')}"],
                     ["another tokenizer (tokenizer.name: 'synthetic' ->", "tokenizer.vocab_sha256",
                      "--config.checkpoint.allow_changes=tokenizer"]),
+      # The README's quick check, then the real run in the same workdir (issue 35): refused, not a warning.
+      "data_and_rollout": (two_layer_run, ["--config.data.max_prompt_length=32", "--config.rollout.max_new_tokens=5"],
+                           ["another data/rollout (data.max_prompt_length: 16 -> 32; rollout.max_new_tokens: 4 -> 5)",
+                            "--config.checkpoint.allow_changes=data,rollout"]),
   }[change]
   before = sorted(os.listdir(workdir / "checkpoints"))
   result = cli("pacs_jax.train", *RUN, "--workdir", str(workdir), "--config.steps=3", *args, cwd=tmp_path)
