@@ -13,9 +13,10 @@ from pacs_jax.trainer import compare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The table's columns a run decides (the step-time columns measure the machine): steps, reward (last 10%), val
-# accuracy (last), entropy (last), response length (last), each to within what the README prints plus the float
-# noise of another CPU's kernels. The README's GRPO entropy read 0.240 where its command gave 2.507 (issue 35).
-DECIDED = {1: 0, 2: 0.01, 3: 0.01, 4: 0.05, 5: 0.1}
+# accuracy (last), entropy (last), response length (last), as (absolute, relative) tolerances: what the README
+# prints plus another CPU's float noise, which over hundreds of sampled steps moves the last step's entropy by a few
+# percent (GRPO's: 2.431 and 2.507 on two machines). The README's read 0.240 (issue 35).
+DECIDED = {1: (0, 0), 2: (0.01, 0), 3: (0.01, 0), 4: (0, 0.1), 5: (0.1, 0)}
 
 
 def run(tmp_path, config_arg, *extra):
@@ -37,7 +38,8 @@ def assert_readme_row(label: str, workdir) -> None:
   """The run's row of compare's summary table equals the README's in the columns the run decides."""
   header, row = compare.summary_rows({label: compare.read_run(str(workdir))})
   readme = readme_row(label)
-  for column, tolerance in DECIDED.items():
+  for column, (absolute, relative) in DECIDED.items():
+    tolerance = absolute + relative * abs(float(readme[column]))
     assert abs(float(row[column]) - float(readme[column])) <= tolerance, (
         f"README's demo table drifted: {label} {header[column]} is {row[column]}, the README says {readme[column]}; "
         "rerun the README's baselines and `python -m pacs_jax.compare ... --labels PACS,GRPO,PPO`")
