@@ -16,12 +16,21 @@ Importing the package is light: each name is imported on first use (module `__ge
 """
 
 import importlib as _importlib
+import logging as _logging
 import os as _os
 
 # gs:// paths go through fsspec/gcsfs (a dependency) even where another package pulled TensorFlow in:
 # etils.epath would otherwise pick TensorFlow's gfile, a second, untested GCS client. Set before
 # anything (Orbax included) asks epath for a backend, which it decides once.
 _os.environ.setdefault("EPATH_USE_TF", "false")
+
+# Libraries' import-time notes that are no news to a user, silenced at their cause before any of them is imported:
+# transformers' advice that PyTorch is absent (only its tokenizers are used here), and the INFO lines gcsfs
+# ("experimental features enabled") and matplotlib ("generated new fontManager") log, which the commands' absl
+# logging shows. Their warnings still show.
+_os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+for _library in ("gcsfs", "matplotlib"):
+  _logging.getLogger(_library).setLevel(_logging.WARNING)
 
 # name -> (module, attribute or None for the module itself): the public API, imported on first use.
 _PUBLIC = {

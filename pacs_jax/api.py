@@ -4,6 +4,7 @@ to a Hugging Face directory, and text generation from prompts (docs/api.md)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Sequence
 
@@ -30,12 +31,12 @@ def load_config(name_or_path: str, overrides: dict | None = None) -> ml_collecti
   return config_lib.load_config_file(path, overrides)
 
 
-def load_pretrained(path: str, *, step: int | None = None, dtype: str | None = None):
+def load_pretrained(path: str, *, step: int | None = None, dtype=None):
   """`(model, tokenizer)` from a Hugging Face model directory (or hub id) or from a training workdir.
 
   A workdir gives its policy at checkpoint `step` (default: the newest that restores) in the dtype it was
-  trained in, on one device; a Hugging Face directory gives its weights in `dtype` ("float32" by default, or
-  "bfloat16"). The model is a Flax NNX module (`model(input_ids, attention_mask)` -> logits [B, T, V]); the
+  trained in, on one device; a Hugging Face directory gives its weights in `dtype` (float32 by default, or
+  bfloat16: a name, a jnp or a NumPy type), and tokenizer None (with a warning) when it holds none. The model is a Flax NNX module (`model(input_ids, attention_mask)` -> logits [B, T, V]); the
   tokenizer a transformers tokenizer with the checkpoint's chat template. `save_pretrained` writes them back.
   """
   from pacs_jax import paths
@@ -50,7 +51,11 @@ def load_pretrained(path: str, *, step: int | None = None, dtype: str | None = N
     raise ValueError(f"{path}: step={step} names a checkpoint, but this is a Hugging Face directory, not a workdir")
   weights = config_lib.dtype(dtype or "float32")
   model, _ = hf.load_pretrained(path, dtype=weights, compute_dtype=weights)
-  return model, tokenizers.load_tokenizer(hf.resolve_path(path))
+  try:
+    return model, tokenizers.load_tokenizer(hf.resolve_path(path))
+  except tokenizers.NoTokenizer as e:
+    logging.getLogger(__name__).warning("%s: the model is returned without a tokenizer", e)
+    return model, None
 
 
 def save_pretrained(model, out_dir: str, tokenizer=None, max_shard_size: int | str | None = "5GB", dtype=None,

@@ -152,6 +152,29 @@ def read_bytes(p: PathLike) -> bytes:
   return path(p).read_bytes()
 
 
+def current_umask() -> int:
+  """The process's file-creation mask (read by setting it and setting it back, as there is no getter)."""
+  mask = os.umask(0o022)
+  os.umask(mask)
+  return mask
+
+
+def ordinary_permissions(local: str) -> None:
+  """Gives a local file, or a folder and everything in it, the modes a plain `open` or `mkdir` would have (0o666 /
+  0o777 less the umask): safetensors writes its files 0600 and `tempfile.mkdtemp` makes 0700 folders, which a
+  serving process of another user could not read."""
+  mask = current_umask()
+  if not os.path.isdir(local):
+    os.chmod(local, 0o666 & ~mask)
+    return
+  os.chmod(local, 0o777 & ~mask)
+  for root, dirs, files in os.walk(local):
+    for name in dirs:
+      os.chmod(os.path.join(root, name), 0o777 & ~mask)
+    for name in files:
+      os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
 def write_atomic(p: PathLike, data: str | bytes) -> None:
   """Replaces the file's content in one step: readers see the old file or the new one, never a part."""
   data = data.encode("utf-8") if isinstance(data, str) else data

@@ -59,6 +59,8 @@ def test_shrunk_study_writes_its_files_and_schema(shrunk_study):
   assert [i["runs_trained"] for i in result["invocations"]] == [len(result["runs"])] and result["invocations"][0]["cpu_s"] > 0
   with open(out / runs.DIGEST_FILE) as f:
     assert json.load(f) == runs.digest(result)
+  # No path of the machine that ran it (docs/study_summary.json is committed): the base model by its cache name.
+  assert result["base_model"].startswith("base-") and str(out) not in json.dumps(runs.digest(result))
   # The held-out problems are never training problems.
   task = synthetic.get_task(s.warmup.task)
   train = {r["problem"] for r in task.records(4096, seed=0)}

@@ -19,12 +19,18 @@ __all__ = ["DTYPE_NAMES", "ConfigError", "advisories", "check_lora_fits_model", 
            "model_config", "model_overrides", "preset_model_config", "set_field", "validate", "validate_eval"]
 
 
-def dtype(name: str):
-  """A dtype name of the config (one of DTYPE_NAMES) -> the jnp scalar type."""
+def dtype(name):
+  """A supported dtype (one of DTYPE_NAMES) named any way JAX and NumPy users write it: "bfloat16",
+  jnp.bfloat16, np.float32, np.dtype("float32") -> the jnp scalar type."""
   import jax.numpy as jnp  # jax only when a model is built
-  if name not in DTYPE_NAMES:
-    raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {name!r}")
-  return getattr(jnp, name)
+  import numpy as np
+  try:
+    canonical = np.dtype(name).name if not isinstance(name, str) else name
+  except TypeError:
+    canonical = None
+  if canonical not in DTYPE_NAMES:
+    raise ValueError(f"dtype must be one of {DTYPE_NAMES} (a name, jnp or NumPy type), got {name!r}")
+  return getattr(jnp, canonical)
 
 
 def model_overrides(c: ml_collections.ConfigDict) -> dict:

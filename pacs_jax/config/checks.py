@@ -18,7 +18,7 @@ LR_SCHEDULES = ("constant", "cosine")
 RESTORE_MODES = ("latest", "never")
 # The checkpoint record's sections a resume may be allowed to change (`checkpoint.allow_changes`; the record is
 # storage/resume.py's); the model's shape never can.
-ALLOWABLE = ("algorithm", "tokenizer", "objective")
+ALLOWABLE = ("algorithm", "tokenizer", "objective", "data", "rollout")
 
 
 # Fields that were removed, and why: a config (file, override) that still sets one fails naming it.
@@ -39,6 +39,19 @@ def _check(ok: bool, field: str, msg: str):
 
 def _check_enum(value, choices: tuple, field: str) -> None:
   algo_registry.check_choice(_check, value, choices, field)
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def _check_wandb(c: ml_collections.ConfigDict) -> None:
+  if "wandb" not in c or not c.wandb.enabled:
+    return
+  import importlib.util
+  _check(importlib.util.find_spec("wandb") is not None, "wandb.enabled", "wandb is not installed (pip install wandb)")
+  _check_enum(c.wandb.mode, WANDB_MODES, "wandb.mode")
+  _check(bool(c.wandb.project), "wandb.project", "must name a project")
+  _check(c.wandb.init_timeout_s > 0, "wandb.init_timeout_s", f"must be positive (seconds), got {c.wandb.init_timeout_s}")
 
 
 def _check_moved_settings(c: ml_collections.ConfigDict, algo: algo_registry.Algorithm) -> None:
@@ -124,6 +137,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(c.model.preset in model_registry.preset_names(), "model.preset",
            f"one of {sorted(model_registry.preset_names())}, got {c.model.preset!r}")
     check_lora_fits_model(c, model_registry.preset(c.model.preset))
+  _check_wandb(c)
   _check(c.data.val_max_examples >= 0, "data.val_max_examples", f"must be >= 0 (0 = all), got {c.data.val_max_examples}")
   _check(c.data.synthetic_train_size > 0, "data.synthetic_train_size", "must be positive")
   _check(c.data.synthetic_val_size > 0, "data.synthetic_val_size", "must be positive")

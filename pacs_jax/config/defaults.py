@@ -123,8 +123,9 @@ def default_config() -> ml_collections.ConfigDict:
   # warning); exit with an error if checkpoints exist but none restores. never: start from scratch, the
   # existing checkpoints moved to checkpoints_set_aside/.
   c.checkpoint.restore = "latest"
-  # A resume refuses a checkpoint trained with another algorithm, tokenizer or objective settings
-  # (storage/resume.py); a comma-separated list of those it may change anyway ("algorithm,tokenizer,objective").
+  # A resume refuses a checkpoint trained with another algorithm, tokenizer or objective settings, other data (data
+  # order, validation set, instruction) or other rollout programs (n, max_new_tokens, sampling) (storage/resume.py);
+  # a comma-separated list of those it may change anyway ("algorithm,tokenizer,objective,data,rollout").
   c.checkpoint.allow_changes = ""
   # One trainer per workdir: a lock whose holder runs on another host is taken over after this long
   # without a heartbeat (on the same host: as soon as its process is gone).
@@ -151,6 +152,18 @@ def default_config() -> ml_collections.ConfigDict:
   c.log_every = 1
   c.reward_workers = 2
   c.reward_timeout_s = 10.0
+
+  # Weights & Biases logging beside TensorBoard and metrics.jsonl (pip install wandb), process 0 only: the same rows
+  # and the config. The run id is kept in the workdir (wandb_run_id), so a resumed run continues the same wandb
+  # run. A service that cannot be reached costs one warning line, never the run.
+  c.wandb = ml_collections.ConfigDict()
+  c.wandb.enabled = False
+  c.wandb.project = "pacs-jax"
+  c.wandb.entity = ""  # "" = the account's default entity
+  c.wandb.name = ""  # the run's display name; "" = the workdir's name
+  c.wandb.tags = ""  # comma-separated
+  c.wandb.mode = "online"  # online | offline (files under <workdir>/wandb, `wandb sync` later) | disabled
+  c.wandb.init_timeout_s = 60.0  # how long to wait for the service before going on without it
 
   # The target machine: `--compile_only` and `--dry_run` build the mesh and compile for it before any launch.
   c.hardware = ml_collections.ConfigDict()

@@ -162,7 +162,7 @@ def _collect(rows: Iterable[tuple[str, Any]], path: str, data_source: str | None
       records.append(normalize_row(row, data_source, default_source, with_solution))
     except (ValueError, TypeError) as e:
       if not skip_bad_rows:
-        raise DataError(f"{path}: {where}: {e} (pass skip_bad_rows=True to skip bad rows)") from e
+        raise DataError(f"{path}: {where}: {e} (--config.data.skip_bad_rows=True skips bad rows)") from e
       skipped += 1
       logger.debug("skipping %s: %s: %s", path, where, e)
   if not records:

@@ -10,17 +10,31 @@ import os
 from pacs_jax.data import synthetic
 
 GENERATION_CONFIG_FILE = "generation_config.json"
+# Any of these makes a directory hold a tokenizer (fast, sentencepiece or BPE vocabulary, or its config).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class NoTokenizer(FileNotFoundError):
+  """A model directory with weights but no tokenizer files."""
+
+
+def has_tokenizer(directory: str) -> bool:
+  return any(os.path.isfile(os.path.join(directory, name)) for name in TOKENIZER_FILES)
 
 
 def load_tokenizer(directory: str):
   """The tokenizer of a local model directory (with its chat template), via transformers (a hub id: resolve it
-  first with `pacs_jax.models.hf.resolve_path`).
+  first with `pacs_jax.models.hf.resolve_path`); NoTokenizer, one line, for a directory without one (transformers
+  would stop with a cut-off message).
 
   A tokenizer saved as a plain `tokenizers` model (PreTrainedTokenizerFast / TokenizersBackend) is
   loaded as exactly that: AutoTokenizer would pick the class from config.json's model_type (qwen2)
   and rebuild a byte-level BPE from the vocabulary, silently changing a word-level tokenizer.
   """
   from transformers import AutoTokenizer, PreTrainedTokenizerFast
+  if os.path.isdir(directory) and not has_tokenizer(directory):
+    raise NoTokenizer(f"{directory}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy the model's tokenizer "
+                      "there or name one with config.tokenizer")
   tokenizer_config = os.path.join(directory, "tokenizer_config.json")
   if os.path.isfile(tokenizer_config):
     with open(tokenizer_config) as f:
@@ -44,10 +58,18 @@ def generation_config(tokenizer, model_dir: str | None = None) -> dict:
                             ("pad_token_id", tokenizer.pad_token_id)) if v is not None}
 
 
-def config_token_ids(tokenizer) -> dict:
-  """The tokenizer's special ids as config.json records them (`hf.save_pretrained(token_ids=...)`)."""
-  return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-          "pad_token_id": tokenizer.pad_token_id}
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def config_token_ids(tokenizer, model_dir: str | None = None) -> dict:
+  """The special ids config.json records (`hf.save_pretrained(token_ids=...)`): the source model's own from
+  `model_dir/config.json` where it has them (Qwen's tokenizer has no BOS token, its config.json a bos_token_id),
+  else the tokenizer's."""
+  source = {}
+  if model_dir and os.path.isfile(os.path.join(model_dir, "config.json")):
+    with open(os.path.join(model_dir, "config.json")) as f:
+      source = json.load(f)
+  return {k: source[k] if source.get(k) is not None else getattr(tokenizer, k) for k in TOKEN_ID_FIELDS}
 
 
 def save_tokenizer(tokenizer, directory: str, generation: dict | None = None) -> None:

@@ -39,13 +39,19 @@ HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 
 
 def resolve_path(path_or_repo_id: str) -> str:
-  """A local checkpoint directory as is; a hub id (`Qwen/Qwen2.5-3B`) downloaded once to the local cache."""
+  """A local checkpoint directory as is; a hub id (`Qwen/Qwen2.5-3B`) downloaded once to the local cache;
+  FileNotFoundError naming both places when it is neither (a mistyped local path looks like a hub id)."""
   if os.path.isdir(path_or_repo_id) or not re.fullmatch(r"[\w.-]+/[\w.-]+", path_or_repo_id):
     return path_or_repo_id
   if paths.looks_local(path_or_repo_id):  # `./model`, or `runs/x` where runs/ exists: a path, not a hub id
     raise FileNotFoundError(f"{path_or_repo_id}: no such model directory (relative to {os.getcwd()})")
   from huggingface_hub import snapshot_download
-  return snapshot_download(path_or_repo_id, allow_patterns=HUB_FILES)
+  try:
+    return snapshot_download(path_or_repo_id, allow_patterns=HUB_FILES)
+  except Exception as e:  # no network, no such repo, gated: all one answer to a user who may have meant a path
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise FileNotFoundError(f"{path_or_repo_id}: no such local directory (relative to {os.getcwd()}), and not found "
+                            f"on the Hugging Face hub either ({type(e).__name__}: {reason[:160]})") from e
 
 
 def load_config(path: str, **overrides) -> ModelConfig:
@@ -226,8 +232,9 @@ def _plan_shards(maps, flat, dtype, limit) -> list[list[TensorMap]]:
 
 
 def save_safetensors(tensors: dict[str, np.ndarray], file: str) -> None:
-  """safetensors' `save_file` (with transformers' metadata), a failed write raised as the OSError it is (e.g.
-  ENOSPC naming the file: safetensors reports the errno inside the text of its own error type)."""
+  """safetensors' `save_file` (with transformers' metadata) with a plain file's mode (safetensors writes 0600), a
+  failed write raised as the OSError it is (e.g. ENOSPC naming the file: safetensors reports the errno inside the
+  text of its own error type)."""
   try:
     save_file(tensors, file, metadata={"format": "pt"})
   except Exception as e:  # noqa: BLE001 (SafetensorError: "... IoError(Os { code: 28, kind: StorageFull, ...")
@@ -235,6 +242,7 @@ def save_safetensors(tensors: dict[str, np.ndarray], file: str) -> None:
     if code is None:
       raise
     raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), file) from e
+  paths.ordinary_permissions(file)
 
 
 def save_pretrained(model: CausalLM, out_dir: str, max_shard_size: int | str | None = "5GB", dtype=None,

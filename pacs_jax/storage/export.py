@@ -38,7 +38,7 @@ from pacs_jax.storage.workdir import CHECKPOINT_DIR, MODEL_DIR
 
 def write_model_card(workdir: str, config: ModelConfig, tokenizer, source_dir: str | None = None) -> None:
   """Saves what export needs besides weights (process 0 only); `source_dir`: the model's own directory, whose
-  generation_config.json is kept."""
+  generation_config.json and config.json's special-token ids are kept."""
   if jax.process_index() != 0:
     return
   with paths.staged_dir(workdir_lib.model_dir(workdir), last=(hf.CONFIG_FILE,)) as local:
@@ -46,7 +46,7 @@ def write_model_card(workdir: str, config: ModelConfig, tokenizer, source_dir: s
     with open(f"{local}/{tokenizers.GENERATION_CONFIG_FILE}", "w") as f:
       json.dump(tokenizers.generation_config(tokenizer, source_dir), f, indent=2)
     with open(f"{local}/{hf.CONFIG_FILE}", "w") as f:
-      json.dump(config.to_hf_dict(), f, indent=2)
+      json.dump({**config.to_hf_dict(), **tokenizers.config_token_ids(tokenizer, source_dir)}, f, indent=2)
 
 
 def open_checkpoints(workdir: str) -> checkpoint_lib.Checkpointer:
@@ -192,11 +192,13 @@ class OutputNotEmpty(FileExistsError):
 
 
 def save_model_dir(model, out_dir: str, tokenizer=None, *, max_shard_size: int | str | None = "5GB", dtype=None,
-                   generation_config: dict | None = None) -> None:
+                   generation_config: dict | None = None, token_ids: dict | None = None) -> None:
   """A Hugging Face model directory: the weights and config.json (`hf.save_pretrained`, every process taking part),
-  then, with a tokenizer, the tokenizer and generation_config.json (`tokenizers.save_tokenizer`, process 0)."""
-  hf.save_pretrained(model, out_dir, max_shard_size=max_shard_size, dtype=dtype,
-                     token_ids=tokenizers.config_token_ids(tokenizer) if tokenizer is not None else None)
+  then, with a tokenizer, the tokenizer and generation_config.json (`tokenizers.save_tokenizer`, process 0);
+  config.json's special-token ids are `token_ids` (default: the tokenizer's)."""
+  if token_ids is None and tokenizer is not None:
+    token_ids = tokenizers.config_token_ids(tokenizer)
+  hf.save_pretrained(model, out_dir, max_shard_size=max_shard_size, dtype=dtype, token_ids=token_ids)
   if tokenizer is not None and jax.process_index() == 0:
     tokenizers.save_tokenizer(tokenizer, out_dir, generation_config)
 
@@ -227,6 +229,7 @@ def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | Non
                      for root, _, names in os.walk(staging) for name in names)
       with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
         json.dump({"workdir": paths.normalize(workdir), "step": policy.step, "files": files}, f, indent=1)
+      paths.ordinary_permissions(staging)  # a 0700 temporary folder and 0600 weights: unreadable to a server
       _move_into_place(staging, out_dir, files, previous)
   finally:
     shutil.rmtree(staging, ignore_errors=True)
@@ -238,9 +241,10 @@ def _write_model(policy: Policy, workdir: str, local: str, dtype: str | None, ma
   with paths.local_dir(workdir_lib.model_dir(workdir)) as model_dir:
     tokenizer = tokenizers.load_tokenizer(model_dir)  # read whole: no file of it is needed afterwards
     generation = tokenizers.generation_config(tokenizer, model_dir)
+    token_ids = tokenizers.config_token_ids(tokenizer, model_dir)  # the source model's, kept in its model card
   model = lora.merged_model(policy.model, policy.spec) if policy.spec else policy.model
   save_model_dir(model, local, tokenizer, max_shard_size=max_shard_size,
-                 dtype=config_lib.dtype(dtype) if dtype else None, generation_config=generation)
+                 dtype=config_lib.dtype(dtype) if dtype else None, generation_config=generation, token_ids=token_ids)
 
 
 STAGING = ".pacs_jax_export.partial"  # `<STAGING>-<host>-<pid>-<random>`: an export being written

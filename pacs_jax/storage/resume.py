@@ -1,6 +1,6 @@
 """What gives a checkpoint's state its meaning (algorithm, model shape, tokenizer, the objective's settings; for a
-LoRA run its adapters' settings and the base model they sit on), saved with each checkpoint and compared on resume:
-a change refuses the resume, other config changes warn.
+LoRA run its adapters' settings and the base model they sit on; the data and the rollout programs, from its saved
+config), compared on resume: a change refuses the resume unless allowed, other config changes warn.
 """
 
 from __future__ import annotations
@@ -28,9 +28,17 @@ EXPECTED_CHANGES = ("steps", "checkpoint.restore", "checkpoint.allow_changes")
 # Fields that decide the prompt order; the data iterator's saved position means nothing without them.
 DATA_ORDER_FIELDS = ("seed", "data.train", "data.synthetic_train_size", "data.max_prompt_length",
                      "data.skip_bad_rows", "train.batch_prompts")
+# Fields whose change makes a checkpoint's run another experiment: the data (the prompt order above, the validation
+# set and the instruction) and the rollout programs (group size, response budget, sampling). A resume that changes
+# one is refused unless checkpoint.allow_changes names its section ("data", "rollout").
+CONFIG_SECTIONS = {
+    "data": DATA_ORDER_FIELDS + ("data.val", "data.val_dir", "data.val_max_examples", "data.instruction"),
+    "rollout": ("rollout.n", "rollout.max_new_tokens", "rollout.val_max_new_tokens", "rollout.temperature",
+                "rollout.top_p", "rollout.top_k", "rollout.stop_tokens"),
+}
 # The lora fields that decide what a LoRA checkpoint's adapters are (lora.lr_multiplier is a learning rate).
 LORA_FIELDS = ("rank", "alpha", "targets", "use_rslora")
-SECTIONS = ("algorithm", "model", "lora", "base", "tokenizer", "objective")
+SECTIONS = ("algorithm", "model", "lora", "base", "tokenizer", "objective", *CONFIG_SECTIONS)
 # A safetensors file's fingerprint reads its header and this many blocks of its tensor data, evenly spaced.
 _BLOCKS, _BLOCK_BYTES = 16, 1 << 16
 
@@ -180,10 +188,12 @@ def other_changes(saved_config: dict, cfg: ml_collections.ConfigDict, skip: tupl
           and k not in EXPECTED_CHANGES]
 
 
-def changed_data_fields(saved: dict, cfg: ml_collections.ConfigDict) -> dict[str, tuple[Any, Any]]:
-  """{field: (saved value, current value)} for the data-order fields that differ from a checkpoint's config."""
+def changed_data_fields(saved: dict, cfg: ml_collections.ConfigDict,
+                        fields: tuple[str, ...] = DATA_ORDER_FIELDS) -> dict[str, tuple[Any, Any]]:
+  """{field: (saved value, current value)} for the `fields` (default: the data order's) that differ from a
+  checkpoint's config; a field the checkpoint's config lacks (an older version's) is not compared."""
   changed = {}
-  for field in DATA_ORDER_FIELDS:
+  for field in fields:
     old, new = saved, cfg
     for part in field.split("."):
       old = old.get(part) if isinstance(old, dict) else None
@@ -193,10 +203,21 @@ def changed_data_fields(saved: dict, cfg: ml_collections.ConfigDict) -> dict[str
   return changed
 
 
+def config_differences(saved_config: dict, cfg: ml_collections.ConfigDict) -> dict[str, list[str]]:
+  """{"data" | "rollout": ["field: saved -> current", ...]} for the CONFIG_SECTIONS fields that changed."""
+  out = {}
+  for section, fields in CONFIG_SECTIONS.items():
+    changed = changed_data_fields(saved_config, cfg, fields)
+    if changed:
+      out[section] = [f"{field}: {old!r} -> {new!r}" for field, (old, new) in changed.items()]
+  return out
+
+
 def check(step: int, where: str, saved_config: dict, saved_record: dict | None, record: dict,
           cfg: ml_collections.ConfigDict) -> None:
   """Refuses (CheckpointMismatch) checkpoint `step` in `where` when its state means something else under `cfg`
-  (whose record is `record`); warns about the other config fields that changed, the data order's first."""
+  (whose record is `record`), or when the data or the rollout programs changed (`CONFIG_SECTIONS`), unless
+  checkpoint.allow_changes names the section; warns about the other config fields that changed."""
   if saved_record is None:
     logging.warning("%s: checkpoint step %d predates resume records: only its saved config is compared", where,
                     step)
@@ -205,7 +226,7 @@ def check(step: int, where: str, saved_config: dict, saved_record: dict | None, 
     saved, current = saved_record, record
   saved = with_moved_settings(saved, saved_config)
   allowed = tuple(filter(None, (s.strip() for s in cfg.checkpoint.allow_changes.split(","))))
-  diffs = differences(saved, current)
+  diffs = {**differences(saved, current), **config_differences(saved_config, cfg)}
   refused = refusal(step, where, diffs, allowed)
   if refused:
     raise CheckpointMismatch(refused)
@@ -213,7 +234,8 @@ def check(step: int, where: str, saved_config: dict, saved_record: dict | None, 
     logging.warning("resuming step %d with another %s, as checkpoint.allow_changes permits: %s", step, section,
                     "; ".join(diffs[section]))
   # Every algorithm's block: the record compares the configured one's; another's means nothing to this run.
-  others = other_changes(saved_config, cfg, ("algorithm", "tokenizer", *algo_registry.names(), *DATA_ORDER_FIELDS))
+  others = other_changes(saved_config, cfg, ("algorithm", "tokenizer", *algo_registry.names(),
+                                            *(f for fields in CONFIG_SECTIONS.values() for f in fields)))
   if others:
     logging.warning("config changed since checkpoint step %d: %s", step, "; ".join(others))
   for field, (old, new) in changed_data_fields(saved_config, cfg).items():

@@ -73,7 +73,8 @@ def run_study(s: settings_lib.StudySettings, out_dir: str, cache_dir: str, log=p
   records = heldout.problems(task, s.eval_problems, s.eval_terms)
   path = os.path.join(out_dir, RESULTS_FILE)
   result = _previous(path, s) or {"schema_version": SCHEMA_VERSION, "settings": s.to_dict(), "runs": []}
-  result.update(base_model=base_dir, warmup=warmup_record, held_out=[r["problem"] for r in records],
+  # The base model by its cache name (the warm-up settings' hash), not the path: the summary is committed to docs/.
+  result.update(base_model=os.path.basename(os.path.normpath(base_dir)), warmup=warmup_record, held_out=[r["problem"] for r in records],
                 eval_seeds={str(seed): eval_seed(seed) for seed in s.seeds})
   done = {(r["algorithm"], r["seed"]) for r in result["runs"]}
   result["runs_trained"] = 0

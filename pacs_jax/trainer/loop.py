@@ -42,7 +42,9 @@ from pacs_jax.trainer import health
 from pacs_jax.trainer import programs as programs_lib
 from pacs_jax.trainer import stages
 from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import equal_rewards as signal_lib
 from pacs_jax.trainer import teardown
+from pacs_jax.trainer import tracking
 
 
 _TREE_NORM = jax.jit(state_lib.tree_norm)
@@ -298,7 +300,8 @@ class Trainer:
       # After the resume check: a refused resume must not leave another model's card beside the checkpoints.
       export_lib.write_model_card(self.workdir, self.policy_config, self.tokenizer,
                                   source_dir=self.cfg.model.hf_path and hf.resolve_path(self.cfg.model.hf_path))
-      held.writer = metrics_lib.MetricsWriter(self.workdir, resume_step=restored)
+      held.writer = metrics_lib.MetricsWriter(self.workdir, resume_step=restored,
+                                              tracker=tracking.start(self.cfg, self.workdir))
       start = restored or 0
       if start >= self.cfg.steps:
         print(console.already_done(start, self.cfg.steps), flush=True)
@@ -314,6 +317,7 @@ class Trainer:
     updates_per_step = programs_lib.updates_per_step(cfg)
     monitor = health.Monitor(cfg, self.policy_config.vocab_size, updates_per_step, self.param_norm(), restored)
     save_due = False  # a periodic save put off while the run looked dead
+    no_signal = signal_lib.EqualRewardsWatch(cfg.algorithm)
     last = {}
     with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
       if restored is None and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
@@ -331,6 +335,7 @@ class Trainer:
         last["data/epoch"] = float(prompts["epoch"])
         skipped = int(last["skipped_updates"]) - skipped_before
         skipped_before = metrics_lib.warn_skipped_updates(step, last["skipped_updates"], skipped_before, updates_per_step)
+        no_signal.observe(step, last)
         if cfg.eval_every and step % cfg.eval_every == 0:
           last.update(self.validate(scorer))
         if step % cfg.log_every == 0 or step == cfg.steps:

@@ -1,4 +1,5 @@
-"""Per-step metrics to tensorBoardX, `metrics.jsonl` and a one-line console summary (process 0 only).
+"""Per-step metrics to tensorBoardX, `metrics.jsonl`, optionally wandb, and a one-line console summary (process 0
+only).
 
 Each row is one newline-terminated append, so a kill leaves at most one cut-off last line. On start the
 file is repaired to the rows before the first step this run will log (a partial line and rows a kill left
@@ -21,7 +22,10 @@ from tensorboardX import record_writer
 from pacs_jax import paths
 from pacs_jax.trainer import multihost
 
-CONSOLE_KEYS = ("reward/mean", "entropy", "loss", "grad_norm", "response_length/mean", "timing/step_s")
+# The console line's metrics and their names there.
+CONSOLE_KEYS = {"reward/mean": "reward", "entropy": "entropy", "loss": "loss", "grad_norm": "grad_norm",
+                "response_length/mean": "response_length", "timing/step_s": "step_s",
+                "val/accuracy/all": "val_accuracy"}
 METRICS_FILE = "metrics.jsonl"
 BAD_SUFFIX = ".bad"  # metrics.jsonl.bad: the lines a resume set aside (`repair`)
 TENSORBOARD_DIR = "tensorboard"
@@ -44,12 +48,13 @@ def _console_value(v: Any) -> str | None:
 
 
 class MetricsWriter:
-  def __init__(self, workdir: str, resume_step: int | None = None):
+  def __init__(self, workdir: str, resume_step: int | None = None, tracker=None):
     """`resume_step`: the step of the restored checkpoint (this run logs the steps after it), or None for a
-    fresh start (it logs from step 0: rows an earlier, killed attempt left are dropped)."""
+    fresh start (it logs from step 0: rows an earlier, killed attempt left are dropped). `tracker`: one more
+    destination of every row, `log(step, row)` and `close()` (`tracking.start`'s wandb run)."""
     self.active = jax.process_index() == 0
     self.path = paths.join(workdir, METRICS_FILE)
-    self.tb = None
+    self.tb, self.tracker = None, tracker
     if not self.active:
       return
     first_step = 0 if resume_step is None else resume_step + 1
@@ -67,14 +72,20 @@ class MetricsWriter:
       if k != "step" and isinstance(v, (int, float)):
         self.tb.add_scalar(k, v, step)
     self.tb.flush()
-    shown = ((k, _console_value(row.get(k))) for k in CONSOLE_KEYS)
-    summary = "  ".join(f"{k.split('/')[-1] if k != 'reward/mean' else 'reward'}={v}" for k, v in shown if v)
+    if self.tracker is not None:
+      self.tracker.log(step, row)
+    shown = ((name, _console_value(row.get(k))) for k, name in CONSOLE_KEYS.items())
+    summary = "  ".join(f"{name}={v}" for name, v in shown if v)
+    if not summary:  # a row of nothing the console shows (e.g. validation of another name only)
+      return
     logging.info("step %d  %s", step, summary)
     print(f"step {step:5d}  {summary}", flush=True)
 
   def close(self) -> None:
     if self.tb is not None:
       self.tb.close()
+    if self.tracker is not None:
+      self.tracker.close()
 
 
 def _reject_constant(name: str):

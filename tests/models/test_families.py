@@ -6,6 +6,7 @@ LM and PPO's critic on the family's backbone)."""
 import json
 import math
 import os
+import stat
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ from pacs_jax.algos import ppo
 from pacs_jax.models import decoder, hf, registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import scheduler
+from pacs_jax.storage import export as export_lib
 from test_qwen2_hf import left_padded_batch, torch_logits_per_row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -92,6 +94,16 @@ def test_export_round_trip_through_transformers(hf_dir, loaded, tmp_path):
     np.testing.assert_allclose(ours[b][mask[b] > 0], ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", jnp.bfloat16, np.float32])
+def test_the_public_api_loads_a_folder_without_a_tokenizer_in_any_dtype_spelling(hf_dir, dtype, caplog):
+  import pacs_jax
+  _, path, _ = hf_dir  # written by transformers' save_pretrained: weights and config.json, no tokenizer
+  model, tokenizer = pacs_jax.load_pretrained(path, dtype=dtype)
+  assert tokenizer is None and "no tokenizer files" in caplog.text
+  assert model.config.param_dtype == np.dtype(dtype)
+  assert np.isfinite(np.asarray(model(jnp.ones((1, 3), jnp.int32)), np.float32)).all()
+
+
 def test_paged_cache_decode_equals_the_uncached_forward_and_transformers(hf_dir, loaded):
   _, _, torch_model = hf_dir
   engine = engine_lib.Engine(loaded, max_concurrent_decodes=4, max_prefill_length=8, max_decode_length=24,
@@ -134,6 +146,22 @@ def test_trains_two_steps_through_the_command_line(hf_dir, tmp_path):
   assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["skipped_updates"] == 0 for r in rows)
   with open(workdir / "model" / "config.json") as f:  # the model card export reads: the family's own config
     assert hf.load_config(path) == registry.config_from_hf(json.load(f))
+  # The export keeps the source's special-token ids (the synthetic tokenizer has no BOS; Llama's config.json has 1)
+  # and ordinary permissions: a serving process of another user reads it.
+  out = tmp_path / "exported"
+  export_lib.export(str(workdir), str(out))
+  with open(os.path.join(path, "config.json")) as f:
+    source = json.load(f)
+  with open(out / "config.json") as f:
+    exported = json.load(f)
+  for field in ("bos_token_id", "eos_token_id"):
+    if source.get(field) is not None:
+      assert exported[field] == source[field], (field, exported[field], source[field])
+  mask = os.umask(0o022)
+  os.umask(mask)
+  assert stat.S_IMODE(os.stat(out).st_mode) == 0o777 & ~mask
+  for name in os.listdir(out):
+    assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o666 & ~mask, name
 
 
 # ----------------------------------------------------------------------------------------------

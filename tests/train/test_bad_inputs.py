@@ -47,6 +47,22 @@ def test_a_missing_relative_model_path_is_not_looked_up_on_the_hub(spec, tmp_pat
     hf.resolve_path(spec)
 
 
+def test_a_mistyped_path_that_looks_like_a_hub_id_names_the_path_and_the_hub(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # no own/ here: `own/tiny_qwen33` may be a hub id, and the hub cannot be reached
+  import httpx
+  import huggingface_hub
+
+  def unreachable(*args, **kwargs):
+    raise httpx.ConnectError("[Errno -2] Name or service not known")
+  monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+  with pytest.raises(FileNotFoundError) as raised:
+    hf.resolve_path("own/tiny_qwen33")
+  message = str(raised.value)
+  assert message.startswith(f"own/tiny_qwen33: no such local directory (relative to {tmp_path})"), message
+  assert "not found on the Hugging Face hub" in message and "Name or service not known" in message
+  assert "\n" not in message
+
+
 @pytest.mark.parametrize("name", ["empty.jsonl", "empty.json", "blank_lines.jsonl"])
 def test_an_empty_data_file_is_named(name, tmp_path):
   path = tmp_path / name
@@ -64,8 +80,9 @@ def test_invalid_utf8_names_file_and_line_and_is_skipped_when_asked(tmp_path):
   path = tmp_path / "math.jsonl"
   path.write_bytes(b'{"problem": "1+1", "answer": "2"}\n{"problem": "caf\xe9?", "answer": "3"}\n'
                    b'{"problem": "2+2", "answer": "4"}\n')
-  with pytest.raises(sources.DataError, match=rf"{path}: line 2: invalid UTF-8 \(byte 0xe9 at column 17\)"):
+  with pytest.raises(sources.DataError, match=rf"{path}: line 2: invalid UTF-8 \(byte 0xe9 at column 17\)") as raised:
     sources.load_records(str(path))
+  assert str(raised.value).endswith("(--config.data.skip_bad_rows=True skips bad rows)")  # the flag as typed
   result = sources.load_records(str(path), skip_bad_rows=True)
   assert [r["answer"] for r in result.records] == ["2", "4"] and result.num_skipped == 1
 

@@ -205,7 +205,7 @@ def other_tokenizer(directory) -> str:
   return str(directory)
 
 
-@pytest.mark.parametrize("change", ["algorithm", "layers", "tokenizer", "algorithm_allowed"])
+@pytest.mark.parametrize("change", ["algorithm", "layers", "tokenizer", "algorithm_allowed", "data_and_rollout"])
 def test_a_resume_under_another_run_is_refused_in_one_line(change, one_layer_run, two_layer_run, tmp_path):
   workdir, args, expected = {
       "algorithm": (two_layer_run, ["--config.algorithm=grpo"], ["another algorithm (algorithm: 'pacs' -> 'grpo')",
@@ -219,6 +219,10 @@ def test_a_resume_under_another_run_is_refused_in_one_line(change, one_layer_run
       "algorithm_allowed": (two_layer_run, ["--config.algorithm=ppo", "--config.checkpoint.allow_changes=algorithm"],
                             ["holds another training state than this run's (of another form: critic_opt_state, critic_params)",
                              "use another --workdir, or --config.checkpoint.restore=never"]),
+      # The README's quick check, then the real run in the same workdir (issue 35): refused, not a warning.
+      "data_and_rollout": (two_layer_run, ["--config.data.max_prompt_length=32", "--config.rollout.max_new_tokens=5"],
+                           ["another data/rollout (data.max_prompt_length: 16 -> 32; rollout.max_new_tokens: 4 -> 5)",
+                            "--config.checkpoint.allow_changes=data,rollout"]),
   }[change]
   before = sorted(os.listdir(workdir / "checkpoints"))
   result = cli("pacs_jax.train", *RUN, "--workdir", str(workdir), "--config.steps=3", *args, cwd=tmp_path)
