@@ -109,6 +109,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     section, _, name = field.rpartition(".")
     _check(name not in (get_field(c, section) if section else c), field, f"was removed: {why}")
   _check(c.rollout.page_size >= 1, "rollout.page_size", f"must be >= 1, got {c.rollout.page_size}")
+  _check(c.rollout.tis_imp_ratio_cap <= 0 or algo.supports_rollout_correction, "rollout.tis_imp_ratio_cap",
+         f"the rollout correction is for grpo and ppo, not {c.algorithm!r}: set it <= 0 (off)")
   _check(c.rollout.kv_pages >= 0, "rollout.kv_pages", f"must be >= 0 (0 = enough for every slot), got {c.rollout.kv_pages}")
   _check_lora(c)
   if not c.model.hf_path and c.lora.rank:  # the preset's shapes are known without reading anything

@@ -6,6 +6,7 @@ of the prompts; mini- and micro-batches take whole groups from every process's s
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -23,7 +24,6 @@ from pacs_jax.data import prompts as prompts_lib
 from pacs_jax.data import sources, tokenizers
 from pacs_jax.models import hf
 from pacs_jax.rewards import math as rewards_lib
-from pacs_jax.rollout import scheduler
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import stop_tokens
 from pacs_jax.trainer import batching
@@ -138,11 +138,12 @@ class Trainer:
                                                               self.critic_optimizer)
     self.state = jax.device_put(self.state, self.state_shardings)
 
-    self.engine = programs_lib.make_engine(cfg, run.decode_model, self.mesh, self.eos_ids)
+    # The rollout (`rollout.interface.Rollout`): the in-process engine, on the trainer's mesh.
+    self.sampler = programs_lib.make_rollout(cfg, run.decode_model, self.mesh, self.eos_ids)
     self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self.programs = programs_lib.make_programs(cfg, self.graphdef, self.critic_graphdef, self.optimizer,
                                                self.critic_optimizer, self.state_shardings,
-                                               self.engine.param_shardings, run.frozen)
+                                               self.sampler.weight_shardings, run.frozen)
     self.batch_layout = programs_lib.batch_layout(cfg)
     self.checkpointer = checkpoint_lib.Checkpointer(paths.join(workdir, CHECKPOINT_DIR), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
@@ -158,6 +159,7 @@ class Trainer:
     """One step on this process's share of the pipeline's element `prompts` (lists per field): the stages of
     trainer/stages.py in order (rollout, score, pack, update, record); returns the step's metrics row."""
     clock = stages.Clock()
+    version = int(self.state.step)  # the policy the rollout samples and the update starts from
     seed = state_lib.rollout_seed(self.state.rng)  # the train step's last update moves the RNG on
     prompt_ids = [ids.tolist() for ids in prompts["prompt_ids"]]
     first = " (the first step compiles its programs)" if not self._stepped else ""
@@ -185,16 +187,15 @@ class Trainer:
       stages.dump(self.cfg.rollout_data_dir, int(self.state.step), self.tokenizer, prompt_ids, completions, scored)
     row = stages.record(metrics, packed, scored, clock, self.source_names)
     row.update(sampled)  # (its timings split the rounds' rollouts from their scoring)
+    row.update(stages.staleness_metrics(completions, version))
     return row
 
   def sample(self, prompts: dict[str, Any], seed: int, scorer, on_finish=None):
     """The step's dynamically sampled rollout (`dynamic_sampling.sample`): refills are the pipeline's next elements."""
     def generate(global_prompts, round_seed):
-      with jax.set_mesh(self.mesh):
-        params_sample = self.programs.to_sample_params(self.state.params)
-        return stages.generate(self.engine, params_sample, global_prompts, n=self.cfg.rollout.n,
-                               max_new_tokens=self.R, sampling=self.sampling, seed=round_seed, eos_ids=self.eos_ids,
-                               on_finish=on_finish)
+      with self.current_policy() as sampler:
+        return stages.generate(sampler, global_prompts, n=self.cfg.rollout.n, max_new_tokens=self.R,
+                               sampling=self.sampling, seed=round_seed, on_finish=on_finish)
     return dynamic_sampling.sample(
         prompts, lambda: next(self.data_iter), generate,
         lambda element, completions: stages.score(scorer, self.tokenizer, element, completions),
@@ -206,6 +207,17 @@ class Trainer:
     """The current policy's rollout weights (a LoRA run's: the base with the adapters merged in). Under the mesh."""
     return self.programs.to_sample_params(self.state.params, *self.frozen_args)
 
+  @contextlib.contextmanager
+  def current_policy(self):
+    """Under the mesh: the sampler holding the current policy's rollout weights as version `state.step` (updates
+    done), which it lets go of afterwards (the update needs the memory)."""
+    with jax.set_mesh(self.mesh):
+      self.sampler.set_weights(self.sample_params(), int(self.state.step))
+      try:
+        yield self.sampler
+      finally:
+        self.sampler.release()
+
   @property
   def frozen_args(self) -> tuple:
     """The programs' trailing argument: a LoRA run's base weights, or nothing."""
@@ -213,11 +225,9 @@ class Trainer:
 
   def rollout(self, prompt_ids: list[list[int]], seed: int, on_finish=None) -> list:
     """This process's completions of the step's rollout (n samples per prompt) by the current policy."""
-    with jax.set_mesh(self.mesh):
-      params_sample = self.sample_params()
-      return stages.rollout(self.engine, params_sample, prompt_ids, P=self.P, n=self.cfg.rollout.n,
-                            max_new_tokens=self.R, sampling=self.sampling, seed=seed, eos_ids=self.eos_ids,
-                            on_finish=on_finish)
+    with self.current_policy() as sampler:
+      return stages.rollout(sampler, prompt_ids, P=self.P, n=self.cfg.rollout.n, max_new_tokens=self.R,
+                            sampling=self.sampling, seed=seed, on_finish=on_finish)
 
   def update(self, packed: batching.PackedRollout) -> dict[str, Any]:
     """The update stage on the trainer's state; keeps each mini-batch's own metrics in `minibatch_metrics`."""
@@ -234,11 +244,9 @@ class Trainer:
       return {}
     cfg = self.cfg
     max_new = cfg.rollout.val_max_new_tokens or self.R
-    with jax.set_mesh(self.mesh):
-      params_sample = self.sample_params()
-      completions = scheduler.generate(self.engine, params_sample, self.val_prompts, n=1,
-                                       max_new_tokens=min(max_new, self.R), sampling=sampling_lib.Greedy(),
-                                       seed=0, eos_ids=self.eos_ids)
+    with self.current_policy() as sampler:
+      completions = sampler.generate(self.val_prompts, n=1, max_new_tokens=min(max_new, self.R),
+                                     sampling=sampling_lib.Greedy(), seed=0)
     texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     answers, data_sources = [r["answer"] for r in self.val_records], [r["data_source"] for r in self.val_records]
     scores, _ = scorer.score_batch(texts, answers, data_sources)
