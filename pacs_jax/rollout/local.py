@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -46,18 +47,27 @@ class LocalRollout:
   def release(self) -> None:
     self._params = None
 
+  def fork(self) -> LocalRollout:
+    """Another rollout over the same engine (its compiled programs) with weights and a version of its own: a
+    background worker samples one policy while the trainer's validation samples another."""
+    other = copy.copy(self)
+    other.release()
+    other.version = -1
+    return other
+
   def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1,
                max_new_tokens: int | Sequence[int] | None = None,
                sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), seed: int = 0,
                prompt_ids: Sequence[int] | None = None,
                on_finish: Callable[[], None] | None = None) -> list[Completion]:
     """`interface.Rollout.generate` by `scheduler.generate`, each completion stamped with `version`."""
-    if self._params is None:
+    params, version = self._params, self.version
+    if params is None:
       raise RuntimeError("LocalRollout.generate before set_weights (or after release): no weights to sample with")
-    completions = scheduler.generate(self._engine, self._params, prompts, n=n, max_new_tokens=max_new_tokens,
+    completions = scheduler.generate(self._engine, params, prompts, n=n, max_new_tokens=max_new_tokens,
                                      sampling=sampling, seed=seed, eos_ids=self.eos_ids, prompt_ids=prompt_ids,
                                      on_finish=on_finish)
-    return [dataclasses.replace(c, policy_version=self.version) for c in completions]
+    return [dataclasses.replace(c, policy_version=version) for c in completions]
 
   def ahead_of_time(self) -> AheadOfTime:
     """The engine's sizes and `lower_*` hooks, for `--compile_only`."""

@@ -35,6 +35,7 @@ from pacs_jax.storage.workdir import CHECKPOINT_DIR
 from pacs_jax.trainer import console
 from pacs_jax.trainer import metrics as metrics_lib
 from pacs_jax.trainer import multihost
+from pacs_jax.trainer import overlap
 from pacs_jax.trainer import build
 from pacs_jax.trainer import preemption as preemption_lib
 from pacs_jax.trainer import dynamic_sampling
@@ -140,6 +141,9 @@ class Trainer:
 
     # The rollout (`rollout.interface.Rollout`): the in-process engine, on the trainer's mesh.
     self.sampler = programs_lib.make_rollout(cfg, run.decode_model, self.mesh, self.eos_ids)
+    # rollout.mode="one_step_off": the next step's rollout in the background, by a worker with weights of its own.
+    self.next_rollout = overlap.NextRollout() if cfg.rollout.mode == "one_step_off" else None
+    self.rollout_worker = self.sampler.fork() if self.next_rollout else None
     self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self.programs = programs_lib.make_programs(cfg, self.graphdef, self.critic_graphdef, self.optimizer,
                                                self.critic_optimizer, self.state_shardings,
@@ -167,7 +171,11 @@ class Trainer:
     with console.StepProgress(len(prompt_ids) * jax.process_count() * self.cfg.rollout.n,
                               lambda: f"step {int(self.state.step) + 1}: rollout{first}") as progress:
       if self.algo.sampling_rounds(self.cfg) == 1:
-        completions = self.rollout(prompt_ids, seed, on_finish=progress.on_finish)
+        completions = self.next_rollout.take(prompts) if self.next_rollout else None  # started by the last step
+        if completions is None:
+          completions = self.rollout(prompt_ids, seed, on_finish=progress.on_finish)
+        if self.next_rollout and self.cfg.rollout.max_staleness == 1:
+          self.start_next_rollout(updated=False)
         clock.lap("rollout")
         progress.stage("rollout", "reward and update")
         scored = stages.score(scorer, self.tokenizer, prompts, completions)
@@ -181,6 +189,8 @@ class Trainer:
                            host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R),
                            shape_rewards=lambda scores, mask: self.algo.shape_rewards(self.cfg, scores, mask))
       metrics = self.update(packed)
+      if self.next_rollout and self.cfg.rollout.max_staleness == 0:
+        self.start_next_rollout(updated=True)
       clock.lap("update")
       self._stepped = True
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
@@ -228,6 +238,34 @@ class Trainer:
     with self.current_policy() as sampler:
       return stages.rollout(sampler, prompt_ids, P=self.P, n=self.cfg.rollout.n, max_new_tokens=self.R,
                             sampling=self.sampling, seed=seed, on_finish=on_finish)
+
+  def start_next_rollout(self, updated: bool) -> None:
+    """one_step_off: starts the next step's rollout on the background thread (trainer/overlap.py), if there is a
+    next step, with the current weights: those this step sampled with (before its update, `updated` False) or its
+    update's (after it). Its prompts are the pipeline's next element, its seed the synchronous step's."""
+    if int(self.state.step) + (1 if updated else 2) > self.cfg.steps:
+      return
+    if not isinstance(self.data_iter, overlap.Lookahead):
+      self.data_iter = overlap.Lookahead(self.data_iter)
+    element = self.data_iter.peek()
+    prompt_ids = [ids.tolist() for ids in element["prompt_ids"]]
+    rng = self.state.rng
+    seed = state_lib.rollout_seed(rng) if updated else state_lib.next_rollout_seed(rng)
+    version, worker = int(self.state.step), self.rollout_worker
+    with jax.set_mesh(self.mesh):
+      weights = self.sample_params()
+      if not updated:  # the update about to run donates the state: the worker keeps weights of its own
+        weights = jax.tree.map(jnp.copy, weights)
+
+    def rollout():
+      with jax.set_mesh(self.mesh):
+        worker.set_weights(weights, version)
+        try:
+          return stages.rollout(worker, prompt_ids, P=self.P, n=self.cfg.rollout.n, max_new_tokens=self.R,
+                                sampling=self.sampling, seed=seed)
+        finally:
+          worker.release()
+    self.next_rollout.start(element, rollout)
 
   def update(self, packed: batching.PackedRollout) -> dict[str, Any]:
     """The update stage on the trainer's state; keeps each mini-batch's own metrics in `minibatch_metrics`."""
@@ -303,7 +341,11 @@ class Trainer:
         print(console.already_done(start, self.cfg.steps), flush=True)
       held.preemption = preemption_lib.Preemption()
       held.step_in_progress = start  # from here on, a failure may be a storage outage
-      return self._steps(held, validate_first=restored is None)
+      try:
+        return self._steps(held, validate_first=restored is None)
+      finally:
+        if self.next_rollout:  # a rollout still in flight (a stop, a failure) is dropped: a resume draws it again
+          self.next_rollout.close()
 
   def _steps(self, held: teardown.Held, validate_first: bool) -> dict[str, Any]:
     """The steps after `held.step_in_progress` (each number held there as it runs), with validation, metrics rows,
