@@ -40,7 +40,8 @@ def measure_both(cfg, log=print) -> list[ProgramReport]:
   frozen, base = aot.lora_run_base(cfg, mesh)
   state, merged_model, merged_engine, progs = aot.abstract_run(cfg, mesh, (frozen, base))
   graphdef, _, _ = programs_lib.abstract_train_state(cfg, mesh)
-  unmerged_engine = programs_lib.make_engine(cfg, nnx.merge(graphdef, state.params, base), mesh, eos_ids=(0,))
+  unmerged_engine = programs_lib.make_rollout(cfg, nnx.merge(graphdef, state.params, base), mesh,
+                                             eos_ids=(0,)).ahead_of_time()
   compute = config_lib.dtype(cfg.model.dtype)
   cast = lambda tree: jax.tree.map(lambda x: x.astype(compute), tree)
   unmerged_to_sample = jax.jit(lambda adapters, base: cast(nnx.state(nnx.merge(graphdef, adapters, base))),

@@ -86,21 +86,19 @@ def generate(model, tokenizer, prompts: Sequence[str], *, n: int = 1, max_new_to
   the result depends on `seed` and the prompts alone.
   """
   from pacs_jax.data import prompts as prompts_lib
-  from pacs_jax.rollout import engine as engine_lib
+  from pacs_jax.rollout import local as local_rollout
   from pacs_jax.rollout import sampling as sampling_lib
-  from pacs_jax.rollout import scheduler
   from pacs_jax.rollout import stop_tokens as stop_tokens_lib
   prompt_ids = [ids.tolist() for ids in prompts_lib.encode_prompts(tokenizer, list(prompts), instruction)]
   if not prompt_ids:
     return []
   eos_ids, _ = stop_tokens_lib.stop_and_mask_ids(tokenizer, None, stop_tokens)
-  engine = engine_lib.Engine(model, max_concurrent_decodes=min(slots, len(prompt_ids) * n),
-                             max_prefill_length=max(map(len, prompt_ids)), max_decode_length=max_new_tokens,
-                             eos_ids=eos_ids)
-  completions = scheduler.generate(engine, engine.load_params(model), prompt_ids, n=n,
-                                   max_new_tokens=max_new_tokens,
-                                   sampling=sampling_lib.from_config(temperature, top_k, top_p), seed=seed,
-                                   eos_ids=eos_ids)
+  sampler = local_rollout.LocalRollout(model, slots=min(slots, len(prompt_ids) * n),
+                                       max_prompt_length=max(map(len, prompt_ids)), max_new_tokens=max_new_tokens,
+                                       eos_ids=eos_ids)
+  sampler.set_weights(model, version=0)
+  completions = sampler.generate(prompt_ids, n=n, max_new_tokens=max_new_tokens,
+                                 sampling=sampling_lib.from_config(temperature, top_k, top_p), seed=seed)
   texts: list[list[str]] = [[""] * n for _ in prompt_ids]
   for c in completions:
     texts[c.prompt_index][c.sample_index] = tokenizer.decode(c.tokens, skip_special_tokens=True)

@@ -1,5 +1,6 @@
-"""The house's shape (issues 13, 24, 30): imports point one way (no module under pacs_jax/ imports from a layer
-above its own), no import cycle, no module over 400 lines, no block of six lines written twice."""
+"""The house's shape (issues 13, 24, 30, 33): imports point one way (no module under pacs_jax/ imports from a layer
+above its own), no import cycle, no module over 400 lines, no block of six lines written twice, and nothing outside
+rollout/ imports the rollout engine's internals (only its interface)."""
 
 import ast
 import collections
@@ -150,6 +151,46 @@ def test_a_stale_peer_is_caught():
 def test_a_backwards_import_is_caught(importer, source, bad):
   graph = {importer: imported_modules(ast.parse(source), importer)}
   assert bool(violations(graph)) == bad, violations(graph)
+
+
+# -- the rollout interface (issue 33) ----------------------------------------------------------------------------
+
+# What modules outside pacs_jax/rollout/ may import of it: the interface, its in-process implementation, the
+# sampling methods and stop-token sets a caller chooses, and the page-budget sizing `--compile_only` reads. The
+# engine, its scheduler, state and programs are the implementation's own.
+ROLLOUT_PUBLIC = {"interface", "local", "sampling", "stop_tokens", "budget"}
+
+
+def rollout_internals_imported(graph: dict[str, set[str]]) -> list[str]:
+  """Each import, by a module outside pacs_jax.rollout, of a rollout module that is not in ROLLOUT_PUBLIC."""
+  out = []
+  for importer, targets in sorted(graph.items()):
+    if importer == "pacs_jax.rollout" or importer.startswith("pacs_jax.rollout."):
+      continue
+    for target in sorted(targets):
+      parts = target.split(".")
+      if parts[:2] == ["pacs_jax", "rollout"] and len(parts) > 2 and parts[2] not in ROLLOUT_PUBLIC:
+        out.append(f"{importer} imports {target}")
+  return out
+
+
+def test_only_the_rollout_interface_is_imported_from_outside():
+  found = rollout_internals_imported(import_graph())
+  assert not found, f"go through pacs_jax.rollout.interface (or local.LocalRollout): {found}"
+
+
+@pytest.mark.parametrize("importer, source, bad", [
+    ("pacs_jax.trainer.loop", "from pacs_jax.rollout import scheduler", True),
+    ("pacs_jax.eval.runner", "def f():\n  from pacs_jax.rollout import engine as engine_lib", True),
+    ("pacs_jax.compile.aot", "from pacs_jax.rollout.engine import Engine", True),
+    ("pacs_jax.trainer.stages", "import pacs_jax.rollout.state", True),
+    ("pacs_jax.trainer.stages", "from pacs_jax.rollout.interface import Completion", False),
+    ("pacs_jax.api", "from pacs_jax.rollout import local, sampling, stop_tokens", False),
+    ("pacs_jax.rollout.local", "from pacs_jax.rollout import scheduler", False),  # inside: its own
+])
+def test_an_import_of_rollout_internals_is_caught(importer, source, bad):
+  graph = {importer: imported_modules(ast.parse(source), importer)}
+  assert bool(rollout_internals_imported(graph)) == bad
 
 
 MAX_LINES = 400  # a module longer than this holds more than one idea: split it (issue 24)

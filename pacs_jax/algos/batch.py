@@ -64,6 +64,9 @@ ATTENTION_MASK = Field("attention_mask", jnp.int32, ("L",), HOST)  # 1 on real t
 RESPONSE_MASK = per_response("response_mask", jnp.float32, HOST)  # 1 up to and including the first EOS
 REWARDS = Field("rewards", jnp.float32, (), HOST)  # the verifier's outcome reward of each response
 ROLLOUT_FIELDS = (INPUT_IDS, ATTENTION_MASK, RESPONSE_MASK, REWARDS)
+# The rollout engine's log-probs of the sampled tokens, as sampled (0 past a response's end): the behaviour policy of
+# the rollout correction (`rollout.tis_imp_ratio_cap`, algos/correction.py).
+BEHAVIOUR_LOGPROBS = per_response("behaviour_logprobs", jnp.float32, HOST)
 OLD_LOGPROBS = per_response("old_logprobs", jnp.float32, PASS)  # the sampling policy's (ratios, rollout ref)
 REF_LOGPROBS = per_response("ref_logprobs", jnp.float32, PASS)  # the reference policy's (`Algorithm.reference`)
 OLD_VALUES = per_response("old_values", jnp.float32, PASS)  # the critic's before the step's updates

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pacs_jax.algos import groups as groups_lib, registry
+from pacs_jax.algos import correction, groups as groups_lib, registry
 from pacs_jax.algos.masked import masked_mean, masked_sum
 from pacs_jax.algos.settings import Settings, setting
 
@@ -79,12 +79,14 @@ def kl_penalty(logprobs: jax.Array, ref_logprobs: jax.Array, kl_type: str = "low
 def clipped_policy_loss(old_logprobs: jax.Array, logprobs: jax.Array, advantages: jax.Array,
                         response_mask: jax.Array, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                         clip_ratio_c: float = 3.0, loss_agg_mode: str = "token-mean",
-                        micro_batch_rows: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
+                        micro_batch_rows: int = 1, is_weights: jax.Array | None = None
+                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO clipped-ratio loss with dual clip (verl's compute_policy_loss_vanilla); all inputs [B, R].
 
     ρ = exp(clip(logp − old, −20, 20))
     ℓ₁ = max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high))
     ℓ = min(ℓ₁, −A·c) where A < 0 (dual clip: a negative advantage cannot push by more than c), else ℓ₁
+    ℓ ← w·ℓ with `is_weights` w [B, R] (the rollout correction, `correction.tis_weights`), when given
   `advantages` may be [B] (one per response) or [B, R]. Returns (agg_loss(ℓ), metrics).
   The released verl clamps nothing; the ±20 clamp of log ρ keeps exp finite (a 0 · inf would make the step NaN
   and skipped) and changes gradients by at most A·e⁻²⁰: beyond +20 the clip (A > 0) or dual clip (A < 0) holds ℓ
@@ -104,6 +106,8 @@ def clipped_policy_loss(old_logprobs: jax.Array, logprobs: jax.Array, advantages
   losses3 = -advantages * clip_ratio_c
   negative = advantages < 0
   per_token = jnp.where(negative, jnp.minimum(losses3, clipped1), clipped1)
+  if is_weights is not None:
+    per_token = per_token * jax.lax.stop_gradient(is_weights)
   loss = agg_loss(per_token, response_mask, loss_agg_mode, micro_batch_rows)
   sg = jax.lax.stop_gradient
   metrics = {
@@ -134,18 +138,20 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Ar
               clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
               loss_agg_mode: str = "seq-mean-token-sum-norm", kl_loss_coef: float = 0.0,
               kl_loss_type: str = "low_var_kl", entropy: jax.Array | None = None,
-              entropy_coeff: float = 0.0, micro_batch_rows: int = 1) -> tuple[jax.Array, dict[str, jax.Array]]:
+              entropy_coeff: float = 0.0, micro_batch_rows: int = 1,
+              is_weights: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """GRPO actor loss: pg_loss(A = group_advantages(R)) + kl_coef · agg(KL(π_θ‖π_ref)) − ent_coef · agg(H).
 
   logprobs, old_logprobs, ref_logprobs, response_mask, entropy: [B, R]; rewards: [B]. The KL term is used when
   kl_loss_coef > 0 (needs ref_logprobs), the entropy bonus when entropy_coeff != 0 (needs entropy). Defaults
-  are the paper's baseline: clip 0.2, seq-mean-token-sum-norm, no KL, no entropy; `micro_batch_rows`: see agg_loss.
+  are the paper's baseline: clip 0.2, seq-mean-token-sum-norm, no KL, no entropy; `micro_batch_rows`: see agg_loss;
+  `is_weights` [B, R]: the rollout correction's weights on the policy loss (see clipped_policy_loss).
   """
   advantages = group_advantages(rewards, group_size=group_size, norm_adv_by_std=norm_adv_by_std)  # [B]
   loss, metrics = clipped_policy_loss(old_logprobs, logprobs, advantages, response_mask,
                                       clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
                                       clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
-                                      micro_batch_rows=micro_batch_rows)
+                                      micro_batch_rows=micro_batch_rows, is_weights=is_weights)
   loss = entropy_bonus(loss, metrics, entropy, response_mask, entropy_coeff=entropy_coeff,
                        loss_agg_mode=loss_agg_mode, micro_batch_rows=micro_batch_rows)
   if kl_loss_coef:
@@ -199,6 +205,15 @@ class ClippedRatio(registry.Algorithm):
   reads its own settings block (`settings`): clip ratios, aggregation, entropy coefficient."""
 
   settings_class = ClippedRatioSettings
+  supports_rollout_correction = True
+
+  def is_weights(self, cfg, micro) -> jax.Array | None:
+    """The rollout correction's truncated importance weights [..., R] (`correction.tis_weights`), or None without
+    it (`rollout.tis_imp_ratio_cap` <= 0)."""
+    cap = self.tis_cap(cfg)
+    if cap is None:
+      return None
+    return correction.tis_weights(micro["old_logprobs"], micro["behaviour_logprobs"], cap)
 
   def loss_agg_mode(self, cfg) -> str:
     """How the loss aggregates its per-token terms: the settings' mode, or a preset's fixed one."""
@@ -246,12 +261,16 @@ class Grpo(ClippedRatio):
                      clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
                      clip_ratio_c=g.clip_ratio_c, loss_agg_mode=self.loss_agg_mode(cfg),
                      kl_loss_coef=self.kl_loss_coef(cfg) or 0.0, entropy=entropy,
-                     entropy_coeff=g.entropy_coeff, micro_batch_rows=self.micro_batch_rows(cfg))
+                     entropy_coeff=g.entropy_coeff, micro_batch_rows=self.micro_batch_rows(cfg),
+                     is_weights=self.is_weights(cfg, micro))
 
 
 class GrpoFamily(Grpo):
   """The GRPO-family objectives ported from today's verl (DAPO, Dr. GRPO, GSPO): no KL loss (so no reference
-  policy) and a loss normalised over the global mini-batch (one verl row per micro-batch, `micro_batch_rows`)."""
+  policy) and a loss normalised over the global mini-batch (one verl row per micro-batch, `micro_batch_rows`).
+  No rollout correction yet: its parity with verl is tested for GRPO and PPO only."""
+
+  supports_rollout_correction = False
 
   def kl_loss_coef(self, cfg):
     return None

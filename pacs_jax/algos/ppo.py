@@ -178,7 +178,7 @@ class Ppo(ClippedRatio):
     return policy_loss(micro["old_logprobs"], logprobs, micro["advantages"], micro["response_mask"],
                        clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
                        clip_ratio_c=g.clip_ratio_c, loss_agg_mode=self.loss_agg_mode(cfg),
-                       micro_batch_rows=self.micro_batch_rows(cfg))
+                       micro_batch_rows=self.micro_batch_rows(cfg), is_weights=self.is_weights(cfg, micro))
 
   def make_critic(self, model_config, rngs):
     return Critic(model_config, rngs=rngs)

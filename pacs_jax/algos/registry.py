@@ -67,10 +67,20 @@ class Algorithm:
     rollout reference)."""
     return self.reference(cfg) is Reference.ROLLOUT
 
+  # Whether the loss applies the rollout correction (truncated importance weights between the behaviour policy and
+  # π_old, `tis_cap`): the objectives whose parity with verl's TIS is tested (GRPO, PPO).
+  supports_rollout_correction = False
+
+  def tis_cap(self, cfg: ml_collections.ConfigDict) -> float | None:
+    """The cap C of the truncated importance weights min(π_old / μ, C) (`rollout.tis_imp_ratio_cap` > 0), or None
+    without the correction."""
+    cap = cfg.rollout.get("tis_imp_ratio_cap", -1.0)
+    return float(cap) if cap > 0 else None
+
   def batch_fields(self, cfg: ml_collections.ConfigDict) -> tuple[batch_lib.Field, ...]:
     """Every field of this algorithm's mini-batches under `cfg` (a `batch.BatchLayout`'s): the rollout's, the
-    passes it needs, its own `extra_fields`. Follows from `needs_old_logprobs`, `reference`, `has_critic` and
-    `extra_fields`: override those, not this."""
+    passes it needs, its own `extra_fields`. Follows from `needs_old_logprobs`, `reference`, `has_critic`,
+    `tis_cap` and `extra_fields`: override those, not this."""
     fields = list(batch_lib.ROLLOUT_FIELDS)
     if self.needs_old_logprobs(cfg):
       fields.append(batch_lib.OLD_LOGPROBS)
@@ -78,6 +88,8 @@ class Algorithm:
       fields.append(batch_lib.REF_LOGPROBS)
     if self.has_critic:
       fields.append(batch_lib.OLD_VALUES)
+    if self.tis_cap(cfg) is not None:
+      fields.append(batch_lib.BEHAVIOUR_LOGPROBS)
     return tuple(fields) + tuple(self.extra_fields(cfg))
 
   def extra_fields(self, cfg: ml_collections.ConfigDict) -> tuple[batch_lib.Field, ...]:

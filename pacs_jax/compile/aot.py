@@ -23,7 +23,7 @@ from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.models import decoder
 from pacs_jax.rollout import budget as budget_lib
-from pacs_jax.rollout import engine as engine_lib
+from pacs_jax.rollout import interface
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.compile.aot_measure import ProgramReport, measure, outputs_of, per_chip_bytes, persistent_cache_off
 from pacs_jax.compile.report import Report, format_report
@@ -51,7 +51,7 @@ def prefill_rows(requests_at_once: int, n: int, prompts: int) -> int:
   return budget_lib.next_pow2(max(1, min(distinct, prompts)))
 
 
-def decode_calls(engine: engine_lib.Engine, prompt_length: int, new_tokens: int) -> dict[int, int]:
+def decode_calls(engine: interface.AheadOfTime, prompt_length: int, new_tokens: int) -> dict[int, int]:
   """Decode calls per page budget for one wave of slots that start at `prompt_length` rows and all run to
   `new_tokens` (the scheduler's choice: `budget.PagePolicy.page_budget` of the busy rows)."""
   calls: dict[int, int] = {}
@@ -74,18 +74,20 @@ def decode_name(page_budget: int) -> str:
 
 
 def abstract_run(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, lora_base=None):
-  """The run's train state (abstract, in its shardings), the abstract policy, its rollout engine and the
-  jitted programs the trainer runs, built on `mesh` with nothing allocated: (state, policy, engine, progs). A LoRA
-  run's state holds its adapters, and its programs take the frozen base (`programs.abstract_base`, or `lora_base`
-  when the caller has it); its policy here is the base model the engine runs (on merged weights)."""
+  """The run's train state (abstract, in its shardings), the abstract policy, its rollout's ahead-of-time view
+  (`interface.AheadOfTime`) and the jitted programs the trainer runs, built on `mesh` with nothing allocated:
+  (state, policy, engine, progs). A LoRA run's state holds its adapters, and its programs take the frozen base
+  (`programs.abstract_base`, or `lora_base` when the caller has it); its policy here is the base model the engine
+  runs (on merged weights)."""
   graphdef, critic_graphdef, state = programs_lib.abstract_train_state(cfg, mesh)
   optimizer, critic_optimizer = programs_lib.make_optimizers(cfg)
   state_shardings = jax.tree.map(lambda x: x.sharding, state)
   frozen, base = lora_base or lora_run_base(cfg, mesh) or (None, None)
   policy = nnx.merge(graphdef, state.params) if frozen is None else nnx.merge(frozen.ref_graphdef, base)
-  engine = programs_lib.make_engine(cfg, policy, mesh, eos_ids=(0,))
+  sampler = programs_lib.make_rollout(cfg, policy, mesh, eos_ids=(0,))
   progs = programs_lib.make_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
-                                     engine.param_shardings, frozen=frozen)
+                                     sampler.weight_shardings, frozen=frozen)
+  engine = sampler.ahead_of_time()
   return state, policy, engine, progs
 
 

@@ -56,6 +56,13 @@ def default_config() -> ml_collections.ConfigDict:
   c.rollout.val_max_new_tokens = 0  # 0 = max_new_tokens
   # The decode KV cache is paged: pages of page_size rows, taken as rows grow and returned when they finish;
   # decode reads each slot's live pages.
+  # Rollout correction (verl's TIS): each token's policy loss weighted by min(π_old / π_rollout, cap), π_rollout the
+  # engine's log-probs as sampled; > 0 turns it on (GRPO, PPO), <= 0 (the default) leaves the loss as released.
+  c.rollout.tis_imp_ratio_cap = -1.0
+  # "sync": each step samples, then updates; "one_step_off": the next step's rollout runs on a background thread
+  # while this step updates (trainer/overlap.py), its responses up to `max_staleness` (0 or 1) policy versions old.
+  c.rollout.mode = "sync"
+  c.rollout.max_staleness = 1
   c.rollout.page_size = 64
   c.rollout.kv_pages = 0  # KV memory in pages, all batch shards together; 0 = enough for every slot at full length
   # Which tokens end a response, and how far the response mask runs (docs/algorithm.md "Padding and stopping"):

@@ -49,8 +49,7 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
   from pacs_jax.data import tokenizers
   from pacs_jax.models import hf
   from pacs_jax.rewards import math as rewards_lib
-  from pacs_jax.rollout import engine as engine_lib
-  from pacs_jax.rollout import scheduler
+  from pacs_jax.rollout import local as local_rollout
   from pacs_jax.rollout import sampling as sampling_lib
   from pacs_jax.rollout import stop_tokens
 
@@ -94,10 +93,9 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
   # replicas so that the slots split evenly over them instead of being replicated.
   replicas = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
   slots = -(-min(settings.batch_slots, chunk * n) // replicas) * replicas
-  engine = engine_lib.Engine(policy, max_concurrent_decodes=slots,
-                             max_prefill_length=settings.max_prompt_length,
-                             max_decode_length=settings.max_new_tokens, mesh=mesh, eos_ids=eos)
-  params = engine.load_params(policy)
+  sampler = local_rollout.LocalRollout(policy, slots=slots, max_prompt_length=settings.max_prompt_length,
+                                       max_new_tokens=settings.max_new_tokens, mesh=mesh, eos_ids=eos)
+  sampler.set_weights(policy, version=0)
   del policy
   own_scorer = scorer is None
   if own_scorer:
@@ -108,10 +106,9 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
   try:
     for start in range(0, len(todo), chunk):
       batch = todo[start:start + chunk]
-      completions = scheduler.generate(
-          engine, params, [p.prompt_ids for p in batch], n=n, max_new_tokens=settings.max_new_tokens,
-          sampling=sampling, seed=settings.seed, eos_ids=eos, prompt_ids=[p.seed_id for p in batch],
-          on_finish=lambda: bar.update(1))
+      completions = sampler.generate(
+          [p.prompt_ids for p in batch], n=n, max_new_tokens=settings.max_new_tokens, sampling=sampling,
+          seed=settings.seed, prompt_ids=[p.seed_id for p in batch], on_finish=lambda: bar.update(1))
       texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
       scores, _ = scorer.score_batch(texts, [batch[c.prompt_index].answer for c in completions],
                                      [batch[c.prompt_index].data_source for c in completions])

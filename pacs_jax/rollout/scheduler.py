@@ -16,7 +16,8 @@ from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout.budget import next_pow2
 from pacs_jax.rollout.engine import Engine
-from pacs_jax.rollout.state import Completion, DecodeState, DecodeStats, FirstTokens
+from pacs_jax.rollout.interface import Completion
+from pacs_jax.rollout.state import DecodeState, DecodeStats, FirstTokens
 
 
 def prefill_insert(engine: Engine, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],

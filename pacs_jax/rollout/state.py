@@ -1,5 +1,5 @@
 """The rollout engine's data: prefixes (a prefill's dense `KVCache` of the prompts), the decode state (its paged
-KV cache), step / chunk results, completions, and the sharding each state field is declared with (logical axes,
+KV cache), step / chunk results, and the sharding each state field is declared with (logical axes,
 resolved on a mesh by `field_shardings`).
 
 Shapes: B slots (in a `Prefix`: prompts), Q requests, T prompt bucket length, K kv heads, H head dim, A pages in
@@ -130,16 +130,6 @@ class DecodeStats:
   @property
   def rows_per_step(self) -> float:
     return self.rows_read / max(self.steps, 1)
-
-
-@dataclasses.dataclass
-class Completion:
-  """One sampled response: its tokens (EOS included when it stopped there) and their log-probs."""
-  prompt_index: int
-  sample_index: int
-  tokens: list[int]
-  logprobs: np.ndarray  # [len(tokens)] fp32, log_softmax(logits / temperature) at each token
-  finish_reason: str  # "eos" | "length"
 
 
 def _named(mesh: jax.sharding.Mesh, axes, shape) -> NamedSharding:

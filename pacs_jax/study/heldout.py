@@ -1,17 +1,16 @@
 """pass@k of a trainer's current policy on the study's held-out problems: n samples each through the trainer's own
-rollout engine, scored by the task's verifier, pass@k by the project's unbiased estimator (`pacs_jax.eval.passk`)."""
+rollout (`Trainer.current_policy`), scored by the task's verifier, pass@k by the project's unbiased estimator
+(`pacs_jax.eval.passk`)."""
 
 from __future__ import annotations
 
 import zlib
 
-import jax
 import numpy as np
 
 from pacs_jax.data import prompts as prompts_lib
 from pacs_jax.data import synthetic
 from pacs_jax.eval import passk
-from pacs_jax.rollout import scheduler
 
 OVERALL = "all"
 
@@ -27,11 +26,9 @@ def correct_counts(trainer, records: list[dict], n: int, seed: int) -> np.ndarra
   task = synthetic.get_task(trainer.cfg.data.train)
   prompt_ids = [ids.tolist() for ids in prompts_lib.encode_prompts(trainer.tokenizer, [r["problem"] for r in records],
                                                                   None)]
-  with jax.set_mesh(trainer.mesh):
-    params = trainer.sample_params()
-    completions = scheduler.generate(trainer.engine, params, prompt_ids, n=n, max_new_tokens=trainer.R,
-                                     sampling=trainer.sampling, seed=seed, eos_ids=trainer.eos_ids,
-                                     prompt_ids=[zlib.crc32(r["problem"].encode()) & 0x7FFFFFFF for r in records])
+  with trainer.current_policy() as sampler:
+    completions = sampler.generate(prompt_ids, n=n, max_new_tokens=trainer.R, sampling=trainer.sampling, seed=seed,
+                                   prompt_ids=[zlib.crc32(r["problem"].encode()) & 0x7FFFFFFF for r in records])
   counts = np.zeros(len(records), np.int64)
   for c in completions:
     text = trainer.tokenizer.decode(c.tokens, skip_special_tokens=True)

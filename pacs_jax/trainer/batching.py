@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from pacs_jax.algos import batch as batch_lib
-from pacs_jax.rollout import state as rollout_state
+from pacs_jax.rollout import interface as rollout_interface
 from pacs_jax.trainer import multihost
 from pacs_jax.trainer import programs as programs_lib
 
@@ -31,6 +31,9 @@ class PackedRollout:
   # The verifier's verdicts [rows] before the algorithm shaped them into `rewards` (`Algorithm.shape_rewards`, e.g.
   # DAPO's overlong penalty); None: the rewards are the verdicts.
   scores: np.ndarray | None = None
+  # The rollout engine's log-probs of each response token [rows, R] (0 past its end): the behaviour policy of the
+  # rollout correction (`batch.BEHAVIOUR_LOGPROBS`); None when not packed.
+  behaviour_logprobs: np.ndarray | None = None
 
 
 def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
@@ -42,7 +45,7 @@ def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
   return ((np.cumsum(is_eos, axis=1) - is_eos) == 0).astype(np.float32)
 
 
-def pack_rows(prompts: list[list[int]], completions: list[rollout_state.Completion], P: int, R: int,
+def pack_rows(prompts: list[list[int]], completions: list[rollout_interface.Completion], P: int, R: int,
               pad_id: int, mask_eos_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Prompt left-padded to P, response right-padded to R with `pad_id`: (input_ids, attention_mask, response_mask).
 
@@ -63,12 +66,23 @@ def pack_rows(prompts: list[list[int]], completions: list[rollout_state.Completi
   return input_ids, attention_mask, mask
 
 
+def behaviour_logprobs(completions: list[rollout_interface.Completion], R: int) -> np.ndarray:
+  """[rows, R] float32: each response's log-probs as the rollout engine sampled it, right-padded with 0."""
+  out = np.zeros((len(completions), R), np.float32)
+  for row, comp in enumerate(completions):
+    logprobs = np.asarray(comp.logprobs, np.float32)[:R]
+    out[row, :len(logprobs)] = logprobs
+  return out
+
+
 def to_minibatches(rollout: PackedRollout, layout: batch_lib.BatchLayout, mesh,
                    num_minibatches: int) -> list[batch_lib.Batch]:
   """Splits local rows into mini-batches of whole groups: the `layout`'s host fields [k, m, ...] each, as global
   arrays over (data, fsdp)."""
+  behaviour = {} if rollout.behaviour_logprobs is None else {"behaviour_logprobs": rollout.behaviour_logprobs}
   arrays = layout.host_rows({"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
-                             "response_mask": rollout.response_mask, "rewards": rollout.rewards, **rollout.extra})
+                             "response_mask": rollout.response_mask, "rewards": rollout.rewards, **rollout.extra,
+                             **behaviour})
   rows = rollout.rewards.shape[0]
   per_mb = rows // num_minibatches
   out = []

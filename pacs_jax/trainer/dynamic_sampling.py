@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pacs_jax.rollout import state as rollout_state
+from pacs_jax.rollout import interface as rollout_interface
 from pacs_jax.trainer import multihost
 from pacs_jax.trainer import stages
 
-Completion = rollout_state.Completion
+Completion = rollout_interface.Completion
 
 
 def round_seed(seed: int, round_index: int) -> int:

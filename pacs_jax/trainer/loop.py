@@ -6,6 +6,7 @@ of the prompts; mini- and micro-batches take whole groups from every process's s
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -23,7 +24,6 @@ from pacs_jax.data import prompts as prompts_lib
 from pacs_jax.data import sources, tokenizers
 from pacs_jax.models import hf
 from pacs_jax.rewards import math as rewards_lib
-from pacs_jax.rollout import scheduler
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import stop_tokens
 from pacs_jax.trainer import batching
@@ -35,6 +35,7 @@ from pacs_jax.storage.workdir import CHECKPOINT_DIR
 from pacs_jax.trainer import console
 from pacs_jax.trainer import metrics as metrics_lib
 from pacs_jax.trainer import multihost
+from pacs_jax.trainer import overlap
 from pacs_jax.trainer import build
 from pacs_jax.trainer import preemption as preemption_lib
 from pacs_jax.trainer import dynamic_sampling
@@ -143,11 +144,15 @@ class Trainer:
                                                               self.critic_optimizer)
     self.state = jax.device_put(self.state, self.state_shardings)
 
-    self.engine = programs_lib.make_engine(cfg, run.decode_model, self.mesh, self.eos_ids)
+    # The rollout (`rollout.interface.Rollout`): the in-process engine, on the trainer's mesh.
+    self.sampler = programs_lib.make_rollout(cfg, run.decode_model, self.mesh, self.eos_ids)
+    # rollout.mode="one_step_off": the next step's rollout in the background, by a worker with weights of its own.
+    self.next_rollout = overlap.NextRollout() if cfg.rollout.mode == "one_step_off" else None
+    self.rollout_worker = self.sampler.fork() if self.next_rollout else None
     self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self.programs = programs_lib.make_programs(cfg, self.graphdef, self.critic_graphdef, self.optimizer,
                                                self.critic_optimizer, self.state_shardings,
-                                               self.engine.param_shardings, run.frozen)
+                                               self.sampler.weight_shardings, run.frozen)
     self.batch_layout = programs_lib.batch_layout(cfg)
     self.checkpointer = checkpoint_lib.Checkpointer(paths.join(workdir, CHECKPOINT_DIR), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
@@ -163,6 +168,7 @@ class Trainer:
     """One step on this process's share of the pipeline's element `prompts` (lists per field): the stages of
     trainer/stages.py in order (rollout, score, pack, update, record); returns the step's metrics row."""
     clock = stages.Clock()
+    version = int(self.state.step)  # the policy the rollout samples and the update starts from
     seed = state_lib.rollout_seed(self.state.rng)  # the train step's last update moves the RNG on
     prompt_ids = [ids.tolist() for ids in prompts["prompt_ids"]]
     first = " (the first step compiles its programs)" if not self._stepped else ""
@@ -170,7 +176,11 @@ class Trainer:
     with console.StepProgress(len(prompt_ids) * jax.process_count() * self.cfg.rollout.n,
                               lambda: f"step {int(self.state.step) + 1}: rollout{first}") as progress:
       if self.algo.sampling_rounds(self.cfg) == 1:
-        completions = self.rollout(prompt_ids, seed, on_finish=progress.on_finish)
+        completions = self.next_rollout.take(prompts) if self.next_rollout else None  # started by the last step
+        if completions is None:
+          completions = self.rollout(prompt_ids, seed, on_finish=progress.on_finish)
+        if self.next_rollout and self.cfg.rollout.max_staleness == 1:
+          self.start_next_rollout(updated=False)
         clock.lap("rollout")
         progress.stage("rollout", "reward and update")
         scored = stages.score(scorer, self.tokenizer, prompts, completions)
@@ -184,22 +194,23 @@ class Trainer:
                            host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R),
                            shape_rewards=lambda scores, mask: self.algo.shape_rewards(self.cfg, scores, mask))
       metrics = self.update(packed)
+      if self.next_rollout and self.cfg.rollout.max_staleness == 0:
+        self.start_next_rollout(updated=True)
       clock.lap("update")
       self._stepped = True
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
       stages.dump(self.cfg.rollout_data_dir, int(self.state.step), self.tokenizer, prompt_ids, completions, scored)
     row = stages.record(metrics, packed, scored, clock, self.source_names, self.cfg.rollout.n)
     row.update(sampled)  # (its timings split the rounds' rollouts from their scoring)
+    row.update(stages.staleness_metrics(completions, version))
     return row
 
   def sample(self, prompts: dict[str, Any], seed: int, scorer, on_finish=None):
     """The step's dynamically sampled rollout (`dynamic_sampling.sample`): refills are the pipeline's next elements."""
     def generate(global_prompts, round_seed):
-      with jax.set_mesh(self.mesh):
-        params_sample = self.programs.to_sample_params(self.state.params)
-        return stages.generate(self.engine, params_sample, global_prompts, n=self.cfg.rollout.n,
-                               max_new_tokens=self.R, sampling=self.sampling, seed=round_seed, eos_ids=self.eos_ids,
-                               on_finish=on_finish)
+      with self.current_policy() as sampler:
+        return stages.generate(sampler, global_prompts, n=self.cfg.rollout.n, max_new_tokens=self.R,
+                               sampling=self.sampling, seed=round_seed, on_finish=on_finish)
     return dynamic_sampling.sample(
         prompts, lambda: next(self.data_iter), generate,
         lambda element, completions: stages.score(scorer, self.tokenizer, element, completions),
@@ -211,6 +222,17 @@ class Trainer:
     """The current policy's rollout weights (a LoRA run's: the base with the adapters merged in). Under the mesh."""
     return self.programs.to_sample_params(self.state.params, *self.frozen_args)
 
+  @contextlib.contextmanager
+  def current_policy(self):
+    """Under the mesh: the sampler holding the current policy's rollout weights as version `state.step` (updates
+    done), which it lets go of afterwards (the update needs the memory)."""
+    with jax.set_mesh(self.mesh):
+      self.sampler.set_weights(self.sample_params(), int(self.state.step))
+      try:
+        yield self.sampler
+      finally:
+        self.sampler.release()
+
   @property
   def frozen_args(self) -> tuple:
     """The programs' trailing argument: a LoRA run's base weights, or nothing."""
@@ -218,11 +240,37 @@ class Trainer:
 
   def rollout(self, prompt_ids: list[list[int]], seed: int, on_finish=None) -> list:
     """This process's completions of the step's rollout (n samples per prompt) by the current policy."""
+    with self.current_policy() as sampler:
+      return stages.rollout(sampler, prompt_ids, P=self.P, n=self.cfg.rollout.n, max_new_tokens=self.R,
+                            sampling=self.sampling, seed=seed, on_finish=on_finish)
+
+  def start_next_rollout(self, updated: bool) -> None:
+    """one_step_off: starts the next step's rollout on the background thread (trainer/overlap.py), if there is a
+    next step, with the current weights: those this step sampled with (before its update, `updated` False) or its
+    update's (after it). Its prompts are the pipeline's next element, its seed the synchronous step's."""
+    if int(self.state.step) + (1 if updated else 2) > self.cfg.steps:
+      return
+    if not isinstance(self.data_iter, overlap.Lookahead):
+      self.data_iter = overlap.Lookahead(self.data_iter)
+    element = self.data_iter.peek()
+    prompt_ids = [ids.tolist() for ids in element["prompt_ids"]]
+    rng = self.state.rng
+    seed = state_lib.rollout_seed(rng) if updated else state_lib.next_rollout_seed(rng)
+    version, worker = int(self.state.step), self.rollout_worker
     with jax.set_mesh(self.mesh):
-      params_sample = self.sample_params()
-      return stages.rollout(self.engine, params_sample, prompt_ids, P=self.P, n=self.cfg.rollout.n,
-                            max_new_tokens=self.R, sampling=self.sampling, seed=seed, eos_ids=self.eos_ids,
-                            on_finish=on_finish)
+      weights = self.sample_params()
+      if not updated:  # the update about to run donates the state: the worker keeps weights of its own
+        weights = jax.tree.map(jnp.copy, weights)
+
+    def rollout():
+      with jax.set_mesh(self.mesh):
+        worker.set_weights(weights, version)
+        try:
+          return stages.rollout(worker, prompt_ids, P=self.P, n=self.cfg.rollout.n, max_new_tokens=self.R,
+                                sampling=self.sampling, seed=seed)
+        finally:
+          worker.release()
+    self.next_rollout.start(element, rollout)
 
   def update(self, packed: batching.PackedRollout) -> dict[str, Any]:
     """The update stage on the trainer's state; keeps each mini-batch's own metrics in `minibatch_metrics`."""
@@ -245,11 +293,9 @@ class Trainer:
       return {}
     cfg = self.cfg
     max_new = cfg.rollout.val_max_new_tokens or self.R
-    with jax.set_mesh(self.mesh):
-      params_sample = self.sample_params()
-      completions = scheduler.generate(self.engine, params_sample, self.val_prompts, n=1,
-                                       max_new_tokens=min(max_new, self.R), sampling=sampling_lib.Greedy(),
-                                       seed=0, eos_ids=self.eos_ids)
+    with self.current_policy() as sampler:
+      completions = sampler.generate(self.val_prompts, n=1, max_new_tokens=min(max_new, self.R),
+                                     sampling=sampling_lib.Greedy(), seed=0)
     texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
     answers, data_sources = [r["answer"] for r in self.val_records], [r["data_source"] for r in self.val_records]
     scores, _ = scorer.score_batch(texts, answers, data_sources)
@@ -307,7 +353,11 @@ class Trainer:
         print(console.already_done(start, self.cfg.steps), flush=True)
       held.preemption = preemption_lib.Preemption()
       held.step_in_progress = start  # from here on, a failure may be a storage outage
-      return self._steps(held, restored)
+      try:
+        return self._steps(held, restored)
+      finally:
+        if self.next_rollout:  # a rollout still in flight (a stop, a failure) is dropped: a resume draws it again
+          self.next_rollout.close()
 
   def _steps(self, held: teardown.Held, restored: int | None) -> dict[str, Any]:
     """The steps after `held.step_in_progress` (each number held there as it runs), with validation, metrics rows,

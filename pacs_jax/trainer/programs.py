@@ -5,13 +5,14 @@ A LoRA run (`lora.rank` > 0) trains its adapters only: the TrainState's params a
 base weights enter the programs as one more argument (`adapters.Frozen` describes them; `abstract_base` gives
 them abstractly): `train_step(state, minibatch, ends_step, base)`, `logprob_fn(params, minibatch, base)`,
 `value_fn(critic_params, minibatch, base)`, `to_sample_params(params, base)`, and the frozen reference
-`ref_logprob_fn(base, minibatch)`; the rollout engine runs the base's graph (`nnx.merge(frozen.ref_graphdef, base)`).
+`ref_logprob_fn(base, minibatch)`; the rollout runs the base's graph (`nnx.merge(frozen.ref_graphdef, base)`).
 A full run's programs take no base.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -24,10 +25,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.algos import batch as batch_lib, registry
+from pacs_jax.algos import batch as batch_lib, correction, registry
 from pacs_jax.models import decoder, lora
 from pacs_jax.models import registry as model_registry
-from pacs_jax.rollout import engine as engine_lib
+from pacs_jax.rollout import local as local_rollout
 from pacs_jax.trainer import adapters as adapters_lib
 from pacs_jax.trainer import state as state_lib
 from pacs_jax.trainer import step as step_lib
@@ -177,17 +178,18 @@ def abstract_base(cfg: ml_collections.ConfigDict, mesh) -> tuple[adapters_lib.Fr
   return frozen, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), base, frozen.shardings)
 
 
-def make_engine(cfg: ml_collections.ConfigDict, model: decoder.CausalLM, mesh, eos_ids) -> engine_lib.Engine:
-  """The rollout engine (`model` may be abstract: only its structure is kept)."""
+def make_rollout(cfg: ml_collections.ConfigDict, model: decoder.CausalLM, mesh, eos_ids) -> local_rollout.LocalRollout:
+  """The run's rollout (`interface.Rollout`): the in-process engine on `mesh` (`model` may be abstract: only its
+  structure is kept)."""
   slots = cfg.rollout.slots or (cfg.train.batch_prompts * cfg.rollout.n)
-  return engine_lib.Engine(model, max_concurrent_decodes=slots, max_prefill_length=cfg.data.max_prompt_length,
-                           max_decode_length=cfg.rollout.max_new_tokens, mesh=mesh, eos_ids=eos_ids,
-                           page_size=cfg.rollout.page_size, kv_pages=cfg.rollout.kv_pages)
+  return local_rollout.LocalRollout(model, slots=slots, max_prompt_length=cfg.data.max_prompt_length,
+                                    max_new_tokens=cfg.rollout.max_new_tokens, mesh=mesh, eos_ids=eos_ids,
+                                    page_size=cfg.rollout.page_size, kv_pages=cfg.rollout.kv_pages)
 
 
 @dataclasses.dataclass
 class Programs:
-  """The trainer's jitted functions (the rollout engine holds the rollout ones). A LoRA run's take the frozen base
+  """The trainer's jitted functions (the rollout holds the rollout ones). A LoRA run's take the frozen base
   as one more argument (the module docstring)."""
   train_step: Callable  # (state, minibatch, ends_step) -> (state, metrics); the state is donated
   logprob_fn: Callable  # (params, minibatch) -> log-probs [k, m, R]: the policy's (old log-probs)
@@ -198,6 +200,9 @@ class Programs:
   # (reference params, minibatch) -> log-probs [k, m, R] of a frozen reference: a full run's `logprob_fn` on its
   # copy of the initial weights; a LoRA run's base model without adapters, on the base
   ref_logprob_fn: Callable | None = None
+  # (old log-probs, behaviour log-probs, response mask) [k, m, R] -> the rollout correction's importance-weight
+  # statistics (`correction.importance_stats`), or None without the correction
+  importance_stats: Callable | None = None
 
 
 def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, optimizer, critic_optimizer,
@@ -225,7 +230,12 @@ def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, opt
                 else None),
       step_inputs=_step_inputs(cfg, layout),
       to_sample_params=jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute), p), out_shardings=sample_shardings),
-      ref_logprob_fn=logprob_fn)
+      ref_logprob_fn=logprob_fn, importance_stats=_importance_stats(cfg))
+
+
+def _importance_stats(cfg: ml_collections.ConfigDict) -> Callable | None:
+  cap = registry.of(cfg).tis_cap(cfg)
+  return None if cap is None else jax.jit(functools.partial(correction.importance_stats, cap=cap))
 
 
 def _step_inputs(cfg: ml_collections.ConfigDict, layout: batch_lib.BatchLayout) -> Callable | None:
@@ -254,4 +264,5 @@ def _lora_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, 
                 if critic_graphdef is not None else None),
       step_inputs=_step_inputs(cfg, layout),
       to_sample_params=jax.jit(to_sample_params, out_shardings=sample_shardings),
-      ref_logprob_fn=jax.jit(step_lib.make_logprob_fn(frozen.ref_graphdef, temperature, chunk, targets)))
+      ref_logprob_fn=jax.jit(step_lib.make_logprob_fn(frozen.ref_graphdef, temperature, chunk, targets)),
+      importance_stats=_importance_stats(cfg))

@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from pacs_jax.algos import batch as batch_lib
-from pacs_jax.rollout import scheduler
-from pacs_jax.rollout import state as rollout_state
+from pacs_jax.rollout import interface
+from pacs_jax.rollout.interface import Completion
 from pacs_jax.trainer import batching
 from pacs_jax.trainer import metrics as metrics_lib
 from pacs_jax.trainer import multihost
@@ -24,21 +24,21 @@ from pacs_jax.trainer import programs as programs_lib
 from pacs_jax.trainer import state as state_lib
 
 
-def rollout(engine, params_sample, prompt_ids: list[list[int]], *, P: int, n: int, max_new_tokens: int, sampling,
-            seed: int, eos_ids, on_finish: Callable[[], None] | None = None) -> list[rollout_state.Completion]:
-  """This process's completions of a rollout over every process's prompts (all run the same global one);
-  `on_finish()` is called as each response finishes. Run under the mesh `params_sample` lives on."""
-  completions = generate(engine, params_sample, multihost.gather_prompts(prompt_ids, P), n=n,
-                         max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, eos_ids=eos_ids,
-                         on_finish=on_finish)
+def rollout(sampler: interface.Rollout, prompt_ids: list[list[int]], *, P: int, n: int, max_new_tokens: int,
+            sampling, seed: int, on_finish: Callable[[], None] | None = None) -> list[Completion]:
+  """This process's completions of a rollout over every process's prompts (all run the same global one) by the
+  weights `sampler` holds; `on_finish()` is called as each response finishes. Run under the mesh its weights
+  live on."""
+  completions = generate(sampler, multihost.gather_prompts(prompt_ids, P), n=n, max_new_tokens=max_new_tokens,
+                         sampling=sampling, seed=seed, on_finish=on_finish)
   return multihost.local_share(completions, len(prompt_ids))
 
 
-def generate(engine, params_sample, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling, seed: int,
-             eos_ids, on_finish: Callable[[], None] | None = None) -> list[rollout_state.Completion]:
+def generate(sampler: interface.Rollout, prompts: list[list[int]], *, n: int, max_new_tokens: int, sampling,
+             seed: int, on_finish: Callable[[], None] | None = None) -> list[Completion]:
   """Every completion of the global rollout of `prompts` (every process's, processes in order), prompt-major."""
-  return scheduler.generate(engine, params_sample, prompts, n=n, max_new_tokens=max_new_tokens, sampling=sampling,
-                            seed=seed, eos_ids=eos_ids, on_finish=on_finish)
+  return sampler.generate(prompts, n=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                          on_finish=on_finish)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Scored:
   stats: dict[str, int]  # the verifier's counts: errors, timeouts
 
 
-def score(scorer, tokenizer, prompts: dict[str, Any], completions: list[rollout_state.Completion]) -> Scored:
+def score(scorer, tokenizer, prompts: dict[str, Any], completions: list[Completion]) -> Scored:
   """Decodes each response and scores it against its prompt's answer (`prompts`: the pipeline's element, lists
   per field)."""
   texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
@@ -61,7 +61,7 @@ def score(scorer, tokenizer, prompts: dict[str, Any], completions: list[rollout_
   return Scored(texts, answers, data_sources, scores, stats)
 
 
-def pack(prompt_ids: list[list[int]], completions: list[rollout_state.Completion], scored: Scored, *, P: int,
+def pack(prompt_ids: list[list[int]], completions: list[Completion], scored: Scored, *, P: int,
          R: int, n: int, pad_id: int, mask_eos_ids,
          host_inputs: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]],
          shape_rewards: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> batching.PackedRollout:
@@ -74,7 +74,7 @@ def pack(prompt_ids: list[list[int]], completions: list[rollout_state.Completion
   rewards = scores if shape_rewards is None else np.asarray(shape_rewards(scores, resp_mask), np.float32)
   return batching.PackedRollout(input_ids, attention_mask, resp_mask, rewards, scored.data_sources,
                                [c.finish_reason for c in completions], extra=host_inputs(input_ids, attention_mask),
-                               scores=scores)
+                               scores=scores, behaviour_logprobs=batching.behaviour_logprobs(completions, R))
 
 
 def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_params, packed: batching.PackedRollout,
@@ -83,7 +83,9 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
   """Reference / old log-probs (and values) for the whole step first, then the algorithm's step inputs, then one
   optimizer update per mini-batch (the last one moves the step counter and the RNG on). `ref_params`: a frozen
   reference, or None for the policy that sampled the step; `frozen`: a LoRA run's (base,), the programs' last
-  argument. Returns the new state (`state` is donated) and each mini-batch's metrics (device scalars)."""
+  argument. With the rollout correction (`layout` holds `behaviour_logprobs`), each mini-batch's metrics gain the
+  importance weights' statistics (`correction.importance_stats`). Returns the new state (`state` is donated) and
+  each mini-batch's metrics (device scalars)."""
   old, ref, values = batch_lib.OLD_LOGPROBS.name, batch_lib.REF_LOGPROBS.name, batch_lib.OLD_VALUES.name
   passes = layout.names(batch_lib.PASS)
   with jax.set_mesh(mesh):
@@ -101,17 +103,35 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
     for mb in minibatches:  # before the first update donates the state
       if sorted(mb) != sorted(layout.names()):
         raise ValueError(f"mini-batch fields {sorted(mb)}, expected {sorted(layout.names())}")
+    corrected = batch_lib.BEHAVIOUR_LOGPROBS.name in layout.names()
+    stats = [programs.importance_stats(mb[old], mb[batch_lib.BEHAVIOUR_LOGPROBS.name], mb["response_mask"])
+             for mb in minibatches] if corrected else [{} for _ in minibatches]
     per_minibatch = []
     for j, mb in enumerate(minibatches):
       state, m = programs.train_step(state, mb, programs_lib.ends_step(mesh, j == len(minibatches) - 1), *frozen)
-      per_minibatch.append(m)
+      per_minibatch.append({**m, **stats[j]})
   return state, per_minibatch
 
 
 def step_metrics(per_minibatch: list[dict]) -> dict[str, float]:
-  """The step's update metrics: the mini-batches' mean, but the running count of skipped updates as it ends."""
-  return {k: float(np.mean([np.asarray(m[k]) for m in per_minibatch])) if k != "skipped_updates"
-          else float(np.asarray(per_minibatch[-1][k])) for k in per_minibatch[0]}
+  """The step's update metrics: the mini-batches' mean, but the running count of skipped updates as it ends and the
+  largest of a `*_max`."""
+  def over_step(k):
+    values = [np.asarray(m[k]) for m in per_minibatch]
+    if k == "skipped_updates":
+      return float(values[-1])
+    return float(np.max(values) if k.endswith("_max") else np.mean(values))
+  return {k: over_step(k) for k in per_minibatch[0]}
+
+
+def staleness_metrics(completions: list[Completion], version: int) -> dict[str, float]:
+  """How many policy versions behind `version` (the policy the update starts from) each response's sampler was,
+  over every process's responses: mean, max, and the fraction at each lag (the histogram)."""
+  lags = multihost.gather_rows(np.asarray([[version - c.policy_version] for c in completions], np.float32))[:, 0]
+  out = {"rollout/staleness_mean": float(np.mean(lags)), "rollout/staleness_max": float(np.max(lags))}
+  for lag in np.unique(lags):
+    out[f"rollout/staleness_frac/{int(lag)}"] = float(np.mean(lags == lag))
+  return out
 
 
 class Clock:
@@ -145,7 +165,7 @@ def record(update_metrics: dict[str, float], packed: batching.PackedRollout, sco
 
 
 def dump(directory: str, step: int, tokenizer, prompt_ids: list[list[int]],
-         completions: list[rollout_state.Completion], scored: Scored) -> None:
+         completions: list[Completion], scored: Scored) -> None:
   """`directory/<step>.jsonl`: each response with its prompt, score and ground truth (the released dumps)."""
   inputs = metrics_lib.prompt_texts(tokenizer, prompt_ids, [c.prompt_index for c in completions])
   metrics_lib.dump_generations(directory, step, inputs, scored.texts, scored.scores, scored.data_sources,

@@ -108,6 +108,12 @@ def rollout_seed(rng: jax.Array) -> int:
   return int(jax.random.randint(_split(rng)[1], (), 0, 2**31 - 1))
 
 
+def next_rollout_seed(rng: jax.Array) -> int:
+  """The sampling seed of the step after the one that starts from `rng` (`advance` moves the key on the same way
+  whatever the update computes): what an overlapped rollout draws before the update ends."""
+  return rollout_seed(_split(rng)[0])
+
+
 def advance(state: TrainState, ends_step: jax.Array | bool = True) -> TrainState:
   """After a training step's last update (`ends_step`, a [] bool): step + 1 and the next RNG key. Runs inside
   the jitted step, so neither is ever changed on the host."""

@@ -18,7 +18,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from pacs_jax.data import tokenizers
 from pacs_jax.rollout import stop_tokens
-from pacs_jax.rollout.state import Completion
+from pacs_jax.rollout.interface import Completion
 from pacs_jax.trainer import batching
 
 ENDOFTEXT, IM_END = 151643, 151645

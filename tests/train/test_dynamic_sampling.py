@@ -10,7 +10,7 @@ import pytest
 
 from pacs_jax import config as config_lib
 from pacs_jax.rewards import math as rewards_lib
-from pacs_jax.rollout.state import Completion
+from pacs_jax.rollout.interface import Completion
 from pacs_jax.trainer import dynamic_sampling, loop, stages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,0 +1,93 @@
+"""The one rollout interface: what the trainer, the evaluator, the public API, the study and `--compile_only` ask
+of whatever samples responses. `local.LocalRollout` (the in-process engine) is its first implementation; what an
+overlapped worker or an external server would need is in docs/design.md ("The rollout interface").
+
+Modules outside `pacs_jax/rollout/` import this module, `local`, `sampling`, `stop_tokens` and `budget` only
+(tests/test_layering.py): the engine, its scheduler and its state are the implementation's own.
+
+Shapes: B slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from pacs_jax.rollout import budget as budget_lib
+from pacs_jax.rollout import sampling as sampling_lib
+
+
+@dataclasses.dataclass
+class Completion:
+  """One sampled response: its tokens (EOS included when it stopped there), their behaviour log-probs (the
+  sampling policy's), and the version of the policy that made it (`Rollout.set_weights`'s)."""
+  prompt_index: int
+  sample_index: int
+  tokens: list[int]
+  logprobs: np.ndarray  # [len(tokens)] fp32, log_softmax(logits / temperature) at each token
+  finish_reason: str  # "eos" | "length"
+  policy_version: int = 0
+
+
+@runtime_checkable
+class Rollout(Protocol):
+  """Samples responses with the weights it was last given.
+
+  `set_weights(params, version)` takes the policy's weights (an `nnx.State`, or a module) as policy `version`
+  (the trainer's: optimizer steps done); `generate` then samples `n` responses per prompt, each stamped with
+  the version that made it. `release()` lets go of the weights until the next `set_weights` (a colocated
+  engine's sleep: the synchronous trainer frees them for the update, as verl's hybrid engine offloads its
+  rollout weights). `weight_shardings`: the layout `set_weights` takes weights in without moving them (None:
+  any); `eos_ids`: the ids a response stops at (kept, with their log-prob).
+  """
+  version: int
+  eos_ids: tuple[int, ...]
+
+  @property
+  def weight_shardings(self) -> Any: ...
+
+  def set_weights(self, params: Any, version: int) -> None: ...
+
+  def release(self) -> None: ...
+
+  def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1,
+               max_new_tokens: int | Sequence[int] | None = None,
+               sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), seed: int = 0,
+               prompt_ids: Sequence[int] | None = None,
+               on_finish: Callable[[], None] | None = None) -> list[Completion]:
+    """`n` responses per prompt ordered by (prompt, sample); each depends on (seed, prompt id, sample index)
+    alone (`prompt_ids`, default the prompts' indices); at most `max_new_tokens` tokens (one for all or one per
+    prompt); `on_finish()` is called as each response finishes."""
+    ...
+
+
+@runtime_checkable
+class AheadOfTime(Protocol):
+  """What `--compile_only` asks of an in-process rollout (`LocalRollout.ahead_of_time()`): its sizes and its
+  programs lowered from abstract weights and state, nothing allocated. An external server has none."""
+  max_concurrent_decodes: int  # B
+  steps_per_call: int
+  prefill_buckets: tuple[int, ...]
+  policy: budget_lib.PagePolicy  # which page budget a decode call runs at
+
+  @property
+  def page_budgets(self) -> tuple[int, ...]: ...
+
+  @property
+  def param_shardings(self) -> Any: ...
+
+  def abstract_params(self, dtype=None) -> Any: ...
+
+  def abstract_decode_state(self) -> Any: ...
+
+  def lower_init(self) -> Any: ...
+
+  def lower_prefill(self, params, batch: int, bucket: int) -> Any: ...
+
+  def lower_insert_requests(self, state, cache, logits, requests: int, sampling=None) -> Any: ...
+
+  def lower_decode(self, params, state, page_budget: int | None = None, sampling=None,
+                   num_steps: int | None = None) -> Any: ...

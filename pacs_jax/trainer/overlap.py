@@ -1,0 +1,77 @@
+"""`rollout.mode = "one_step_off"`: the rollout of step k+1 runs on a background thread while step k scores and
+updates (devices shared), by a worker over the trainer's engine with weights of its own (`LocalRollout.fork`).
+
+With `rollout.max_staleness` 1 the next rollout starts before step k's update, with the weights step k sampled with
+(its responses are one policy version old: the rollout correction, `rollout.tis_imp_ratio_cap`, reweights them);
+with 0 it starts after the update, with the new weights: sync's responses through the overlapped machinery. Either
+way its seed is the one the synchronous step k+1 would draw (`state.next_rollout_seed`), and its prompts are the
+pipeline's next element, looked at ahead (`Lookahead`): a checkpoint records the data position before that element,
+so after a resume it is drawn again and the rollout that was in flight is dropped, never trained on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Callable
+
+
+class Lookahead:
+  """The prompt pipeline's iterator, able to look one element ahead (`peek`); `get_state` is the position before
+  an element looked at and not yet taken."""
+
+  def __init__(self, iterator):
+    self._iterator = iterator
+    self._ahead: Any = None
+    self._state_before: Any = None
+
+  def peek(self):
+    if self._ahead is None:
+      self._state_before = self._iterator.get_state()
+      self._ahead = next(self._iterator)
+    return self._ahead
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self._ahead is None:
+      return next(self._iterator)
+    element, self._ahead, self._state_before = self._ahead, None, None
+    return element
+
+  def get_state(self):
+    return self._iterator.get_state() if self._ahead is None else self._state_before
+
+
+class NextRollout:
+  """At most one rollout in flight on a background thread, for one pipeline element."""
+
+  def __init__(self):
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-rollout")
+    self._pending: tuple[Any, concurrent.futures.Future] | None = None
+    self.started = 0  # rollouts started in the background (and so overlapped with something)
+
+  def start(self, element, rollout: Callable[[], Any]) -> None:
+    self.drop()
+    self._pending = (element, self._pool.submit(rollout))
+    self.started += 1
+
+  def take(self, element):
+    """The completions of the rollout started for `element` (waits for it), or None if none was."""
+    if self._pending is None or self._pending[0] is not element:
+      self.drop()
+      return None
+    _, future = self._pending
+    self._pending = None
+    return future.result()
+
+  def drop(self) -> None:
+    """Lets the rollout in flight finish and forgets it (its prompts are drawn again on a resume)."""
+    if self._pending is not None:
+      _, future = self._pending
+      self._pending = None
+      concurrent.futures.wait([future])
+
+  def close(self) -> None:
+    self.drop()
+    self._pool.shutdown(wait=True)
