@@ -178,6 +178,8 @@ def weights_moved_away(model_dir):
 
 def test_writes_the_released_layouts_with_every_k_per_source(first_run):
   out, summary = first_run
+  summary = dict(summary)
+  assert summary.pop("out_dir") == os.path.abspath(out)  # where it went (by default beside the evaluated weights)
   assert read_summary(out) == json.loads(json.dumps(summary))
   assert summary["complete"]
   assert set(summary["sources"]) == set(SOURCES)
