@@ -29,7 +29,7 @@ KEEP = (
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.restore",
     "checkpoint.lock_stale_after_s", "checkpoint.allow_changes",
     "eval_every", "log_every", "reward_timeout_s",
-    "hardware.*", "distributed.*", "wandb.*",
+    "hardware.*", "distributed.*", "health.*", "wandb.*",
 )
 
 CPU_DEVICES = 8  # tests/conftest.py's simulated devices
