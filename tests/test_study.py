@@ -55,6 +55,16 @@ def test_shrunk_study_writes_its_files_and_schema(shrunk_study):
   assert set(summary["pacs"]["1"]) == {"mean", "std", "min", "max", "n_seeds"}
   assert summary["pacs"]["1"]["n_seeds"] == len(s.seeds)
   assert set(result["summary"]["pass_at_k_by_terms"]) <= {f"{k} terms" for k in s.eval_terms}
+  # PACS minus each other algorithm, paired over both seeds and every problem, at the table's ks up to eval_n.
+  diffs = result["summary"]["differences"]
+  assert list(diffs) == ["ppo", "grpo"] and list(diffs["grpo"]) == ["1", "16"]
+  d = diffs["grpo"]["1"]
+  assert d["low"] <= d["diff"] <= d["high"] and (d["n_seeds"], d["n_problems"]) == (len(s.seeds), s.eval_problems)
+  expected = (np.array([r["trained"]["correct"] for r in sorted(result["runs"], key=lambda r: r["seed"])
+                        if r["algorithm"] == name]) for name in ("pacs", "grpo"))
+  assert d["diff"] == pytest.approx(np.subtract(*expected).mean() / s.eval_n)  # pass@1 = correct / n
+  assert "| PACS minus | pass@1 | pass@16 |" in (out / report.TABLE_FILE).read_text() and "resolved" in stdout
+  assert result["base_model"].startswith("base_models" + os.sep)  # relative to OUT: no machine's path
   assert "| PACS |" in stdout and "CPU min" in stdout
   assert [i["runs_trained"] for i in result["invocations"]] == [len(result["runs"])] and result["invocations"][0]["cpu_s"] > 0
   with open(out / runs.DIGEST_FILE) as f:
@@ -94,7 +104,7 @@ def test_held_out_problems_are_distinct_and_graded():
 def test_study_runs_train_on_their_task_without_advisories():
   """The base model is made for the synthetic task and its tokenizer: no "real model on the synthetic task" warning."""
   from pacs_jax import config as config_lib
-  for algorithm in settings_lib.ALGORITHMS:
+  for algorithm in settings_lib.all_algorithms():
     cfg = settings_lib.train_config(algorithm, 0, "base_model_dir", settings_lib.SHRUNK)
     config_lib.validate(cfg, num_devices=1, check_paths=False)
     assert config_lib.advisories(cfg) == []
@@ -115,3 +125,11 @@ def test_spread_and_table_by_hand():
   assert "under 2x its pass@1" in report.headroom_problem(summary)
   assert report.headroom_problem({"base": {"1": {"mean": 0.11}, "256": {"mean": 0.88}}}) is None
   assert "not below 0.3" in report.headroom_problem({"base": {"1": {"mean": 0.3}, "256": {"mean": 0.9}}})
+
+
+def test_algorithms_flag_takes_every_registered_objective():
+  assert settings_lib.algorithms_from_flag(["gspo", "pacs"]) == ("pacs", "gspo")
+  every = settings_lib.algorithms_from_flag(["all"])
+  assert every[:3] == settings_lib.ALGORITHMS and {"dapo", "drgrpo", "gspo"} <= set(every)
+  with pytest.raises(ValueError, match=r"\['sft'\] not among the registered"):
+    settings_lib.algorithms_from_flag(["pacs", "sft"])
