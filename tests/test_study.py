@@ -1,6 +1,7 @@
 """The laptop study (`python -m pacs_jax.study`) in its shrunk mode: the files and their schema, and the same seed
 giving the same metrics rows and pass@k counts bit for bit."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -133,3 +134,17 @@ def test_algorithms_flag_takes_every_registered_objective():
   assert every[:3] == settings_lib.ALGORITHMS and {"dapo", "drgrpo", "gspo"} <= set(every)
   with pytest.raises(ValueError, match=r"\['sft'\] not among the registered"):
     settings_lib.algorithms_from_flag(["pacs", "sft"])
+
+
+def test_more_seeds_or_algorithms_add_runs_to_a_study(tmp_path):
+  """A study in OUT is kept when only its algorithms or seeds differ (its runs stay, the new ones are added);
+  any other setting starts a new one."""
+  s = settings_lib.SHRUNK
+  path = tmp_path / runs.RESULTS_FILE
+  runs.write_json(str(path), {"schema_version": runs.SCHEMA_VERSION, "settings": s.to_dict(), "runs": ["kept"]})
+  more = dataclasses.replace(s, algorithms=("pacs", "gspo"), seeds=(1, 5))
+  previous = runs._previous(str(path), more)
+  assert previous["runs"] == ["kept"]
+  merged = runs._with_runs_of(previous["settings"], more)
+  assert merged["algorithms"] == ["pacs", "grpo", "ppo", "gspo"] and merged["seeds"] == [0, 1, 5]
+  assert runs._previous(str(path), dataclasses.replace(s, steps=3)) is None
