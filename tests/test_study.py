@@ -1,6 +1,7 @@
 """The laptop study (`python -m pacs_jax.study`) in its shrunk mode: the files and their schema, and the same seed
 giving the same metrics rows and pass@k counts bit for bit."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -55,12 +56,22 @@ def test_shrunk_study_writes_its_files_and_schema(shrunk_study):
   assert set(summary["pacs"]["1"]) == {"mean", "std", "min", "max", "n_seeds"}
   assert summary["pacs"]["1"]["n_seeds"] == len(s.seeds)
   assert set(result["summary"]["pass_at_k_by_terms"]) <= {f"{k} terms" for k in s.eval_terms}
+  # PACS minus each other algorithm, paired over both seeds and every problem, at the table's ks up to eval_n.
+  diffs = result["summary"]["differences"]
+  assert list(diffs) == ["ppo", "grpo"] and list(diffs["grpo"]) == ["1", "16"]
+  d = diffs["grpo"]["1"]
+  assert d["low"] <= d["diff"] <= d["high"] and (d["n_seeds"], d["n_problems"]) == (len(s.seeds), s.eval_problems)
+  expected = (np.array([r["trained"]["correct"] for r in sorted(result["runs"], key=lambda r: r["seed"])
+                        if r["algorithm"] == name]) for name in ("pacs", "grpo"))
+  assert d["diff"] == pytest.approx(np.subtract(*expected).mean() / s.eval_n)  # pass@1 = correct / n
+  assert "| PACS minus | pass@1 | pass@16 |" in (out / report.TABLE_FILE).read_text() and "resolved" in stdout
+  assert result["base_model"].startswith("base_models" + os.sep)  # relative to OUT: no machine's path
   assert "| PACS |" in stdout and "CPU min" in stdout
   assert [i["runs_trained"] for i in result["invocations"]] == [len(result["runs"])] and result["invocations"][0]["cpu_s"] > 0
   with open(out / runs.DIGEST_FILE) as f:
     assert json.load(f) == runs.digest(result)
-  # No path of the machine that ran it (docs/study_summary.json is committed): the base model by its cache name.
-  assert result["base_model"].startswith("base-") and str(out) not in json.dumps(runs.digest(result))
+  # No path of the machine that ran it (docs/study_summary.json is committed).
+  assert str(out) not in json.dumps(runs.digest(result))
   # The held-out problems are never training problems.
   task = synthetic.get_task(s.warmup.task)
   train = {r["problem"] for r in task.records(4096, seed=0)}
@@ -96,7 +107,7 @@ def test_held_out_problems_are_distinct_and_graded():
 def test_study_runs_train_on_their_task_without_advisories():
   """The base model is made for the synthetic task and its tokenizer: no "real model on the synthetic task" warning."""
   from pacs_jax import config as config_lib
-  for algorithm in settings_lib.ALGORITHMS:
+  for algorithm in settings_lib.all_algorithms():
     cfg = settings_lib.train_config(algorithm, 0, "base_model_dir", settings_lib.SHRUNK)
     config_lib.validate(cfg, num_devices=1, check_paths=False)
     assert config_lib.advisories(cfg) == []
@@ -117,3 +128,25 @@ def test_spread_and_table_by_hand():
   assert "under 2x its pass@1" in report.headroom_problem(summary)
   assert report.headroom_problem({"base": {"1": {"mean": 0.11}, "256": {"mean": 0.88}}}) is None
   assert "not below 0.3" in report.headroom_problem({"base": {"1": {"mean": 0.3}, "256": {"mean": 0.9}}})
+
+
+def test_algorithms_flag_takes_every_registered_objective():
+  assert settings_lib.algorithms_from_flag(["gspo", "pacs"]) == ("pacs", "gspo")
+  every = settings_lib.algorithms_from_flag(["all"])
+  assert every[:3] == settings_lib.ALGORITHMS and {"dapo", "drgrpo", "gspo"} <= set(every)
+  with pytest.raises(ValueError, match=r"\['sft'\] not among the registered"):
+    settings_lib.algorithms_from_flag(["pacs", "sft"])
+
+
+def test_more_seeds_or_algorithms_add_runs_to_a_study(tmp_path):
+  """A study in OUT is kept when only its algorithms or seeds differ (its runs stay, the new ones are added);
+  any other setting starts a new one."""
+  s = settings_lib.SHRUNK
+  path = tmp_path / runs.RESULTS_FILE
+  runs.write_json(str(path), {"schema_version": runs.SCHEMA_VERSION, "settings": s.to_dict(), "runs": ["kept"]})
+  more = dataclasses.replace(s, algorithms=("pacs", "gspo"), seeds=(1, 5))
+  previous = runs._previous(str(path), more)
+  assert previous["runs"] == ["kept"]
+  merged = runs._with_runs_of(previous["settings"], more)
+  assert merged["algorithms"] == ["pacs", "grpo", "ppo", "gspo"] and merged["seeds"] == [0, 1, 5]
+  assert runs._previous(str(path), dataclasses.replace(s, steps=3)) is None

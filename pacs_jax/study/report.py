@@ -1,6 +1,6 @@
-"""The study's report: pass@k mean and spread over seeds per algorithm (before and after training), a table in the
-paper's layout (methods as rows, pass@k as columns) and two figures (training curves with seed bands; pass@k
-curves before and after)."""
+"""The study's report: pass@k mean and spread over seeds per algorithm (before and after training), each algorithm's
+difference from PACS with a paired-bootstrap interval (`eval.paired`), tables in the paper's layout (methods as rows,
+pass@k as columns) and two figures (training curves with seed bands; pass@k curves before and after)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,15 @@ import os
 
 import numpy as np
 
+from pacs_jax.eval import paired
 from pacs_jax.study import heldout
+from pacs_jax.study.settings import REFERENCE
 
 BASE = "base"
-LABELS = {BASE: "Base model", "ppo": "PPO", "grpo": "GRPO", "pacs": "PACS"}  # the paper's row order
+# The paper's row order (the baselines, PACS last), the newer baselines between.
+LABELS = {BASE: "Base model", "ppo": "PPO", "grpo": "GRPO", "dapo": "DAPO", "drgrpo": "Dr. GRPO", "gspo": "GSPO",
+          "pacs": "PACS"}
+COLORS = {BASE: "0.4", "pacs": "C0", "grpo": "C1", "ppo": "C2", "dapo": "C3", "drgrpo": "C4", "gspo": "C5"}
 TABLE_KS = (1, 16, 256)
 CURVES = (("reward/mean", "reward (train, mean)"), ("entropy", "entropy (nats per token)"))
 FIGURE_FILES = {"curves": "study_curves.png", "pass_at_k": "study_pass_at_k.png"}
@@ -32,7 +37,78 @@ def pass_at_k_summary(result: dict, group: str = heldout.OVERALL) -> dict[str, d
       tables.setdefault(BASE, []).append(run["base"]["pass_at_k"][group])
     tables.setdefault(run["algorithm"], []).append(run["trained"]["pass_at_k"][group])
   return {name: {k: _spread([t[k] for t in rows]) for k in rows[0]}
-          for name, rows in sorted(tables.items(), key=lambda item: list(LABELS).index(item[0]))}
+          for name, rows in sorted(tables.items(), key=lambda item: _row_order(item[0]))}
+
+
+def _row_order(name: str) -> tuple[float, str]:
+  """Rows as LABELS orders them; an objective it does not name goes before PACS, by name."""
+  order = list(LABELS)
+  return (order.index(name) if name in order else order.index(REFERENCE) - 0.5, name)
+
+
+def correct_grid(result: dict, algorithm: str, seeds: list[int]) -> np.ndarray:
+  """[S, U] the trained models' correct counts of `algorithm`, one row per seed in `seeds`."""
+  by_seed = {run["seed"]: run["trained"]["correct"] for run in result["runs"] if run["algorithm"] == algorithm}
+  return np.array([by_seed[seed] for seed in seeds], np.int64)
+
+
+def differences(result: dict, ks=TABLE_KS) -> dict[str, dict[str, dict]]:
+  """{algorithm: {k: {diff, low, high, resolved, n_seeds, n_problems}}}: held-out pass@k of PACS minus the algorithm's
+  (positive: PACS ahead) with its paired-bootstrap interval (`eval.paired.paired_difference`) over the seeds both
+  ran and every held-out problem; ks beyond the samples per problem are left out."""
+  n = result["settings"]["eval_n"]
+  seeds_of: dict[str, set[int]] = {}
+  for run in result["runs"]:
+    seeds_of.setdefault(run["algorithm"], set()).add(run["seed"])
+  if REFERENCE not in seeds_of:
+    return {}
+  out = {}
+  for name in sorted(set(seeds_of) - {REFERENCE}, key=_row_order):
+    seeds = sorted(seeds_of[name] & seeds_of[REFERENCE])
+    if not seeds:
+      continue
+    ref, other = correct_grid(result, REFERENCE, seeds), correct_grid(result, name, seeds)
+    out[name] = {str(k): paired.paired_difference(ref, other, n, k) | {"n_seeds": len(seeds),
+                                                                      "n_problems": ref.shape[1]}
+                 for k in ks if k <= n}
+  return out
+
+
+def _points(x: float) -> str:
+  return f"{100 * x:+.1f}"
+
+
+def differences_table(diffs: dict[str, dict[str, dict]]) -> str:
+  """PACS minus each algorithm (rows) at each k (columns), in points with the 95% interval; resolved ones bold."""
+  if not diffs:
+    return ""
+  ks = list(next(iter(diffs.values())))
+  lines = ["| PACS minus | " + " | ".join(f"pass@{k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
+  for name, row in diffs.items():
+    cells = []
+    for k in ks:
+      d = row[k]
+      cell = f"{_points(d['diff'])} [{_points(d['low'])}, {_points(d['high'])}]"
+      cells.append(f"**{cell}**" if d["resolved"] else cell)
+    lines.append(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
+  first = next(iter(next(iter(diffs.values())).values()))
+  lines.append(f"\nHeld-out pass@k of PACS minus the method's, in percentage points, with the {100 * paired.LEVEL:g}% "
+               f"interval of a paired bootstrap over {first['n_seeds']} seeds and {first['n_problems']} problems "
+               f"({paired.REPLICATES} replicates); bold: the interval excludes 0.")
+  return "\n".join(lines)
+
+
+def resolved_statement(diffs: dict[str, dict[str, dict]]) -> str:
+  """Which differences the intervals resolve, in words."""
+  ahead, behind, open_ = [], [], []
+  for name, row in diffs.items():
+    for k, d in row.items():
+      what = f"{LABELS.get(name, name)} at pass@{k} ({_points(d['diff'])})"
+      (ahead if d["resolved"] and d["diff"] > 0 else behind if d["resolved"] else open_).append(what)
+  lines = [f"PACS ahead, resolved: {', '.join(ahead) or 'none'}.",
+           f"PACS behind, resolved: {', '.join(behind) or 'none'}.",
+           f"Not resolved (the interval contains 0): {', '.join(open_) or 'none'}."]
+  return "\n".join(lines)
 
 
 # The base model leaves the study something to measure (issue 25): held-out pass@1 below this, and pass@k at the
@@ -91,14 +167,13 @@ def plot(result: dict, out_dir: str) -> dict[str, str]:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  colors = {BASE: "0.4", "pacs": "C0", "grpo": "C1", "ppo": "C2"}
   steps = result["settings"]["steps"]
   window = max(1, steps // 20)
   fig, axes = plt.subplots(1, len(CURVES), figsize=(10, 3.6), constrained_layout=True)
   for ax, (key, title) in zip(axes, CURVES):
     for name, (s, mean, low, high) in curve_bands(result, key, window).items():
-      ax.plot(s, mean, color=colors.get(name), label=LABELS.get(name, name))
-      ax.fill_between(s, low, high, color=colors.get(name), alpha=0.2, linewidth=0)
+      ax.plot(s, mean, color=COLORS.get(name), label=LABELS.get(name, name))
+      ax.fill_between(s, low, high, color=COLORS.get(name), alpha=0.2, linewidth=0)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
@@ -110,15 +185,20 @@ def plot(result: dict, out_dir: str) -> dict[str, str]:
 
   summary = pass_at_k_summary(result)
   algorithms = [a for a in summary if a != BASE]
-  fig, axes = plt.subplots(1, len(algorithms), figsize=(3.6 * len(algorithms), 3.4), sharey=True,
-                           constrained_layout=True, squeeze=False)
-  for ax, name in zip(axes[0], algorithms):
+  cols = min(3, len(algorithms))
+  rows = -(-len(algorithms) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.4 * rows), sharey=True, constrained_layout=True,
+                           squeeze=False)
+  for ax in axes.flat[len(algorithms):]:
+    ax.set_visible(False)
+  for ax, name in zip(axes.flat, algorithms):
     for label, row, style in (("before (base)", summary[BASE], "--"), ("after", summary[name], "-")):
       ks = [int(k) for k in row]
       mean = np.array([row[k]["mean"] for k in row])
-      ax.plot(ks, mean, style, color=colors[BASE if style == "--" else name], marker="o", markersize=3, label=label)
-      ax.fill_between(ks, [row[k]["min"] for k in row], [row[k]["max"] for k in row],
-                      color=colors[BASE if style == "--" else name], alpha=0.2, linewidth=0)
+      color = COLORS.get(BASE if style == "--" else name)
+      ax.plot(ks, mean, style, color=color, marker="o", markersize=3, label=label)
+      ax.fill_between(ks, [row[k]["min"] for k in row], [row[k]["max"] for k in row], color=color, alpha=0.2,
+                      linewidth=0)
     ax.set_xscale("log", base=2)
     ax.set_title(f"{LABELS.get(name, name)}: held-out pass@k", fontsize=10)
     ax.set_xlabel("k")
@@ -135,8 +215,19 @@ def write(result: dict, out_dir: str) -> dict[str, str]:
   result["summary"] = {"pass_at_k": pass_at_k_summary(result),
                        "pass_at_k_by_terms": {g: pass_at_k_summary(result, g) for g in
                                               sorted(result["runs"][0]["trained"]["pass_at_k"]) if g != heldout.OVERALL}}
+  result["summary"]["differences"] = differences(result)
+  result["summary"]["bootstrap"] = {"replicates": paired.REPLICATES, "seed": paired.BOOTSTRAP_SEED,
+                                    "level": paired.LEVEL}
   paths = plot(result, out_dir)
   paths["table"] = os.path.join(out_dir, TABLE_FILE)
   with open(paths["table"], "w") as f:
-    f.write(markdown_table(result["summary"]["pass_at_k"]) + "\n")
+    f.write(report_text(result["summary"]) + "\n")
   return paths
+
+
+def report_text(summary: dict) -> str:
+  """The means table, the differences table and the statement of what is resolved (`study_table.md`)."""
+  parts = [markdown_table(summary["pass_at_k"])]
+  if summary.get("differences"):
+    parts += [differences_table(summary["differences"]), resolved_statement(summary["differences"])]
+  return "\n\n".join(parts)

@@ -35,18 +35,27 @@ def run_one(algorithm: str, seed: int, base_dir: str, s: settings_lib.StudySetti
   training (and of the base model, when `evaluate_base`), correct counts per problem, and its metrics rows."""
   cfg = settings_lib.train_config(algorithm, seed, base_dir, s)
   workdir = os.path.join(out_dir, "runs", f"{algorithm}-seed{seed}")
-  started = time.perf_counter()
+  started, cpu_started = time.perf_counter(), time.process_time()
   trainer = loop.Trainer(cfg, workdir, devices=jax.devices()[:1])
   record = {"algorithm": algorithm, "seed": seed, "workdir": os.path.relpath(workdir, out_dir)}
-  if evaluate_base:
+  eval_cpu_s = 0.0
+
+  def evaluate() -> dict:
+    nonlocal eval_cpu_s
+    eval_started = time.process_time()
     counts = heldout.correct_counts(trainer, records, s.eval_n, eval_seed(seed))
-    record["base"] = {"pass_at_k": _keyed(heldout.pass_at_k(records, counts, s.eval_n)), "correct": counts.tolist()}
+    eval_cpu_s += time.process_time() - eval_started
+    return {"pass_at_k": _keyed(heldout.pass_at_k(records, counts, s.eval_n)), "correct": counts.tolist()}
+
+  if evaluate_base:
+    record["base"] = evaluate()
   with open(os.path.join(workdir, "train.log"), "a") as log, contextlib.redirect_stdout(log):
     trainer.run()  # its per-step lines go to the run's train.log, the study prints one line per run
-  counts = heldout.correct_counts(trainer, records, s.eval_n, eval_seed(seed))
-  record["trained"] = {"pass_at_k": _keyed(heldout.pass_at_k(records, counts, s.eval_n)), "correct": counts.tolist()}
+  record["trained"] = evaluate()
   record["metrics"] = metrics_lib.read_rows(os.path.join(workdir, metrics_lib.METRICS_FILE))
-  record["wall_s"] = time.perf_counter() - started
+  # The machine may be shared: this process's CPU time (all its threads) beside the wall time, and the part of it
+  # the pass@k sampling took (docs/study.md estimates the study's time on an idle machine from these).
+  record.update(wall_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu_started, eval_cpu_s=eval_cpu_s)
   return record
 
 
@@ -73,8 +82,8 @@ def run_study(s: settings_lib.StudySettings, out_dir: str, cache_dir: str, log=p
   records = heldout.problems(task, s.eval_problems, s.eval_terms)
   path = os.path.join(out_dir, RESULTS_FILE)
   result = _previous(path, s) or {"schema_version": SCHEMA_VERSION, "settings": s.to_dict(), "runs": []}
-  # The base model by its cache name (the warm-up settings' hash), not the path: the summary is committed to docs/.
-  result.update(base_model=os.path.basename(os.path.normpath(base_dir)), warmup=warmup_record, held_out=[r["problem"] for r in records],
+  result["settings"] = _with_runs_of(result["settings"], s)
+  result.update(base_model=_portable(base_dir, out_dir), warmup=warmup_record, held_out=[r["problem"] for r in records],
                 eval_seeds={str(seed): eval_seed(seed) for seed in s.seeds})
   done = {(r["algorithm"], r["seed"]) for r in result["runs"]}
   result["runs_trained"] = 0
@@ -94,15 +103,36 @@ def run_study(s: settings_lib.StudySettings, out_dir: str, cache_dir: str, log=p
   return result
 
 
+def _portable(path: str, out_dir: str) -> str:
+  """`path` as the study's files record it: relative to `out_dir` when inside it, else its last component (no
+  machine's temporary directory in the published summary)."""
+  relative = os.path.relpath(path, out_dir)
+  return os.path.basename(os.path.normpath(path)) if relative.startswith(os.pardir) else relative
+
+
+RUN_KEYS = ("algorithms", "seeds")  # which runs a study holds; every other setting must match to add runs to it
+
+
 def _previous(path: str, s: settings_lib.StudySettings) -> dict | None:
-  """The study already in `path` when it has these settings (a restarted study keeps its finished runs)."""
+  """The study already in `path` when it has these settings but for its algorithms and seeds (a restarted study
+  keeps its finished runs; more seeds or algorithms add runs to it)."""
   if not os.path.isfile(path):
     return None
   with open(path) as f:
     previous = json.load(f)
-  same = previous.get("schema_version") == SCHEMA_VERSION and previous.get("settings") == json.loads(
-      json.dumps(s.to_dict()))
+  settings = previous.get("settings", {})
+  same = previous.get("schema_version") == SCHEMA_VERSION and {
+      k: v for k, v in settings.items() if k not in RUN_KEYS} == {
+          k: v for k, v in json.loads(json.dumps(s.to_dict())).items() if k not in RUN_KEYS}
   return previous if same else None
+
+
+def _with_runs_of(settings: dict, s: settings_lib.StudySettings) -> dict:
+  """`settings` naming the union of its algorithms and seeds and `s`'s (all_algorithms' order, seeds sorted)."""
+  algorithms = set(settings["algorithms"]) | set(s.algorithms)
+  order = settings_lib.all_algorithms()
+  return settings | {"algorithms": sorted(algorithms, key=lambda a: (order.index(a) if a in order else len(order), a)),
+                     "seeds": sorted(set(settings["seeds"]) | set(s.seeds))}
 
 
 def digest(result: dict) -> dict:

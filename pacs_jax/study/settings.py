@@ -1,5 +1,5 @@
-"""The laptop study's settings: one training config for PACS, GRPO and PPO (the released recipe's structure at tiny
-sizes, the same lr, n, batch and steps for all three), the warm-up, the seeds and the pass@k evaluation."""
+"""The laptop study's settings: one training config for every registered objective (the released recipe's structure
+at tiny sizes, the same lr, n, batch and steps for all), the warm-up, the seeds and the pass@k evaluation."""
 
 from __future__ import annotations
 
@@ -8,20 +8,41 @@ import dataclasses
 import ml_collections
 
 from pacs_jax import config as config_lib
+from pacs_jax.algos import registry
 from pacs_jax.study.warmup import WarmupSettings
 
-ALGORITHMS = ("pacs", "grpo", "ppo")
+REFERENCE = "pacs"  # every other algorithm's pass@k is reported as its difference from this one's
+ALGORITHMS = ("pacs", "grpo", "ppo")  # the paper's comparison
+
+
+def all_algorithms() -> tuple[str, ...]:
+  """Every registered objective (`--algorithms all`): the paper's three first, then the others by name."""
+  return ALGORITHMS + tuple(sorted(set(registry.names()) - set(ALGORITHMS)))
+
+
+def algorithms_from_flag(values: list[str]) -> tuple[str, ...]:
+  """`--algorithms` (names of registered objectives, or `all`) in `all_algorithms`' order. Raises ValueError naming
+  the unknown ones."""
+  if "all" in values:
+    return all_algorithms()
+  unknown = sorted(set(values) - set(registry.names()))
+  if unknown:
+    raise ValueError(f"--algorithms: {unknown} not among the registered objectives {list(registry.names())} or all")
+  return tuple(name for name in all_algorithms() if name in values)
 
 
 @dataclasses.dataclass(frozen=True)
 class StudySettings:
   algorithms: tuple[str, ...] = ALGORITHMS
-  seeds: tuple[int, ...] = (0, 1, 2)
+  # Six seeds and 120 problems: the paired intervals narrow with both; about 20 CPU minutes in all (docs/study.md).
+  seeds: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
   steps: int = 300
   lr: float = 5e-4  # one learning rate for every algorithm (the released recipe's 1e-6 is for 3B/7B models)
   batch_prompts: int = 16
   n: int = 8
-  eval_problems: int = 60  # held-out problems, equally many of each number of terms in eval_terms (in expectation)
+  # Held-out problems, each number of terms in eval_terms drawn alike; distinct, so the ~30 held-out two-term sums run
+  # out and the rest are three- and four-term sums. The first 60 are the 60 of the study's first version.
+  eval_problems: int = 120
   eval_terms: tuple[int, ...] = (2, 3, 4)
   eval_n: int = 256  # samples per held-out problem: pass@k for k = 1, 2, 4, ... 256
   warmup: WarmupSettings = WarmupSettings()
