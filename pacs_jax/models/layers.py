@@ -55,8 +55,14 @@ def adapted(module: nnx.Module, target: str, x, y, to_rank: str, from_rank: str)
   return y + jnp.einsum(from_rank, xa, _adapter_weight(getattr(module, name_b), dt)) * module.lora_scale
 
 
+# A LoRA run's trained copy of a norm's weight (peft's `modules_to_save`; `pacs_jax.models.lora` adds it): the norm
+# computes with the copy, and the base model's `weight` stays as it was (the frozen reference reads it).
+SAVED_WEIGHT = "saved_weight"
+
+
 class RMSNorm(nnx.Module):
-  """x / sqrt(mean(x²) + eps) * weight over the last axis."""
+  """x / sqrt(mean(x²) + eps) * weight over the last axis (with the weight's trained copy `saved_weight` when
+  the norm has one: a plain Python `if`, so a norm without it runs the program it always ran)."""
 
   def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
     self.eps = eps
@@ -66,7 +72,8 @@ class RMSNorm(nnx.Module):
     # As transformers: normalise in fp32 (fp64 inputs stay fp64: the fp64 gradient checks), cast back, then scale.
     x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
+    weight = getattr(self, SAVED_WEIGHT, self.weight)
+    return weight[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
 def _tensor_size() -> int:

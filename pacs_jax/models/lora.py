@@ -1,6 +1,6 @@
-"""LoRA: low-rank adapters A, B beside the decoder layers' projection kernels (y = x W + scale · (x A) B), the split
-of a model into adapters and base weights, the merge W + scale · A B for sampling, and PEFT's adapter format both
-ways. docs/lora.md has the design.
+"""LoRA: low-rank adapters A, B beside the decoder layers' projection kernels (y = x W + scale · (x A) B), trained
+copies of chosen norms' weights (peft's `modules_to_save`), the split of a model into these and the base weights,
+the merge W + scale · A B for sampling, and PEFT's adapter format both ways. docs/lora.md has the design.
 
 Shapes: D hidden, N query heads, H head dim, F mlp width, I LoRA rank.
 """
@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 from pacs_jax import sharding
 from pacs_jax.models import registry
-from pacs_jax.models.layers import adapter_names
+from pacs_jax.models.layers import SAVED_WEIGHT, RMSNorm, adapter_names
 from pacs_jax.models.model_config import ModelConfig
 
 # The projections an adapter may sit beside: target -> (its kernel's attribute, how many of the kernel's axes after
@@ -44,15 +44,19 @@ class LoraSpec:
   """What LoRA adapts and how much: `rank` I, `alpha`, `targets` (projection names q, k, v, o, gate, up, down or
   their Hugging Face names q_proj...; any other entry is a regex fullmatched against each layer's Hugging Face
   module names, e.g. `model.layers.3.self_attn.q_proj`, as peft's `target_modules`), and `use_rslora`: the update's
-  scale is alpha / rank, or alpha / sqrt(rank) with rsLoRA. Check it against a model with `validate`."""
+  scale is alpha / rank, or alpha / sqrt(rank) with rsLoRA. `modules_to_save`: norms trained in full beside the
+  adapters, as peft's `modules_to_save` (an entry names every module whose Hugging Face name ends with it: "norm"
+  every norm, "model.norm" the final one; see `saved_norms`). Check it against a model with `validate`."""
   rank: int
   alpha: float
   targets: tuple[str, ...] = tuple(TARGETS)
   use_rslora: bool = False
+  modules_to_save: tuple[str, ...] = ()
 
   def __post_init__(self):
-    targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
-    object.__setattr__(self, "targets", targets)
+    for field in ("targets", "modules_to_save"):
+      value = getattr(self, field)
+      object.__setattr__(self, field, (value,) if isinstance(value, str) else tuple(value))
 
   @property
   def scale(self) -> float:
@@ -99,7 +103,48 @@ def validate(spec: LoraSpec, config: ModelConfig) -> tuple[str, ...]:
     if spec.rank > min(matrix_sides(config, t)):
       raise ValueError(f"lora.rank: {spec.rank} is above the smaller side of the {t} projection's "
                        f"{list(matrix_sides(config, t))} matrix")
+  saved_norms(spec, config)
   return targets
+
+
+def _hf_weights(config: ModelConfig) -> dict[tuple, list[str]]:
+  """{parameter path in a CausalLM of `config`: its checkpoint tensor names, one per layer for a stacked one}."""
+  model = nnx.eval_shape(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0)))
+  names = registry.family_of(config).hf_names
+  return {path: [names[path][0].format(i=i) for i in range(config.num_hidden_layers)] if "{i}" in names[path][0]
+          else [names[path][0]] for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def saved_norms(spec: LoraSpec, config: ModelConfig) -> tuple[tuple, ...]:
+  """The weight paths (("model", "norm", "weight"), a stacked layer norm's once) of the norms `spec.modules_to_save`
+  names in a CausalLM of `config`. An entry names, as in peft, every module whose name (`base_model.model.` + the
+  Hugging Face module name, parents included) ends with it; ValueError in one line naming lora.modules_to_save for
+  an entry that names no module, names one that is not a norm (only RMSNorm weights are saved: embeddings and
+  projections are what the adapters are for), or a layer's norm in some layers only (the layers are stacked)."""
+  if not spec.modules_to_save:
+    return ()
+  weights = _hf_weights(config)
+  norms = {path: [n.removesuffix(".weight") for n in names] for path, names in weights.items() if path[-1] == "weight"}
+  modules = {name.rsplit(".", 1)[0] for names in weights.values() for name in names}
+  modules |= {m.rsplit(".", k)[0] for m in modules for k in range(1, m.count(".") + 1)}  # parents, as peft sees them
+  chosen = []
+  for entry in spec.modules_to_save:
+    named = sorted(m for m in modules if (PEFT_PREFIX + m).endswith(entry))
+    if not named:
+      raise ValueError(f"lora.modules_to_save: {entry!r} names no module of the model (peft's rule: a module whose "
+                       "name ends with it; e.g. 'norm' for every norm, 'model.norm' for the final one)")
+    others = [m for m in named if not any(m in layer_names for layer_names in norms.values())]
+    if others:
+      raise ValueError(f"lora.modules_to_save: {entry!r} names {others[0]}, which is not a norm (only norms are "
+                       "saved; the projections take adapters)")
+    for path, layer_names in norms.items():
+      hits = [name in named for name in layer_names]
+      if any(hits) and not all(hits):
+        raise ValueError(f"lora.modules_to_save: {entry!r} names {layer_names[hits.index(True)]} in some layers "
+                         "only; norms are stacked over all layers")
+      if all(hits) and path not in chosen:
+        chosen.append(path)
+  return tuple(p for p in norms if p in chosen)
 
 
 def _matched_by(pattern: str, names: dict[str, list[str]]) -> set[str]:
@@ -142,10 +187,23 @@ def add_adapters(model: nnx.Module, spec: LoraSpec, rngs: nnx.Rngs, *, dtype=Non
       setattr(module, name_b, b)
     if adapted:
       module.lora_scale = spec.scale  # static: part of the graphdef, so every program sees the same scale
+  saved = {path[:-1] for path in saved_norms(spec, model.config)}
+  for path, module in list(nnx.iter_modules(model)):
+    if path in saved:
+      setattr(module, SAVED_WEIGHT, _saved_copy(module, dtype))
   if mesh is not None:
     adapters = nnx.state(model, nnx.LoRAParam)
     nnx.update(model, jax.device_put(adapters, sharding.state_shardings(adapters, mesh, "train")))
   return model
+
+
+def _saved_copy(norm: nnx.Module, dtype) -> nnx.LoRAParam:
+  """A trained copy of `norm`'s weight (in `dtype`, default the weight's), with its logical axes."""
+  if not isinstance(norm, RMSNorm):
+    raise ValueError(f"lora.modules_to_save: only norms are saved, not a {type(norm).__name__}")
+  weight = norm.weight
+  return nnx.LoRAParam(weight.get_value().astype(dtype or weight.get_value().dtype),
+                       logical_axes=tuple(weight.get_metadata()["logical_axes"]))
 
 
 def _init_adapters(kernel: nnx.Param, inputs: int, rank: int, rngs: nnx.Rngs, dtype):
@@ -168,9 +226,10 @@ def split(model: nnx.Module):
 
 
 def merge_into(base: nnx.State, adapters: nnx.State, spec: LoraSpec) -> nnx.State:
-  """`base` with W + scale · A B for each kernel that has adapters (what the sampler runs): pure jnp, so it runs
-  on device where the arrays are (jit it with the sampling shardings as out_shardings). The product is formed and
-  added in fp32 at full matmul precision (TPU's default would round A and B to bf16), then cast to W's dtype."""
+  """`base` with W + scale · A B for each kernel that has adapters, and each saved norm's trained weight in place of
+  its base weight (what the sampler runs): pure jnp, so it runs on device where the arrays are (jit it with the
+  sampling shardings as out_shardings). The product is formed and added in fp32 at full matmul precision (TPU's
+  default would round A and B to bf16), then cast to W's dtype."""
   flat = dict(nnx.to_flat_state(base))
   pairs = _adapter_pairs(adapters)
   for (prefix, target), (a, b) in pairs.items():
@@ -178,7 +237,24 @@ def merge_into(base: nnx.State, adapters: nnx.State, spec: LoraSpec) -> nnx.Stat
     w = flat[path].get_value()
     delta = _product(a.get_value(), b.get_value(), w.shape)
     flat[path] = flat[path].replace((w.astype(jnp.float32) + spec.scale * delta).astype(w.dtype))
+  for path, copy in _saved_copies(adapters).items():
+    flat[path] = flat[path].replace(copy.get_value().astype(flat[path].get_value().dtype))
   return nnx.from_flat_state(flat)
+
+
+def with_saved_from(trained: nnx.State, base: nnx.State) -> nnx.State:
+  """`trained` with each saved norm's copy set to the `base` weight it copies (in the copy's dtype): for copies made
+  on another model than the base (PPO's critic is built with a fresh backbone and runs on the policy's base)."""
+  flat, weights = dict(nnx.to_flat_state(trained)), dict(nnx.to_flat_state(base))
+  for path, var in flat.items():
+    if path[-1] == SAVED_WEIGHT:
+      flat[path] = var.replace(weights[path[:-1] + ("weight",)].get_value().astype(var.get_value().dtype))
+  return nnx.from_flat_state(flat)
+
+
+def _saved_copies(state: nnx.State) -> dict[tuple, nnx.Variable]:
+  """{the base weight's path: its trained copy} of the saved norms in an adapter state."""
+  return {path[:-1] + ("weight",): var for path, var in nnx.to_flat_state(state) if path[-1] == SAVED_WEIGHT}
 
 
 def _product(a, b, shape):
@@ -210,11 +286,14 @@ def without_adapters(model: nnx.Module) -> nnx.Module:
           delattr(module, name)
     if hasattr(module, "lora_scale"):
       del module.lora_scale
+    if hasattr(module, SAVED_WEIGHT):
+      delattr(module, SAVED_WEIGHT)
   return model
 
 
 def merged_model(model: nnx.Module, spec: LoraSpec) -> nnx.Module:
-  """The model without adapters whose kernels are W + scale · A B: what `hf.save_pretrained` exports."""
+  """The model without adapters whose kernels are W + scale · A B and whose saved norms have their trained
+  weights: what `hf.save_pretrained` exports."""
   _, adapters, base = split(model)
   graphdef, _ = nnx.split(without_adapters(model))
   return nnx.merge(graphdef, merge_into(base, adapters, spec))
@@ -241,15 +320,30 @@ def to_peft(adapters: nnx.State, spec: LoraSpec, config: ModelConfig,
       tensors[key_a] = np.ascontiguousarray(a[i].reshape(-1, a.shape[-1]).T)  # [*in, I] -> [I, in]
       tensors[key_b] = np.ascontiguousarray(b[i].reshape(b.shape[1], -1).T)  # [I, *out] -> [out, I]
     modules.add(module_names(config, target)[0].rsplit(".", 1)[-1])
+  saved = _saved_copies(adapters)
+  for path, keys in _saved_keys(spec, config).items():
+    weight = np.asarray(multihost_utils.process_allgather(saved[path].get_value(), tiled=True))
+    tensors.update({key: np.ascontiguousarray(w) for key, w in zip(keys, weight if weight.ndim == 2 else [weight])})  # [L, D]
   return tensors, adapter_config(spec, sorted(modules), base_model_name_or_path)
 
 
+def _saved_keys(spec: LoraSpec, config: ModelConfig) -> dict[tuple, list[str]]:
+  """{a saved norm's weight path: its PEFT keys, one per layer}: peft stores a module_to_save under the module's
+  own name (`base_model.model.model.norm.weight`), without its `modules_to_save.default.` wrapper."""
+  if not spec.modules_to_save:
+    return {}
+  weights = _hf_weights(config)
+  return {path: [PEFT_PREFIX + name for name in weights[path]] for path in saved_norms(spec, config)}
+
+
 def adapter_config(spec: LoraSpec, target_modules: list[str], base_model_name_or_path: str | None) -> dict:
-  """adapter_config.json as peft writes it for a plain LoRA (the fields peft and vLLM read)."""
+  """adapter_config.json as peft writes it for a LoRA (the fields peft and vLLM read), with `modules_to_save` as
+  the spec's entries (peft matches them to modules as `saved_norms` does)."""
   return {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
       "r": spec.rank, "lora_alpha": spec.alpha, "use_rslora": spec.use_rslora, "target_modules": target_modules,
-      "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_dora": False, "modules_to_save": None,
+      "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_dora": False,
+      "modules_to_save": list(spec.modules_to_save) or None,
       "init_lora_weights": True, "inference_mode": True, "rank_pattern": {}, "alpha_pattern": {},
       "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None, "lora_bias": False,
   }
@@ -257,12 +351,13 @@ def adapter_config(spec: LoraSpec, target_modules: list[str], base_model_name_or
 
 # adapter_config.json fields whose other values change what the adapter computes: refused, each by name.
 _PLAIN_LORA = {"peft_type": "LORA", "use_dora": False, "bias": "none", "lora_bias": False, "fan_in_fan_out": False,
-               "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
+               "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
                "layers_pattern": None, "exclude_modules": None, "target_parameters": None}
 
 
 def spec_from_peft(cfg: dict, where: str = ADAPTER_CONFIG) -> LoraSpec:
-  """The LoraSpec of a PEFT adapter_config.json dict; ValueError naming the field for what a plain LoRA lacks."""
+  """The LoraSpec of a PEFT adapter_config.json dict; ValueError naming the field for what a plain LoRA (with
+  saved norms, `modules_to_save`) lacks."""
   for field, plain in _PLAIN_LORA.items():
     value = cfg.get(field, plain)
     if value != plain and (plain or value):  # None, {}, [] and false all mean "none" where that is the plain value
@@ -276,16 +371,21 @@ def spec_from_peft(cfg: dict, where: str = ADAPTER_CONFIG) -> LoraSpec:
   if missing:
     raise ValueError(f"{where}: missing field {missing[0]!r}")
   return LoraSpec(rank=cfg["r"], alpha=cfg["lora_alpha"], targets=targets or (),
-                  use_rslora=bool(cfg.get("use_rslora", False)))
+                  use_rslora=bool(cfg.get("use_rslora", False)), modules_to_save=tuple(cfg.get("modules_to_save") or ()))
 
 
 def from_peft(folder: str, model: nnx.Module, *, dtype=None) -> LoraSpec:
   """Loads a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) into `model` (a CausalLM),
-  adding its adapters first when it has none; returns the folder's LoraSpec. ValueError for a folder whose
-  adapters do not fit the model (a missing, extra or misshapen tensor names it)."""
+  adding its adapters (and saved norms) first when it has none; returns the folder's LoraSpec. ValueError for a
+  folder whose adapters do not fit the model (a missing, extra or misshapen tensor names it)."""
   config_path, weights_path = os.path.join(folder, ADAPTER_CONFIG), os.path.join(folder, ADAPTER_WEIGHTS)
   with open(config_path) as f:
     spec = spec_from_peft(json.load(f), config_path)
+  try:
+    saved_norms(spec, model.config)
+  except ValueError as e:  # "lora.modules_to_save: ..."
+    raise ValueError(f"{config_path}: modules_to_save={list(spec.modules_to_save)!r} is not supported "
+                     f"({str(e).split(': ', 1)[1]})") from None
   if not nnx.state(model, nnx.LoRAParam):
     add_adapters(model, spec, nnx.Rngs(0), dtype=dtype)
   scales = {m.lora_scale for _, m in nnx.iter_modules(model) if hasattr(m, "lora_scale")}
@@ -300,6 +400,18 @@ def from_peft(folder: str, model: nnx.Module, *, dtype=None) -> LoraSpec:
       var.set_value(jnp.asarray(_stacked(tensors, keys, var.get_value().shape, which, weights_path),
                                 var.get_value().dtype))
       used.update(keys)
+  saved = _saved_copies(adapters)
+  for path, keys in _saved_keys(spec, model.config).items():
+    var = saved[path]
+    missing = [key for key in keys if key not in tensors]
+    if missing:
+      raise ValueError(f"{weights_path}: missing {missing[0]}")
+    weight = np.stack([tensors[key] for key in keys]) if var.get_value().ndim == 2 else tensors[keys[0]]  # [L, D]
+    if weight.shape != var.get_value().shape:
+      raise ValueError(f"{weights_path}: {keys[0]} has shape {list(weight.shape[-1:])}, expected "
+                       f"{list(var.get_value().shape[-1:])}")
+    var.set_value(jnp.asarray(weight, var.get_value().dtype))
+    used.update(keys)
   if set(tensors) - used:
     raise ValueError(f"{weights_path}: {sorted(set(tensors) - used)[0]} is no adapter of this model's targets")
   nnx.update(model, adapters)
