@@ -1,5 +1,5 @@
 """LoRA: low-rank adapters A, B beside the decoder layers' projection kernels (y = x W + scale · (x A) B), trained
-copies of chosen norms' weights (peft's `modules_to_save`), the split of a model into these and the base weights,
+copies of chosen norms and embeddings (peft's `modules_to_save`), the split of a model into these and the base weights,
 the merge W + scale · A B for sampling, and PEFT's adapter format both ways. docs/lora.md has the design.
 
 Shapes: D hidden, N query heads, H head dim, F mlp width, I LoRA rank.
@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 from pacs_jax import sharding
 from pacs_jax.models import registry
-from pacs_jax.models.layers import SAVED_WEIGHT, RMSNorm, adapter_names
+from pacs_jax.models.layers import SAVED_PREFIX, adapter_names
 from pacs_jax.models.model_config import ModelConfig
 
 # The projections an adapter may sit beside: target -> (its kernel's attribute, how many of the kernel's axes after
@@ -44,9 +44,10 @@ class LoraSpec:
   """What LoRA adapts and how much: `rank` I, `alpha`, `targets` (projection names q, k, v, o, gate, up, down or
   their Hugging Face names q_proj...; any other entry is a regex fullmatched against each layer's Hugging Face
   module names, e.g. `model.layers.3.self_attn.q_proj`, as peft's `target_modules`), and `use_rslora`: the update's
-  scale is alpha / rank, or alpha / sqrt(rank) with rsLoRA. `modules_to_save`: norms trained in full beside the
-  adapters, as peft's `modules_to_save` (an entry names every module whose Hugging Face name ends with it: "norm"
-  every norm, "model.norm" the final one; see `saved_norms`). Check it against a model with `validate`."""
+  scale is alpha / rank, or alpha / sqrt(rank) with rsLoRA. `modules_to_save`: norms and embeddings trained in full
+  beside the adapters, as peft's `modules_to_save` (an entry names every module whose Hugging Face name ends with
+  it: "norm" every norm, "model.norm" the final one, "embed_tokens"; see `saved_params`). Check it against a model
+  with `validate`."""
   rank: int
   alpha: float
   targets: tuple[str, ...] = tuple(TARGETS)
@@ -103,7 +104,7 @@ def validate(spec: LoraSpec, config: ModelConfig) -> tuple[str, ...]:
     if spec.rank > min(matrix_sides(config, t)):
       raise ValueError(f"lora.rank: {spec.rank} is above the smaller side of the {t} projection's "
                        f"{list(matrix_sides(config, t))} matrix")
-  saved_norms(spec, config)
+  saved_params(spec, config)
   return targets
 
 
@@ -115,16 +116,21 @@ def _hf_weights(config: ModelConfig) -> dict[tuple, list[str]]:
           else [names[path][0]] for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def saved_norms(spec: LoraSpec, config: ModelConfig) -> tuple[tuple, ...]:
-  """The weight paths (("model", "norm", "weight"), a stacked layer norm's once) of the norms `spec.modules_to_save`
-  names in a CausalLM of `config`. An entry names, as in peft, every module whose name (`base_model.model.` + the
-  Hugging Face module name, parents included) ends with it; ValueError in one line naming lora.modules_to_save for
-  an entry that names no module, names one that is not a norm (only RMSNorm weights are saved: embeddings and
-  projections are what the adapters are for), or a layer's norm in some layers only (the layers are stacked)."""
+# The parameters a LoRA run may train in full beside its adapters (`modules_to_save`): the norms' weights, the
+# embeddings (with tied embeddings, the LM head too) and an untied LM head. The projections take adapters instead.
+SAVEABLE = ("weight", "embed_tokens", "lm_head")
+
+
+def saved_params(spec: LoraSpec, config: ModelConfig) -> tuple[tuple, ...]:
+  """The paths (("model", "norm", "weight"), a stacked layer norm's once, ("model", "embed_tokens")) of the
+  parameters `spec.modules_to_save` names in a CausalLM of `config`. An entry names, as in peft, every module whose
+  name (`base_model.model.` + the Hugging Face module name, parents included) ends with it; ValueError in one line
+  naming lora.modules_to_save for an entry that names no module, names one that is neither a norm nor the
+  embeddings or LM head, or a layer's norm in some layers only (the layers are stacked)."""
   if not spec.modules_to_save:
     return ()
   weights = _hf_weights(config)
-  norms = {path: [n.removesuffix(".weight") for n in names] for path, names in weights.items() if path[-1] == "weight"}
+  saveable = {path: [n.removesuffix(".weight") for n in names] for path, names in weights.items() if path[-1] in SAVEABLE}
   modules = {name.rsplit(".", 1)[0] for names in weights.values() for name in names}
   modules |= {m.rsplit(".", k)[0] for m in modules for k in range(1, m.count(".") + 1)}  # parents, as peft sees them
   chosen = []
@@ -133,18 +139,18 @@ def saved_norms(spec: LoraSpec, config: ModelConfig) -> tuple[tuple, ...]:
     if not named:
       raise ValueError(f"lora.modules_to_save: {entry!r} names no module of the model (peft's rule: a module whose "
                        "name ends with it; e.g. 'norm' for every norm, 'model.norm' for the final one)")
-    others = [m for m in named if not any(m in layer_names for layer_names in norms.values())]
+    others = [m for m in named if not any(m in layer_names for layer_names in saveable.values())]
     if others:
-      raise ValueError(f"lora.modules_to_save: {entry!r} names {others[0]}, which is not a norm (only norms are "
-                       "saved; the projections take adapters)")
-    for path, layer_names in norms.items():
+      raise ValueError(f"lora.modules_to_save: {entry!r} names {others[0]}, which is neither a norm nor the "
+                       "embeddings or LM head (the projections take adapters)")
+    for path, layer_names in saveable.items():
       hits = [name in named for name in layer_names]
       if any(hits) and not all(hits):
         raise ValueError(f"lora.modules_to_save: {entry!r} names {layer_names[hits.index(True)]} in some layers "
                          "only; norms are stacked over all layers")
       if all(hits) and path not in chosen:
         chosen.append(path)
-  return tuple(p for p in norms if p in chosen)
+  return tuple(p for p in saveable if p in chosen)
 
 
 def _matched_by(pattern: str, names: dict[str, list[str]]) -> set[str]:
@@ -187,23 +193,21 @@ def add_adapters(model: nnx.Module, spec: LoraSpec, rngs: nnx.Rngs, *, dtype=Non
       setattr(module, name_b, b)
     if adapted:
       module.lora_scale = spec.scale  # static: part of the graphdef, so every program sees the same scale
-  saved = {path[:-1] for path in saved_norms(spec, model.config)}
+  saved = saved_params(spec, model.config)
   for path, module in list(nnx.iter_modules(model)):
-    if path in saved:
-      setattr(module, SAVED_WEIGHT, _saved_copy(module, dtype))
+    for name in SAVEABLE:
+      if path + (name,) in saved:
+        setattr(module, SAVED_PREFIX + name, _saved_copy(getattr(module, name), dtype))
   if mesh is not None:
     adapters = nnx.state(model, nnx.LoRAParam)
     nnx.update(model, jax.device_put(adapters, sharding.state_shardings(adapters, mesh, "train")))
   return model
 
 
-def _saved_copy(norm: nnx.Module, dtype) -> nnx.LoRAParam:
-  """A trained copy of `norm`'s weight (in `dtype`, default the weight's), with its logical axes."""
-  if not isinstance(norm, RMSNorm):
-    raise ValueError(f"lora.modules_to_save: only norms are saved, not a {type(norm).__name__}")
-  weight = norm.weight
-  return nnx.LoRAParam(weight.get_value().astype(dtype or weight.get_value().dtype),
-                       logical_axes=tuple(weight.get_metadata()["logical_axes"]))
+def _saved_copy(param: nnx.Param, dtype) -> nnx.LoRAParam:
+  """A trained copy of `param` (in `dtype`, default the parameter's), with its logical axes."""
+  return nnx.LoRAParam(param.get_value().astype(dtype or param.get_value().dtype),
+                       logical_axes=tuple(param.get_metadata()["logical_axes"]))
 
 
 def _init_adapters(kernel: nnx.Param, inputs: int, rank: int, rngs: nnx.Rngs, dtype):
@@ -247,14 +251,19 @@ def with_saved_from(trained: nnx.State, base: nnx.State) -> nnx.State:
   on another model than the base (PPO's critic is built with a fresh backbone and runs on the policy's base)."""
   flat, weights = dict(nnx.to_flat_state(trained)), dict(nnx.to_flat_state(base))
   for path, var in flat.items():
-    if path[-1] == SAVED_WEIGHT:
-      flat[path] = var.replace(weights[path[:-1] + ("weight",)].get_value().astype(var.get_value().dtype))
+    if path[-1].startswith(SAVED_PREFIX):
+      flat[path] = var.replace(weights[_base_path(path)].get_value().astype(var.get_value().dtype))
   return nnx.from_flat_state(flat)
 
 
 def _saved_copies(state: nnx.State) -> dict[tuple, nnx.Variable]:
   """{the base weight's path: its trained copy} of the saved norms in an adapter state."""
-  return {path[:-1] + ("weight",): var for path, var in nnx.to_flat_state(state) if path[-1] == SAVED_WEIGHT}
+  return {_base_path(path): var for path, var in nnx.to_flat_state(state) if path[-1].startswith(SAVED_PREFIX)}
+
+
+def _base_path(copy_path: tuple) -> tuple:
+  """The path of the base parameter a saved copy (`saved_<name>`) copies."""
+  return copy_path[:-1] + (copy_path[-1].removeprefix(SAVED_PREFIX),)
 
 
 def _product(a, b, shape):
@@ -286,8 +295,9 @@ def without_adapters(model: nnx.Module) -> nnx.Module:
           delattr(module, name)
     if hasattr(module, "lora_scale"):
       del module.lora_scale
-    if hasattr(module, SAVED_WEIGHT):
-      delattr(module, SAVED_WEIGHT)
+    for name in SAVEABLE:
+      if hasattr(module, SAVED_PREFIX + name):
+        delattr(module, SAVED_PREFIX + name)
   return model
 
 
@@ -322,23 +332,43 @@ def to_peft(adapters: nnx.State, spec: LoraSpec, config: ModelConfig,
     modules.add(module_names(config, target)[0].rsplit(".", 1)[-1])
   saved = _saved_copies(adapters)
   for path, keys in _saved_keys(spec, config).items():
-    weight = np.asarray(multihost_utils.process_allgather(saved[path].get_value(), tiled=True))
-    tensors.update({key: np.ascontiguousarray(w) for key, w in zip(keys, weight if weight.ndim == 2 else [weight])})  # [L, D]
-  return tensors, adapter_config(spec, sorted(modules), base_model_name_or_path)
+    value = np.asarray(multihost_utils.process_allgather(saved[path].get_value(), tiled=True))
+    tensors.update({key: np.ascontiguousarray(w) for key, w in zip(keys, _per_key(path, value, len(keys)))})
+  return tensors, adapter_config(spec, sorted(modules), base_model_name_or_path, ties_saved_embeddings(spec, config))
+
+
+def _per_key(path: tuple, value: np.ndarray, keys: int) -> list[np.ndarray]:
+  """A saved copy as its PEFT tensors: a stacked norm's layers [L, D] one by one, our LM head [D, V] as
+  transformers' [V, D], and the same embeddings [V, D] twice with tied embeddings (embed_tokens and lm_head)."""
+  if path[:2] == ("model", "layers"):
+    return list(value)
+  return [value.T] if path == ("lm_head",) else [value] * keys
+
+
+def ties_saved_embeddings(spec: LoraSpec, config: ModelConfig) -> bool:
+  """Whether `spec` saves tied embeddings: the LM head is then the trained copy too, which peft does with
+  `ensure_weight_tying` (without it, peft's LM head keeps the base embeddings)."""
+  return config.tie_word_embeddings and ("model", "embed_tokens") in saved_params(spec, config)
 
 
 def _saved_keys(spec: LoraSpec, config: ModelConfig) -> dict[tuple, list[str]]:
-  """{a saved norm's weight path: its PEFT keys, one per layer}: peft stores a module_to_save under the module's
-  own name (`base_model.model.model.norm.weight`), without its `modules_to_save.default.` wrapper."""
+  """{a saved parameter's path: its PEFT keys, one per layer for a stacked norm}: peft stores a module_to_save under
+  the module's own name (`base_model.model.model.norm.weight`), without its `modules_to_save.default.` wrapper; with
+  tied embeddings saved it stores the LM head's copy too (`base_model.model.lm_head.weight`)."""
   if not spec.modules_to_save:
     return {}
   weights = _hf_weights(config)
-  return {path: [PEFT_PREFIX + name for name in weights[path]] for path in saved_norms(spec, config)}
+  out = {path: [PEFT_PREFIX + name for name in weights[path]] for path in saved_params(spec, config)}
+  if ties_saved_embeddings(spec, config):
+    out[("model", "embed_tokens")].append(PEFT_PREFIX + "lm_head.weight")
+  return out
 
 
-def adapter_config(spec: LoraSpec, target_modules: list[str], base_model_name_or_path: str | None) -> dict:
+def adapter_config(spec: LoraSpec, target_modules: list[str], base_model_name_or_path: str | None,
+                   ensure_weight_tying: bool = False) -> dict:
   """adapter_config.json as peft writes it for a LoRA (the fields peft and vLLM read), with `modules_to_save` as
-  the spec's entries (peft matches them to modules as `saved_norms` does)."""
+  the spec's entries (peft matches them to modules as `saved_params` does) and `ensure_weight_tying` when tied
+  embeddings are saved (`ties_saved_embeddings`)."""
   return {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
       "r": spec.rank, "lora_alpha": spec.alpha, "use_rslora": spec.use_rslora, "target_modules": target_modules,
@@ -346,6 +376,7 @@ def adapter_config(spec: LoraSpec, target_modules: list[str], base_model_name_or
       "modules_to_save": list(spec.modules_to_save) or None,
       "init_lora_weights": True, "inference_mode": True, "rank_pattern": {}, "alpha_pattern": {},
       "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None, "lora_bias": False,
+      "ensure_weight_tying": ensure_weight_tying,
   }
 
 
@@ -380,12 +411,16 @@ def from_peft(folder: str, model: nnx.Module, *, dtype=None) -> LoraSpec:
   folder whose adapters do not fit the model (a missing, extra or misshapen tensor names it)."""
   config_path, weights_path = os.path.join(folder, ADAPTER_CONFIG), os.path.join(folder, ADAPTER_WEIGHTS)
   with open(config_path) as f:
-    spec = spec_from_peft(json.load(f), config_path)
+    peft_config = json.load(f)
+  spec = spec_from_peft(peft_config, config_path)
   try:
-    saved_norms(spec, model.config)
+    ties = ties_saved_embeddings(spec, model.config)
   except ValueError as e:  # "lora.modules_to_save: ..."
     raise ValueError(f"{config_path}: modules_to_save={list(spec.modules_to_save)!r} is not supported "
                      f"({str(e).split(': ', 1)[1]})") from None
+  if ties and not peft_config.get("ensure_weight_tying"):
+    raise ValueError(f"{config_path}: ensure_weight_tying=False with tied embeddings in modules_to_save is not "
+                     "supported (peft's LM head keeps the base embeddings there; ours is the trained copy)")
   if not nnx.state(model, nnx.LoRAParam):
     add_adapters(model, spec, nnx.Rngs(0), dtype=dtype)
   scales = {m.lora_scale for _, m in nnx.iter_modules(model) if hasattr(m, "lora_scale")}
@@ -406,10 +441,12 @@ def from_peft(folder: str, model: nnx.Module, *, dtype=None) -> LoraSpec:
     missing = [key for key in keys if key not in tensors]
     if missing:
       raise ValueError(f"{weights_path}: missing {missing[0]}")
-    weight = np.stack([tensors[key] for key in keys]) if var.get_value().ndim == 2 else tensors[keys[0]]  # [L, D]
-    if weight.shape != var.get_value().shape:
-      raise ValueError(f"{weights_path}: {keys[0]} has shape {list(weight.shape[-1:])}, expected "
-                       f"{list(var.get_value().shape[-1:])}")
+    layered, shape = path[:2] == ("model", "layers"), var.get_value().shape
+    weight = np.stack([tensors[key] for key in keys]) if layered else tensors[keys[0]]  # [L, D], [V, D]
+    weight = weight.T if path == ("lm_head",) else weight  # transformers' [V, D] -> ours [D, V]
+    if weight.shape != shape:
+      raise ValueError(f"{weights_path}: {keys[0]} has shape {list(weight.shape[layered:])}, expected "
+                       f"{list(shape[layered:])}")
     var.set_value(jnp.asarray(weight, var.get_value().dtype))
     used.update(keys)
   if set(tensors) - used:
