@@ -21,8 +21,10 @@ from jax.experimental import multihost_utils
 from safetensors.numpy import load_file
 
 from pacs_jax import sharding
+from pacs_jax.models import lora_saved
 from pacs_jax.models import registry
 from pacs_jax.models.layers import SAVED_PREFIX, adapter_names
+from pacs_jax.models.lora_saved import PEFT_PREFIX, SAVEABLE, base_path, saved_params, with_saved_from  # noqa: F401
 from pacs_jax.models.model_config import ModelConfig
 
 # The projections an adapter may sit beside: target -> (its kernel's attribute, how many of the kernel's axes after
@@ -36,7 +38,6 @@ _SUBMODULE = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_a
               "gate": "mlp", "up": "mlp", "down": "mlp"}  # the decoder layer's submodule that holds each kernel
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."  # PEFT's key of a module: this prefix, the transformers module name, lora_A/B
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,51 +109,6 @@ def validate(spec: LoraSpec, config: ModelConfig) -> tuple[str, ...]:
   return targets
 
 
-def _hf_weights(config: ModelConfig) -> dict[tuple, list[str]]:
-  """{parameter path in a CausalLM of `config`: its checkpoint tensor names, one per layer for a stacked one}."""
-  model = nnx.eval_shape(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0)))
-  names = registry.family_of(config).hf_names
-  return {path: [names[path][0].format(i=i) for i in range(config.num_hidden_layers)] if "{i}" in names[path][0]
-          else [names[path][0]] for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-
-
-# The parameters a LoRA run may train in full beside its adapters (`modules_to_save`): the norms' weights, the
-# embeddings (with tied embeddings, the LM head too) and an untied LM head. The projections take adapters instead.
-SAVEABLE = ("weight", "embed_tokens", "lm_head")
-
-
-def saved_params(spec: LoraSpec, config: ModelConfig) -> tuple[tuple, ...]:
-  """The paths (("model", "norm", "weight"), a stacked layer norm's once, ("model", "embed_tokens")) of the
-  parameters `spec.modules_to_save` names in a CausalLM of `config`. An entry names, as in peft, every module whose
-  name (`base_model.model.` + the Hugging Face module name, parents included) ends with it; ValueError in one line
-  naming lora.modules_to_save for an entry that names no module, names one that is neither a norm nor the
-  embeddings or LM head, or a layer's norm in some layers only (the layers are stacked)."""
-  if not spec.modules_to_save:
-    return ()
-  weights = _hf_weights(config)
-  saveable = {path: [n.removesuffix(".weight") for n in names] for path, names in weights.items() if path[-1] in SAVEABLE}
-  modules = {name.rsplit(".", 1)[0] for names in weights.values() for name in names}
-  modules |= {m.rsplit(".", k)[0] for m in modules for k in range(1, m.count(".") + 1)}  # parents, as peft sees them
-  chosen = []
-  for entry in spec.modules_to_save:
-    named = sorted(m for m in modules if (PEFT_PREFIX + m).endswith(entry))
-    if not named:
-      raise ValueError(f"lora.modules_to_save: {entry!r} names no module of the model (peft's rule: a module whose "
-                       "name ends with it; e.g. 'norm' for every norm, 'model.norm' for the final one)")
-    others = [m for m in named if not any(m in layer_names for layer_names in saveable.values())]
-    if others:
-      raise ValueError(f"lora.modules_to_save: {entry!r} names {others[0]}, which is neither a norm nor the "
-                       "embeddings or LM head (the projections take adapters)")
-    for path, layer_names in saveable.items():
-      hits = [name in named for name in layer_names]
-      if any(hits) and not all(hits):
-        raise ValueError(f"lora.modules_to_save: {entry!r} names {layer_names[hits.index(True)]} in some layers "
-                         "only; norms are stacked over all layers")
-      if all(hits) and path not in chosen:
-        chosen.append(path)
-  return tuple(p for p in saveable if p in chosen)
-
-
 def _matched_by(pattern: str, names: dict[str, list[str]]) -> set[str]:
   """The targets whose modules `pattern` fullmatches: in every layer, or ValueError (adapters are stacked)."""
   try:
@@ -197,17 +153,11 @@ def add_adapters(model: nnx.Module, spec: LoraSpec, rngs: nnx.Rngs, *, dtype=Non
   for path, module in list(nnx.iter_modules(model)):
     for name in SAVEABLE:
       if path + (name,) in saved:
-        setattr(module, SAVED_PREFIX + name, _saved_copy(getattr(module, name), dtype))
+        setattr(module, SAVED_PREFIX + name, lora_saved.saved_copy(getattr(module, name), dtype))
   if mesh is not None:
     adapters = nnx.state(model, nnx.LoRAParam)
     nnx.update(model, jax.device_put(adapters, sharding.state_shardings(adapters, mesh, "train")))
   return model
-
-
-def _saved_copy(param: nnx.Param, dtype) -> nnx.LoRAParam:
-  """A trained copy of `param` (in `dtype`, default the parameter's), with its logical axes."""
-  return nnx.LoRAParam(param.get_value().astype(dtype or param.get_value().dtype),
-                       logical_axes=tuple(param.get_metadata()["logical_axes"]))
 
 
 def _init_adapters(kernel: nnx.Param, inputs: int, rank: int, rngs: nnx.Rngs, dtype):
@@ -241,29 +191,9 @@ def merge_into(base: nnx.State, adapters: nnx.State, spec: LoraSpec) -> nnx.Stat
     w = flat[path].get_value()
     delta = _product(a.get_value(), b.get_value(), w.shape)
     flat[path] = flat[path].replace((w.astype(jnp.float32) + spec.scale * delta).astype(w.dtype))
-  for path, copy in _saved_copies(adapters).items():
+  for path, copy in lora_saved.saved_copies(adapters).items():
     flat[path] = flat[path].replace(copy.get_value().astype(flat[path].get_value().dtype))
   return nnx.from_flat_state(flat)
-
-
-def with_saved_from(trained: nnx.State, base: nnx.State) -> nnx.State:
-  """`trained` with each saved norm's copy set to the `base` weight it copies (in the copy's dtype): for copies made
-  on another model than the base (PPO's critic is built with a fresh backbone and runs on the policy's base)."""
-  flat, weights = dict(nnx.to_flat_state(trained)), dict(nnx.to_flat_state(base))
-  for path, var in flat.items():
-    if path[-1].startswith(SAVED_PREFIX):
-      flat[path] = var.replace(weights[_base_path(path)].get_value().astype(var.get_value().dtype))
-  return nnx.from_flat_state(flat)
-
-
-def _saved_copies(state: nnx.State) -> dict[tuple, nnx.Variable]:
-  """{the base weight's path: its trained copy} of the saved norms in an adapter state."""
-  return {_base_path(path): var for path, var in nnx.to_flat_state(state) if path[-1].startswith(SAVED_PREFIX)}
-
-
-def _base_path(copy_path: tuple) -> tuple:
-  """The path of the base parameter a saved copy (`saved_<name>`) copies."""
-  return copy_path[:-1] + (copy_path[-1].removeprefix(SAVED_PREFIX),)
 
 
 def _product(a, b, shape):
@@ -330,38 +260,12 @@ def to_peft(adapters: nnx.State, spec: LoraSpec, config: ModelConfig,
       tensors[key_a] = np.ascontiguousarray(a[i].reshape(-1, a.shape[-1]).T)  # [*in, I] -> [I, in]
       tensors[key_b] = np.ascontiguousarray(b[i].reshape(b.shape[1], -1).T)  # [I, *out] -> [out, I]
     modules.add(module_names(config, target)[0].rsplit(".", 1)[-1])
-  saved = _saved_copies(adapters)
-  for path, keys in _saved_keys(spec, config).items():
+  saved = lora_saved.saved_copies(adapters)
+  for path, keys in lora_saved.peft_keys(spec, config).items():
     value = np.asarray(multihost_utils.process_allgather(saved[path].get_value(), tiled=True))
-    tensors.update({key: np.ascontiguousarray(w) for key, w in zip(keys, _per_key(path, value, len(keys)))})
-  return tensors, adapter_config(spec, sorted(modules), base_model_name_or_path, ties_saved_embeddings(spec, config))
-
-
-def _per_key(path: tuple, value: np.ndarray, keys: int) -> list[np.ndarray]:
-  """A saved copy as its PEFT tensors: a stacked norm's layers [L, D] one by one, our LM head [D, V] as
-  transformers' [V, D], and the same embeddings [V, D] twice with tied embeddings (embed_tokens and lm_head)."""
-  if path[:2] == ("model", "layers"):
-    return list(value)
-  return [value.T] if path == ("lm_head",) else [value] * keys
-
-
-def ties_saved_embeddings(spec: LoraSpec, config: ModelConfig) -> bool:
-  """Whether `spec` saves tied embeddings: the LM head is then the trained copy too, which peft does with
-  `ensure_weight_tying` (without it, peft's LM head keeps the base embeddings)."""
-  return config.tie_word_embeddings and ("model", "embed_tokens") in saved_params(spec, config)
-
-
-def _saved_keys(spec: LoraSpec, config: ModelConfig) -> dict[tuple, list[str]]:
-  """{a saved parameter's path: its PEFT keys, one per layer for a stacked norm}: peft stores a module_to_save under
-  the module's own name (`base_model.model.model.norm.weight`), without its `modules_to_save.default.` wrapper; with
-  tied embeddings saved it stores the LM head's copy too (`base_model.model.lm_head.weight`)."""
-  if not spec.modules_to_save:
-    return {}
-  weights = _hf_weights(config)
-  out = {path: [PEFT_PREFIX + name for name in weights[path]] for path in saved_params(spec, config)}
-  if ties_saved_embeddings(spec, config):
-    out[("model", "embed_tokens")].append(PEFT_PREFIX + "lm_head.weight")
-  return out
+    tensors.update({key: np.ascontiguousarray(w) for key, w in zip(keys, lora_saved.per_key(path, value, len(keys)))})
+  return tensors, adapter_config(spec, sorted(modules), base_model_name_or_path,
+                                                      lora_saved.ties_saved_embeddings(spec, config))
 
 
 def adapter_config(spec: LoraSpec, target_modules: list[str], base_model_name_or_path: str | None,
@@ -402,7 +306,8 @@ def spec_from_peft(cfg: dict, where: str = ADAPTER_CONFIG) -> LoraSpec:
   if missing:
     raise ValueError(f"{where}: missing field {missing[0]!r}")
   return LoraSpec(rank=cfg["r"], alpha=cfg["lora_alpha"], targets=targets or (),
-                  use_rslora=bool(cfg.get("use_rslora", False)), modules_to_save=tuple(cfg.get("modules_to_save") or ()))
+                  use_rslora=bool(cfg.get("use_rslora", False)),
+                  modules_to_save=tuple(cfg.get("modules_to_save") or ()))
 
 
 def from_peft(folder: str, model: nnx.Module, *, dtype=None) -> LoraSpec:
@@ -414,7 +319,7 @@ def from_peft(folder: str, model: nnx.Module, *, dtype=None) -> LoraSpec:
     peft_config = json.load(f)
   spec = spec_from_peft(peft_config, config_path)
   try:
-    ties = ties_saved_embeddings(spec, model.config)
+    ties = lora_saved.ties_saved_embeddings(spec, model.config)
   except ValueError as e:  # "lora.modules_to_save: ..."
     raise ValueError(f"{config_path}: modules_to_save={list(spec.modules_to_save)!r} is not supported "
                      f"({str(e).split(': ', 1)[1]})") from None
@@ -435,8 +340,8 @@ def from_peft(folder: str, model: nnx.Module, *, dtype=None) -> LoraSpec:
       var.set_value(jnp.asarray(_stacked(tensors, keys, var.get_value().shape, which, weights_path),
                                 var.get_value().dtype))
       used.update(keys)
-  saved = _saved_copies(adapters)
-  for path, keys in _saved_keys(spec, model.config).items():
+  saved = lora_saved.saved_copies(adapters)
+  for path, keys in lora_saved.peft_keys(spec, model.config).items():
     var = saved[path]
     missing = [key for key in keys if key not in tensors]
     if missing:

@@ -83,7 +83,7 @@ def test_a_peft_folder_gives_transformers_peft_logits(peft_case):
   # The norms peft saves are the ones we save: its modules_to_save wrappers, ours the copies beside the weights.
   wrapped = {re.sub(r"layers\.\d+\.", "layers.", n.split(".modules_to_save.")[0].removeprefix(lora.PEFT_PREFIX))
              for n, _ in torch_model.named_parameters() if ".modules_to_save." in n}
-  ours = {".".join(lora._base_path(p)).removesuffix(".weight") for p, _ in nnx.to_flat_state(
+  ours = {".".join(lora.base_path(p)).removesuffix(".weight") for p, _ in nnx.to_flat_state(
       nnx.state(model, nnx.LoRAParam)) if p[-1].startswith("saved_")}
   assert ours == wrapped, (ours, wrapped)
   # The adapters matter: the base model's logits are far from these.
