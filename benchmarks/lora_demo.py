@@ -37,6 +37,8 @@ _WARM_STEPS = flags.DEFINE_integer("warm_steps", 300, "Training steps of each ru
 _WARM_LR = flags.DEFINE_float("warm_lr", 3e-4, "Full fine-tuning's train.lr from the warm base (LoRA's: 10x).")
 _WORKDIR = flags.DEFINE_string("workdir", "", "Where the runs' workdirs go (default: a temporary folder).")
 _FULL = flags.DEFINE_bool("full", True, "Also run full fine-tuning beside LoRA.")
+_SAVE = flags.DEFINE_string("modules_to_save", None, "The LoRA runs' lora.modules_to_save (default: the config's; "
+                            "'' for none).")
 
 
 def train(workdir: str, algorithm: str, steps: int, *overrides: str) -> tuple[list[dict], float]:
@@ -80,7 +82,8 @@ def main(argv):
       steps = _WARM_STEPS.value
       overrides = [f"--config.model.hf_path={warm_base(os.path.join(root, 'warmup'))}", "--config.tokenizer=synthetic",
                    f"--config.train.lr={_WARM_LR.value}"]
-    runs = [(f"LoRA rank {_RANK.value}", [f"--config.lora.rank={_RANK.value}"])]
+    save = [] if _SAVE.value is None else [f"--config.lora.modules_to_save={_SAVE.value}"]
+    runs = [(f"LoRA rank {_RANK.value}", [f"--config.lora.rank={_RANK.value}", *save])]
     runs += [("full fine-tuning", [])] if _FULL.value else []
     print(f"{base} base, {steps} steps:")
     for name, extra in runs:

@@ -25,7 +25,7 @@ KEEP = (
     "validation_data_dir",
     "train.lr", "train.schedule", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.b1",
     "train.b2", "train.eps", "train.grad_clip", "train.verl_micro_batch_rows", "train.keep_logits",
-    "lora.alpha", "lora.targets", "lora.use_rslora", "lora.lr_multiplier",
+    "lora.alpha", "lora.targets", "lora.use_rslora", "lora.lr_multiplier", "lora.modules_to_save",
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.restore",
     "checkpoint.lock_stale_after_s", "checkpoint.allow_changes",
     "eval_every", "log_every", "reward_timeout_s",

@@ -207,18 +207,21 @@ def lora_spec(c: ml_collections.ConfigDict):
     return None
   from pacs_jax.models import lora
   targets = tuple(t.strip() for t in c.lora.targets.split(",") if t.strip())
-  return lora.LoraSpec(rank=c.lora.rank, alpha=c.lora.alpha, targets=targets, use_rslora=c.lora.use_rslora)
+  saved = tuple(m.strip() for m in c.lora.get("modules_to_save", "").split(",") if m.strip())  # older records lack it
+  return lora.LoraSpec(rank=c.lora.rank, alpha=c.lora.alpha, targets=targets, use_rslora=c.lora.use_rslora,
+                       modules_to_save=saved)
 
 
 def _check_lora(c: ml_collections.ConfigDict) -> None:
   """The `lora` fields that need no model: rank 0 (off) with another lora field set is refused (that field would
-  be ignored)."""
+  be ignored). `modules_to_save` is the exception: a full run trains those norms too, so a config may name the norms
+  its LoRA runs save (configs/tiny_cpu.py does) and still run full fine-tuning at rank 0."""
   _check(isinstance(c.lora.rank, int) and not isinstance(c.lora.rank, bool) and c.lora.rank >= 0, "lora.rank",
          f"must be a positive integer (0 = off: full fine-tuning), got {c.lora.rank!r}")
   _check(c.lora.lr_multiplier > 0, "lora.lr_multiplier", f"must be positive, got {c.lora.lr_multiplier!r}")
   if not c.lora.rank:
     defaults = default_config().lora
-    changed = [k for k in defaults if k != "rank" and c.lora[k] != defaults[k]]
+    changed = [k for k in defaults if k not in ("rank", "modules_to_save") and c.lora[k] != defaults[k]]
     _check(not changed, "lora.rank", f"is 0 (LoRA off), but lora.{changed[0] if changed else ''} is set: set "
                                      "lora.rank to the adapters' rank (e.g. 16)")
 

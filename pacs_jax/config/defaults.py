@@ -112,6 +112,11 @@ def default_config() -> ml_collections.ConfigDict:
   # layer's Hugging Face module names ("model.layers.3.self_attn.q_proj"), as peft's target_modules.
   c.lora.targets = "q,k,v,o,gate,up,down"
   c.lora.use_rslora = False
+  # Comma-separated norms and embeddings trained in full beside the adapters (peft's modules_to_save: an entry
+  # names every module whose Hugging Face name ends with it: "norm" every norm, "model.norm" the final one,
+  # "embed_tokens", "lm_head"), checkpointed with them and merged into the export. None by default: a plain
+  # LoRA folder, which vLLM serves.
+  c.lora.modules_to_save = ""
   # A LoRA run's learning rates (the policy's train.lr and a critic's rate) are times this: LoRA's best
   # learning rate is about 10x full fine-tuning's (Thinking Machines, "LoRA Without Regret", 2025), so a
   # config's full fine-tuning rate carries over when LoRA is turned on. 1 = use train.lr as it is.

@@ -60,7 +60,7 @@ class Backbone(nnx.Module):
 
   def _layers(self, input_ids, positions, mask, cache):
     c = self.config
-    x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(c.dtype)  # [B, T, D]
+    x = jnp.take(layers.saved_or_base(self, "embed_tokens")[...], input_ids, axis=0).astype(c.dtype)  # [B, T, D]
     x = sharding.constrain(x, ("batch", None, None))
     cos, sin = rope.cos_sin(positions, c.head_size, c.rope_theta, c.rope_scaling)
     x, cache = layers.scan_layers(self.layers, x, cos, sin, mask, cache, remat=c.remat and c.remat_policy)
@@ -81,10 +81,11 @@ class CausalLM(nnx.Module):
     """hidden [B, T, D] -> logits [B, T, V] in the compute dtype."""
     dt = self.config.dtype
     if self.config.tie_word_embeddings:
-      w = sharding.matmul_weight(self.model.embed_tokens[...], ("vocab", "embed"), dt)
+      w = sharding.matmul_weight(layers.saved_or_base(self.model, "embed_tokens")[...], ("vocab", "embed"), dt)
       out = jnp.einsum("BTD,VD->BTV", hidden.astype(dt), w)
     else:
-      out = jnp.einsum("BTD,DV->BTV", hidden.astype(dt), sharding.matmul_weight(self.lm_head[...], ("embed", "vocab"), dt))
+      head = layers.saved_or_base(self, "lm_head")[...]
+      out = jnp.einsum("BTD,DV->BTV", hidden.astype(dt), sharding.matmul_weight(head, ("embed", "vocab"), dt))
     return sharding.constrain(out, ("batch", None, "vocab"))
 
   def __call__(self, input_ids, attention_mask=None):

@@ -55,8 +55,21 @@ def adapted(module: nnx.Module, target: str, x, y, to_rank: str, from_rank: str)
   return y + jnp.einsum(from_rank, xa, _adapter_weight(getattr(module, name_b), dt)) * module.lora_scale
 
 
+# A LoRA run's trained copy of a parameter (peft's `modules_to_save`: a norm's weight, the embeddings, the LM head;
+# `pacs_jax.models.lora` adds it as `saved_<name>` beside the parameter `<name>`): the module computes with the copy,
+# and the base model's parameter stays as it was (the frozen reference reads it).
+SAVED_PREFIX = "saved_"
+
+
+def saved_or_base(module: nnx.Module, name: str) -> nnx.Variable:
+  """The parameter `name` of `module`, or its trained copy when the module has one (a plain Python `if`: a module
+  without a copy runs the program it always ran)."""
+  copy = SAVED_PREFIX + name
+  return getattr(module, copy) if hasattr(module, copy) else getattr(module, name)
+
+
 class RMSNorm(nnx.Module):
-  """x / sqrt(mean(x²) + eps) * weight over the last axis."""
+  """x / sqrt(mean(x²) + eps) * weight over the last axis (the weight's trained copy in a LoRA run that saves it)."""
 
   def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
     self.eps = eps
@@ -66,7 +79,7 @@ class RMSNorm(nnx.Module):
     # As transformers: normalise in fp32 (fp64 inputs stay fp64: the fp64 gradient checks), cast back, then scale.
     x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
+    return saved_or_base(self, "weight")[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
 def _tensor_size() -> int:

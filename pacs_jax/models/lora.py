@@ -1,6 +1,6 @@
-"""LoRA: low-rank adapters A, B beside the decoder layers' projection kernels (y = x W + scale · (x A) B), the split
-of a model into adapters and base weights, the merge W + scale · A B for sampling, and PEFT's adapter format both
-ways. docs/lora.md has the design.
+"""LoRA: low-rank adapters A, B beside the decoder layers' projection kernels (y = x W + scale · (x A) B), trained
+copies of chosen norms and embeddings (peft's `modules_to_save`), the split of a model into these and the base weights,
+the merge W + scale · A B for sampling, and PEFT's adapter format both ways. docs/lora.md has the design.
 
 Shapes: D hidden, N query heads, H head dim, F mlp width, I LoRA rank.
 """
@@ -21,8 +21,10 @@ from jax.experimental import multihost_utils
 from safetensors.numpy import load_file
 
 from pacs_jax import sharding
+from pacs_jax.models import lora_saved
 from pacs_jax.models import registry
-from pacs_jax.models.layers import adapter_names
+from pacs_jax.models.layers import SAVED_PREFIX, adapter_names
+from pacs_jax.models.lora_saved import PEFT_PREFIX, SAVEABLE, base_path, saved_params, with_saved_from  # noqa: F401
 from pacs_jax.models.model_config import ModelConfig
 
 # The projections an adapter may sit beside: target -> (its kernel's attribute, how many of the kernel's axes after
@@ -36,7 +38,6 @@ _SUBMODULE = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_a
               "gate": "mlp", "up": "mlp", "down": "mlp"}  # the decoder layer's submodule that holds each kernel
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."  # PEFT's key of a module: this prefix, the transformers module name, lora_A/B
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,15 +45,20 @@ class LoraSpec:
   """What LoRA adapts and how much: `rank` I, `alpha`, `targets` (projection names q, k, v, o, gate, up, down or
   their Hugging Face names q_proj...; any other entry is a regex fullmatched against each layer's Hugging Face
   module names, e.g. `model.layers.3.self_attn.q_proj`, as peft's `target_modules`), and `use_rslora`: the update's
-  scale is alpha / rank, or alpha / sqrt(rank) with rsLoRA. Check it against a model with `validate`."""
+  scale is alpha / rank, or alpha / sqrt(rank) with rsLoRA. `modules_to_save`: norms and embeddings trained in full
+  beside the adapters, as peft's `modules_to_save` (an entry names every module whose Hugging Face name ends with
+  it: "norm" every norm, "model.norm" the final one, "embed_tokens"; see `saved_params`). Check it against a model
+  with `validate`."""
   rank: int
   alpha: float
   targets: tuple[str, ...] = tuple(TARGETS)
   use_rslora: bool = False
+  modules_to_save: tuple[str, ...] = ()
 
   def __post_init__(self):
-    targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
-    object.__setattr__(self, "targets", targets)
+    for field in ("targets", "modules_to_save"):
+      value = getattr(self, field)
+      object.__setattr__(self, field, (value,) if isinstance(value, str) else tuple(value))
 
   @property
   def scale(self) -> float:
@@ -99,6 +105,7 @@ def validate(spec: LoraSpec, config: ModelConfig) -> tuple[str, ...]:
     if spec.rank > min(matrix_sides(config, t)):
       raise ValueError(f"lora.rank: {spec.rank} is above the smaller side of the {t} projection's "
                        f"{list(matrix_sides(config, t))} matrix")
+  saved_params(spec, config)
   return targets
 
 
@@ -142,6 +149,11 @@ def add_adapters(model: nnx.Module, spec: LoraSpec, rngs: nnx.Rngs, *, dtype=Non
       setattr(module, name_b, b)
     if adapted:
       module.lora_scale = spec.scale  # static: part of the graphdef, so every program sees the same scale
+  saved = saved_params(spec, model.config)
+  for path, module in list(nnx.iter_modules(model)):
+    for name in SAVEABLE:
+      if path + (name,) in saved:
+        setattr(module, SAVED_PREFIX + name, lora_saved.saved_copy(getattr(module, name), dtype))
   if mesh is not None:
     adapters = nnx.state(model, nnx.LoRAParam)
     nnx.update(model, jax.device_put(adapters, sharding.state_shardings(adapters, mesh, "train")))
@@ -168,9 +180,10 @@ def split(model: nnx.Module):
 
 
 def merge_into(base: nnx.State, adapters: nnx.State, spec: LoraSpec) -> nnx.State:
-  """`base` with W + scale · A B for each kernel that has adapters (what the sampler runs): pure jnp, so it runs
-  on device where the arrays are (jit it with the sampling shardings as out_shardings). The product is formed and
-  added in fp32 at full matmul precision (TPU's default would round A and B to bf16), then cast to W's dtype."""
+  """`base` with W + scale · A B for each kernel that has adapters, and each saved norm's trained weight in place of
+  its base weight (what the sampler runs): pure jnp, so it runs on device where the arrays are (jit it with the
+  sampling shardings as out_shardings). The product is formed and added in fp32 at full matmul precision (TPU's
+  default would round A and B to bf16), then cast to W's dtype."""
   flat = dict(nnx.to_flat_state(base))
   pairs = _adapter_pairs(adapters)
   for (prefix, target), (a, b) in pairs.items():
@@ -178,6 +191,8 @@ def merge_into(base: nnx.State, adapters: nnx.State, spec: LoraSpec) -> nnx.Stat
     w = flat[path].get_value()
     delta = _product(a.get_value(), b.get_value(), w.shape)
     flat[path] = flat[path].replace((w.astype(jnp.float32) + spec.scale * delta).astype(w.dtype))
+  for path, copy in lora_saved.saved_copies(adapters).items():
+    flat[path] = flat[path].replace(copy.get_value().astype(flat[path].get_value().dtype))
   return nnx.from_flat_state(flat)
 
 
@@ -210,11 +225,15 @@ def without_adapters(model: nnx.Module) -> nnx.Module:
           delattr(module, name)
     if hasattr(module, "lora_scale"):
       del module.lora_scale
+    for name in SAVEABLE:
+      if hasattr(module, SAVED_PREFIX + name):
+        delattr(module, SAVED_PREFIX + name)
   return model
 
 
 def merged_model(model: nnx.Module, spec: LoraSpec) -> nnx.Module:
-  """The model without adapters whose kernels are W + scale · A B: what `hf.save_pretrained` exports."""
+  """The model without adapters whose kernels are W + scale · A B and whose saved norms have their trained
+  weights: what `hf.save_pretrained` exports."""
   _, adapters, base = split(model)
   graphdef, _ = nnx.split(without_adapters(model))
   return nnx.merge(graphdef, merge_into(base, adapters, spec))
@@ -241,28 +260,39 @@ def to_peft(adapters: nnx.State, spec: LoraSpec, config: ModelConfig,
       tensors[key_a] = np.ascontiguousarray(a[i].reshape(-1, a.shape[-1]).T)  # [*in, I] -> [I, in]
       tensors[key_b] = np.ascontiguousarray(b[i].reshape(b.shape[1], -1).T)  # [I, *out] -> [out, I]
     modules.add(module_names(config, target)[0].rsplit(".", 1)[-1])
-  return tensors, adapter_config(spec, sorted(modules), base_model_name_or_path)
+  saved = lora_saved.saved_copies(adapters)
+  for path, keys in lora_saved.peft_keys(spec, config).items():
+    value = np.asarray(multihost_utils.process_allgather(saved[path].get_value(), tiled=True))
+    tensors.update({key: np.ascontiguousarray(w) for key, w in zip(keys, lora_saved.per_key(path, value, len(keys)))})
+  return tensors, adapter_config(spec, sorted(modules), base_model_name_or_path,
+                                                      lora_saved.ties_saved_embeddings(spec, config))
 
 
-def adapter_config(spec: LoraSpec, target_modules: list[str], base_model_name_or_path: str | None) -> dict:
-  """adapter_config.json as peft writes it for a plain LoRA (the fields peft and vLLM read)."""
+def adapter_config(spec: LoraSpec, target_modules: list[str], base_model_name_or_path: str | None,
+                   ensure_weight_tying: bool = False) -> dict:
+  """adapter_config.json as peft writes it for a LoRA (the fields peft and vLLM read), with `modules_to_save` as
+  the spec's entries (peft matches them to modules as `saved_params` does) and `ensure_weight_tying` when tied
+  embeddings are saved (`ties_saved_embeddings`)."""
   return {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
       "r": spec.rank, "lora_alpha": spec.alpha, "use_rslora": spec.use_rslora, "target_modules": target_modules,
-      "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_dora": False, "modules_to_save": None,
+      "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_dora": False,
+      "modules_to_save": list(spec.modules_to_save) or None,
       "init_lora_weights": True, "inference_mode": True, "rank_pattern": {}, "alpha_pattern": {},
       "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None, "lora_bias": False,
+      "ensure_weight_tying": ensure_weight_tying,
   }
 
 
 # adapter_config.json fields whose other values change what the adapter computes: refused, each by name.
 _PLAIN_LORA = {"peft_type": "LORA", "use_dora": False, "bias": "none", "lora_bias": False, "fan_in_fan_out": False,
-               "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
+               "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
                "layers_pattern": None, "exclude_modules": None, "target_parameters": None}
 
 
 def spec_from_peft(cfg: dict, where: str = ADAPTER_CONFIG) -> LoraSpec:
-  """The LoraSpec of a PEFT adapter_config.json dict; ValueError naming the field for what a plain LoRA lacks."""
+  """The LoraSpec of a PEFT adapter_config.json dict; ValueError naming the field for what a plain LoRA (with
+  saved norms, `modules_to_save`) lacks."""
   for field, plain in _PLAIN_LORA.items():
     value = cfg.get(field, plain)
     if value != plain and (plain or value):  # None, {}, [] and false all mean "none" where that is the plain value
@@ -276,16 +306,26 @@ def spec_from_peft(cfg: dict, where: str = ADAPTER_CONFIG) -> LoraSpec:
   if missing:
     raise ValueError(f"{where}: missing field {missing[0]!r}")
   return LoraSpec(rank=cfg["r"], alpha=cfg["lora_alpha"], targets=targets or (),
-                  use_rslora=bool(cfg.get("use_rslora", False)))
+                  use_rslora=bool(cfg.get("use_rslora", False)),
+                  modules_to_save=tuple(cfg.get("modules_to_save") or ()))
 
 
 def from_peft(folder: str, model: nnx.Module, *, dtype=None) -> LoraSpec:
   """Loads a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) into `model` (a CausalLM),
-  adding its adapters first when it has none; returns the folder's LoraSpec. ValueError for a folder whose
-  adapters do not fit the model (a missing, extra or misshapen tensor names it)."""
+  adding its adapters (and saved norms) first when it has none; returns the folder's LoraSpec. ValueError for a
+  folder whose adapters do not fit the model (a missing, extra or misshapen tensor names it)."""
   config_path, weights_path = os.path.join(folder, ADAPTER_CONFIG), os.path.join(folder, ADAPTER_WEIGHTS)
   with open(config_path) as f:
-    spec = spec_from_peft(json.load(f), config_path)
+    peft_config = json.load(f)
+  spec = spec_from_peft(peft_config, config_path)
+  try:
+    ties = lora_saved.ties_saved_embeddings(spec, model.config)
+  except ValueError as e:  # "lora.modules_to_save: ..."
+    raise ValueError(f"{config_path}: modules_to_save={list(spec.modules_to_save)!r} is not supported "
+                     f"({str(e).split(': ', 1)[1]})") from None
+  if ties and not peft_config.get("ensure_weight_tying"):
+    raise ValueError(f"{config_path}: ensure_weight_tying=False with tied embeddings in modules_to_save is not "
+                     "supported (peft's LM head keeps the base embeddings there; ours is the trained copy)")
   if not nnx.state(model, nnx.LoRAParam):
     add_adapters(model, spec, nnx.Rngs(0), dtype=dtype)
   scales = {m.lora_scale for _, m in nnx.iter_modules(model) if hasattr(m, "lora_scale")}
@@ -300,6 +340,20 @@ def from_peft(folder: str, model: nnx.Module, *, dtype=None) -> LoraSpec:
       var.set_value(jnp.asarray(_stacked(tensors, keys, var.get_value().shape, which, weights_path),
                                 var.get_value().dtype))
       used.update(keys)
+  saved = lora_saved.saved_copies(adapters)
+  for path, keys in lora_saved.peft_keys(spec, model.config).items():
+    var = saved[path]
+    missing = [key for key in keys if key not in tensors]
+    if missing:
+      raise ValueError(f"{weights_path}: missing {missing[0]}")
+    layered, shape = path[:2] == ("model", "layers"), var.get_value().shape
+    weight = np.stack([tensors[key] for key in keys]) if layered else tensors[keys[0]]  # [L, D], [V, D]
+    weight = weight.T if path == ("lm_head",) else weight  # transformers' [V, D] -> ours [D, V]
+    if weight.shape != shape:
+      raise ValueError(f"{weights_path}: {keys[0]} has shape {list(weight.shape[layered:])}, expected "
+                       f"{list(shape[layered:])}")
+    var.set_value(jnp.asarray(weight, var.get_value().dtype))
+    used.update(keys)
   if set(tensors) - used:
     raise ValueError(f"{weights_path}: {sorted(set(tensors) - used)[0]} is no adapter of this model's targets")
   nnx.update(model, adapters)

@@ -37,7 +37,7 @@ CONFIG_SECTIONS = {
                 "rollout.top_p", "rollout.top_k", "rollout.stop_tokens"),
 }
 # The lora fields that decide what a LoRA checkpoint's adapters are (lora.lr_multiplier is a learning rate).
-LORA_FIELDS = ("rank", "alpha", "targets", "use_rslora")
+LORA_FIELDS = ("rank", "alpha", "targets", "use_rslora", "modules_to_save")
 SECTIONS = ("algorithm", "model", "lora", "base", "tokenizer", "objective", *CONFIG_SECTIONS)
 # A safetensors file's fingerprint reads its header and this many blocks of its tensor data, evenly spaced.
 _BLOCKS, _BLOCK_BYTES = 16, 1 << 16
@@ -80,8 +80,11 @@ def base_fingerprint(cfg: ml_collections.ConfigDict) -> dict:
 
 
 def _lora_section(lora: dict) -> dict | None:
-  """The record's `lora` section of a config's lora block: None for full fine-tuning (rank 0)."""
-  return {k: lora.get(k) for k in LORA_FIELDS} if lora.get("rank") else None
+  """The record's `lora` section of a config's lora block: None for full fine-tuning (rank 0). Saved norms are
+  recorded when there are some, so a record written before `lora.modules_to_save` existed still matches."""
+  if not lora.get("rank"):
+    return None
+  return {k: lora.get(k) for k in LORA_FIELDS if k != "modules_to_save" or lora.get(k)}
 
 
 def make_record(cfg: ml_collections.ConfigDict, hf_config: dict, tokenizer) -> dict:

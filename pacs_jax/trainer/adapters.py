@@ -72,15 +72,19 @@ def add_to_policy(policy: nnx.Module, spec: lora.LoraSpec, seed: int, mesh) -> t
   return graphdef, adapters, base, ref_graphdef
 
 
-def critic(make_critic: Callable[[], nnx.Module], spec: lora.LoraSpec, seed: int, mesh=None
+def critic(make_critic: Callable[[], nnx.Module], spec: lora.LoraSpec, seed: int, mesh=None, base=None
            ) -> tuple[Any, nnx.State]:
   """(graphdef, trained parameters) of a LoRA run's critic (`make_critic()`: the algorithm's, with a fresh backbone):
-  only the adapters and the head are created (on `mesh`, in their train-mode shardings; abstract without one); its
-  backbone is the policy's base (`critic_base`)."""
+  only the adapters, the saved norms' copies (from the policy's `base`) and the head are created (on `mesh`, in their
+  train-mode shardings; abstract without one); its backbone is the policy's base (`critic_base`)."""
   make = _with_adapters(make_critic, spec, seed + CRITIC_SEED_OFFSET)
   graphdef, abstract, _ = nnx.split(nnx.eval_shape(make), critic_trained, nnx.Param)
   if mesh is None:
     return graphdef, abstract
-  shardings = sharding.state_shardings(abstract, mesh, "train")
-  with jax.set_mesh(mesh):  # the fresh backbone is no output: the compiler drops its initialisation
-    return graphdef, jax.jit(lambda: nnx.split(make(), critic_trained, nnx.Param)[1], out_shardings=shardings)()
+
+  def init(base):  # the fresh backbone is no output: the compiler drops its initialisation
+    trained = nnx.split(make(), critic_trained, nnx.Param)[1]
+    return trained if base is None else lora.with_saved_from(trained, critic_base(base))
+
+  with jax.set_mesh(mesh):
+    return graphdef, jax.jit(init, out_shardings=sharding.state_shardings(abstract, mesh, "train"))(base)

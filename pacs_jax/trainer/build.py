@@ -82,7 +82,7 @@ def run_params(cfg: ml_collections.ConfigDict, policy: decoder.CausalLM, mesh) -
   critic_graphdef = critic_params = None
   if algo.has_critic:
     make = lambda: algo.make_critic(policy.config, nnx.Rngs(cfg.seed + 1))  # the head as a full run's
-    critic_graphdef, critic_params = adapters_lib.critic(make, spec, cfg.seed, mesh)
+    critic_graphdef, critic_params = adapters_lib.critic(make, spec, cfg.seed, mesh, base)
   return RunParams(graphdef, adapters, nnx.merge(ref_graphdef, base), critic_graphdef, critic_params,
                    ref_params=base if needs_ref else None, base=base,
                    frozen=programs_lib.frozen_base(cfg, ref_graphdef, base, mesh))

@@ -55,13 +55,16 @@ def micro_batches(cfg: ml_collections.ConfigDict) -> int:
 
 def make_optimizers(cfg: ml_collections.ConfigDict):
   """(policy optimizer, critic optimizer or None). A LoRA run's learning rates are `lora.lr_multiplier` times the
-  config's (LoRA's best is about 10x full fine-tuning's)."""
+  config's (LoRA's best is about 10x full fine-tuning's), but for its saved parameters (`lora.modules_to_save`),
+  which are trained in full and so at the config's rate."""
   total_updates = cfg.steps * updates_per_step(cfg)
-  scale = cfg.lora.lr_multiplier if config_lib.lora_spec(cfg) else 1.0
-  optimizer = state_lib.make_optimizer(cfg.train, scale * cfg.train.lr, total_updates)
+  spec = config_lib.lora_spec(cfg)
+  scale = cfg.lora.lr_multiplier if spec else 1.0
+  saved = 1 / scale if spec and spec.modules_to_save else None
+  optimizer = state_lib.make_optimizer(cfg.train, scale * cfg.train.lr, total_updates, saved)
   algo, critic = registry.of(cfg), None
   if algo.has_critic:
-    critic = state_lib.make_optimizer(cfg.train, scale * algo.critic_lr(cfg), total_updates)
+    critic = state_lib.make_optimizer(cfg.train, scale * algo.critic_lr(cfg), total_updates, saved)
   return optimizer, critic
 
 

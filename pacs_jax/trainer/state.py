@@ -12,6 +12,7 @@ import optax
 from flax import nnx
 
 from pacs_jax import sharding
+from pacs_jax.models import layers
 
 # apply_if_finite falls back to applying the update after this many consecutive non-finite ones; a
 # non-finite gradient must never be applied, so the limit is out of reach.
@@ -44,9 +45,12 @@ def gradient_clip(train: ml_collections.ConfigDict) -> optax.GradientTransformat
   return optax.clip_by_global_norm(train.grad_clip) if train.grad_clip > 0 else optax.identity()
 
 
-def make_optimizer(train: ml_collections.ConfigDict, lr: float, total_updates: int) -> optax.GradientTransformation:
+def make_optimizer(train: ml_collections.ConfigDict, lr: float, total_updates: int,
+                   saved_lr_scale: float | None = None) -> optax.GradientTransformation:
   """AdamW, with global-norm clipping when `train.grad_clip` > 0; an update whose gradient has a NaN/Inf is
-  skipped and counted.
+  skipped and counted. `saved_lr_scale` (a LoRA run that saves parameters, `lora.modules_to_save`): the updates of
+  the saved copies (`saved_*`) are multiplied by it, so they take full fine-tuning's rate where the adapters take
+  `lora.lr_multiplier` times it.
 
   grad_clip = 0 is the released PACS actor: its `_optimizer_step` (ritzz-ai/PACS src/pacs/pacs_actor.py)
   replaces verl's, computes the norm only to skip non-finite steps, and never clips. verl's own
@@ -58,8 +62,15 @@ def make_optimizer(train: ml_collections.ConfigDict, lr: float, total_updates: i
       # inject_hyperparams keeps the learning rate of the last update in the state, for logging.
       optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b1=train.b1, b2=train.b2, eps=train.eps,
                                             weight_decay=train.weight_decay),
+      *([] if saved_lr_scale is None else [optax.masked(optax.scale(saved_lr_scale), _saved_copies)]),
   )
   return optax.apply_if_finite(inner, max_consecutive_errors=_NEVER)
+
+
+def _saved_copies(params) -> Any:
+  """True at the leaves of a LoRA run's saved copies (`saved_<name>`, beside the adapters), False elsewhere."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: any(str(getattr(k, "key", "")).startswith(layers.SAVED_PREFIX) for k in path), params)
 
 
 def skipped_updates(opt_state) -> jax.Array:

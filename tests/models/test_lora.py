@@ -1,9 +1,10 @@
 """LoRA adapters (pacs_jax.models.lora) against transformers + peft on tiny random Qwen2.5, Qwen3 and Llama 3 models:
-PEFT folders load and give peft's logits, our exported folders load in peft to our logits, the merged export equals
+PEFT folders (two with trained norms, peft's modules_to_save) load and give peft's logits, our exported folders load in peft to our logits, the merged export equals
 base + adapter in transformers; B = 0 is the base model bitwise; adapter gradients match central differences in
 fp64; the spec's refusals."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,11 @@ from test_qwen2_hf import left_padded_batch, make_hf_model, torch_logits_per_row
 
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK = 4
-# Per family: (LoraConfig's alpha, use_rslora): rsLoRA's alpha / sqrt(rank) scale on one of them.
-ADAPTERS = {"qwen2": (8, False), "qwen3": (6, False), "llama": (4, True)}
+# Per family: (LoraConfig's alpha, use_rslora, modules_to_save): rsLoRA's alpha / sqrt(rank) scale on one of them;
+# saved parameters on each: the tied embeddings (the LM head too, peft's ensure_weight_tying), every norm (Qwen3's
+# q/k norms included: peft matches a name's end), and the final norm, the layers' second norms and an untied LM head.
+ADAPTERS = {"qwen2": (8, False, ["embed_tokens"]), "qwen3": (6, False, ["norm"]),
+            "llama": (4, True, ["model.norm", "post_attention_layernorm", "lm_head"])}
 
 
 def torch_base(family: str):
@@ -35,18 +39,23 @@ def torch_base(family: str):
 @pytest.fixture(scope="module", params=sorted(ADAPTERS))
 def peft_case(request, tmp_path_factory):
   """(family, base folder, PEFT folder, transformers + peft model): a LoRA on all seven projections whose A and B
-  are random and nonzero."""
+  are random and nonzero, and whose saved parameters are random too (norms around 1, embeddings and head perturbed)."""
   family = request.param
   root = tmp_path_factory.mktemp(f"lora_{family}")
   torch_base(family).save_pretrained(root / "base")
-  alpha, rslora = ADAPTERS[family]
-  model = peft.get_peft_model(torch_base(family), peft.LoraConfig(r=RANK, lora_alpha=alpha, use_rslora=rslora,
-                                                                  target_modules=HF_TARGETS, task_type="CAUSAL_LM"))
+  alpha, rslora, saved = ADAPTERS[family]
+  model = peft.get_peft_model(torch_base(family), peft.LoraConfig(
+      r=RANK, lora_alpha=alpha, use_rslora=rslora, target_modules=HF_TARGETS, modules_to_save=saved,
+      ensure_weight_tying="embed_tokens" in saved, task_type="CAUSAL_LM"))
   torch.manual_seed(1)
   with torch.no_grad():
     for name, p in model.named_parameters():
       if "lora_" in name:
         p.normal_(0, 0.2)
+      elif "modules_to_save" in name and "norm" in name:
+        p.normal_(1, 0.2)
+      elif "modules_to_save" in name:
+        p.add_(0.1 * torch.randn_like(p))
   model.save_pretrained(root / "peft")
   return family, str(root / "base"), str(root / "peft"), model.eval()
 
@@ -67,10 +76,16 @@ def test_a_peft_folder_gives_transformers_peft_logits(peft_case):
   family, base_dir, peft_dir, torch_model = peft_case
   model, _ = hf.load_pretrained(base_dir)
   spec = lora.from_peft(peft_dir, model)
-  alpha, rslora = ADAPTERS[family]
-  assert (spec.rank, spec.alpha, spec.use_rslora) == (RANK, alpha, rslora)
+  alpha, rslora, saved = ADAPTERS[family]
+  assert (spec.rank, spec.alpha, spec.use_rslora) == (RANK, alpha, rslora) and set(saved) <= set(spec.modules_to_save)
   assert lora.validate(spec, model.config) == tuple(lora.TARGETS)
   assert_logits_match(model, torch_model, atol=1e-4)
+  # The norms peft saves are the ones we save: its modules_to_save wrappers, ours the copies beside the weights.
+  wrapped = {re.sub(r"layers\.\d+\.", "layers.", n.split(".modules_to_save.")[0].removeprefix(lora.PEFT_PREFIX))
+             for n, _ in torch_model.named_parameters() if ".modules_to_save." in n}
+  ours = {".".join(lora.base_path(p)).removesuffix(".weight") for p, _ in nnx.to_flat_state(
+      nnx.state(model, nnx.LoRAParam)) if p[-1].startswith("saved_")}
+  assert ours == wrapped, (ours, wrapped)
   # The adapters matter: the base model's logits are far from these.
   base, _ = hf.load_pretrained(base_dir)
   ids = jnp.asarray(left_padded_batch(model.config.vocab_size, [9])[0])
@@ -90,6 +105,7 @@ def test_exported_adapters_load_in_peft_to_our_logits(peft_case, tmp_path):
     written = json.load(f)
   assert (written["r"], written["lora_alpha"], written["use_rslora"]) == (spec.rank, spec.alpha, spec.use_rslora)
   assert sorted(written["target_modules"]) == sorted(HF_TARGETS)
+  assert written["modules_to_save"] == list(spec.modules_to_save)
   assert_logits_match(model, with_peft_folder(base_dir, str(tmp_path)), atol=1e-4, seed=2)
 
 
@@ -203,6 +219,14 @@ def test_adapter_gradients_match_central_differences_in_fp64():
     (lora.LoraSpec(rank=4, alpha=8, targets=(r".*\.qkv_proj",)), r"^lora\.targets: '.*qkv_proj' is neither"),
     (lora.LoraSpec(rank=4, alpha=8, targets=(r"model\.layers\.0\..*",)), r"^lora\.targets: .* in some layers only"),
     (lora.LoraSpec(rank=4, alpha=8, targets=("(",)), r"^lora\.targets: '\(' is neither .* nor a valid pattern"),
+    (lora.LoraSpec(rank=4, alpha=8, modules_to_save=("q_proj",)),
+     r"^lora\.modules_to_save: 'q_proj' names model\.layers\.0\.self_attn\.q_proj, which is neither a norm nor"),
+    (lora.LoraSpec(rank=4, alpha=8, modules_to_save=("norm", "mlp")),
+     r"^lora\.modules_to_save: 'mlp' names model\.layers\.0\.mlp, which is neither a norm nor the embeddings"),
+    (lora.LoraSpec(rank=4, alpha=8, modules_to_save=("lm_head",)), r"^lora\.modules_to_save: 'lm_head' names no "),
+    (lora.LoraSpec(rank=4, alpha=8, modules_to_save=("ln_f",)), r"^lora\.modules_to_save: 'ln_f' names no module"),
+    (lora.LoraSpec(rank=4, alpha=8, modules_to_save=("layers.1.input_layernorm",)),
+     r"^lora\.modules_to_save: .* names model\.layers\.1\.input_layernorm in some layers only"),
 ])
 def test_bad_specs_are_one_line_naming_the_field(spec, message):
   config = registry.preset("tiny")  # D 64, 4 heads and 2 kv heads of 16: k and v are [64, 32]
@@ -210,6 +234,37 @@ def test_bad_specs_are_one_line_naming_the_field(spec, message):
     lora.validate(spec, config)
   with pytest.raises(ValueError, match=message):
     lora.add_adapters(registry.causal_lm(config, rngs=nnx.Rngs(0)), spec, nnx.Rngs(1))
+
+
+def test_saved_parameters_train_a_copy_and_leave_the_base_to_the_reference():
+  """peft's modules_to_save: a saved norm (or the embeddings, tied to the LM head here) computes with its trained
+  copy (initially the base weight: the logits are the base model's bitwise), the base model without adapters with
+  the base weight (the frozen reference), and the merged model with the copy in the weight's place."""
+  config = registry.preset("tiny")
+  names = lambda *entries: {".".join(p) for p in lora.saved_params(lora.LoraSpec(4, 8, modules_to_save=entries), config)}
+  assert names("norm") == {"model.norm.weight", "model.layers.input_layernorm.weight",
+                           "model.layers.post_attention_layernorm.weight"}
+  assert names("model.norm", "input_layernorm") == {"model.norm.weight", "model.layers.input_layernorm.weight"}
+  assert names("embed_tokens") == {"model.embed_tokens"}  # tied to the LM head in the tiny preset
+  spec = lora.LoraSpec(rank=4, alpha=8, modules_to_save=("norm", "embed_tokens"))
+  model = registry.causal_lm(config, rngs=nnx.Rngs(0))
+  ids, mask = left_padded_batch(config.vocab_size, [12, 6])
+  base_logits = np.asarray(model(ids, mask))
+  lora.add_adapters(model, spec, nnx.Rngs(1))
+  np.testing.assert_array_equal(np.asarray(model(ids, mask)), base_logits)
+  graphdef, adapters, base = lora.split(model)
+  flat = dict(nnx.to_flat_state(adapters))
+  saved = [p for p in flat if p[-1].startswith("saved_")]
+  assert len(saved) == 4 and flat[("model", "layers", "input_layernorm", "saved_weight")].get_value().shape == (2, 64)
+  assert flat[("model", "saved_embed_tokens")].get_value().shape == (config.vocab_size, 64)
+  flat.update({p: flat[p].replace(flat[p].get_value() * 3.0) for p in saved})  # only the copies change
+  model = nnx.merge(graphdef, nnx.from_flat_state(flat), base)
+  trained = np.asarray(model(ids, mask))
+  assert np.abs(trained - base_logits).max() > 1.0
+  np.testing.assert_array_equal(np.asarray(lora.without_adapters(model)(ids, mask)), base_logits)
+  np.testing.assert_allclose(np.asarray(lora.merged_model(model, spec)(ids, mask)), trained, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(model.model.norm.weight[...]), 1.0)  # the base weights, untouched
+  np.testing.assert_array_equal(np.asarray(model.model.embed_tokens[...]), np.asarray(base["model"]["embed_tokens"][...]))
 
 
 def test_targets_by_name_and_by_pattern():

@@ -107,11 +107,12 @@ def hf_bases(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, hf_bases):
-  """{algorithm: (workdir, trainer after 2 LoRA steps, base as loaded)}; PACS's on the first HF base."""
+  """{algorithm: (workdir, trainer after 2 LoRA steps, base as loaded)}; PACS's on the first HF base, GRPO's and
+  PPO's saving the norms and the (tied) embeddings too."""
   out = {}
   for algorithm in ("pacs", "grpo", "ppo"):
     workdir = tmp_path_factory.mktemp(algorithm) / "run"
-    on_hf = {"model.hf_path": hf_bases[0]} if algorithm == "pacs" else {}
+    on_hf = {"model.hf_path": hf_bases[0]} if algorithm == "pacs" else {"lora.modules_to_save": "norm,embed_tokens"}
     t = trainer(workdir, algorithm=algorithm, **LORA, **on_hf)
     base, adapters = leaves(t.base), leaves(t.state.params)
     t.run()
@@ -129,7 +130,12 @@ def test_two_lora_steps_train_the_adapters_only(runs, algorithm):
   for before, after in zip(base, leaves(t.base)):  # the base: neither trained nor donated
     np.testing.assert_array_equal(before, after)
   assert any(not np.array_equal(a, b) for a, b in zip(adapters, leaves(t.state.params)))
-  if algorithm == "ppo":  # the critic trains its own adapters and value head on the policy's base backbone
+  saved = {p: v for p, v in nnx.to_flat_state(t.state.params) if p[-1].startswith("saved_")}
+  assert len(saved) == (0 if algorithm == "pacs" else 4)  # input, post-attention and final norms; embeddings
+  for path, copy in saved.items():  # trained, the base weight it copies untouched
+    base_weight = np.asarray(dict(nnx.to_flat_state(t.base))[path[:-1] + (path[-1].removeprefix("saved_"),)].get_value())
+    assert not np.array_equal(np.asarray(copy.get_value()), base_weight), path
+  if algorithm == "ppo":  # the critic trains its own adapters, saved copies and value head on the policy's base
     names = {p[-1] for p, _ in nnx.to_flat_state(t.state.critic_params)}
     assert names == {"value_kernel", "value_bias"} | {p[-1] for p, _ in nnx.to_flat_state(t.state.params)}
     assert rows[-1]["critic/grad_norm"] > 0
@@ -141,15 +147,19 @@ def test_a_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_only(run
   trainer(full_dir, algorithm="grpo").run()
   adapters = sorted(("params", *p, "value") for p, _ in nnx.to_flat_state(t.state.params))
   assert saved_params(workdir, 2) == adapters
-  assert all(p[-2].endswith(("_lora_a", "_lora_b")) for p in adapters) and len(adapters) == 14
+  # 14 adapters (A and B of 7 projections) and 4 saved copies (3 norms, the embeddings): no base weight.
+  assert all(p[-2].endswith(("_lora_a", "_lora_b")) or p[-2].startswith("saved_") for p in adapters)
+  assert len(adapters) == 18
   lora_bytes, full_bytes = state_bytes(workdir, 2), state_bytes(full_dir, 2)
   n_adapters, n_full = (sum(x.size for x in jax.tree.leaves(p)) for p in (t.state.params, nnx.state(
       nnx.merge(t.frozen.ref_graphdef, t.base), nnx.Param)))
-  print(f"\ncheckpoint state of the tiny model: LoRA rank 8 {lora_bytes} bytes ({n_adapters} adapter parameters + "
+  print(f"\ncheckpoint state of the tiny model: LoRA rank 8 saving norms and embeddings {lora_bytes} bytes "
+        f"({n_adapters} adapter and saved parameters + "
         f"Adam moments), full {full_bytes} bytes ({n_full} parameters + Adam moments)")
   # params, mu, nu of the adapters alone in fp32 (and a few scalars): no base weight.
   assert 3 * 4 * n_adapters <= lora_bytes < 3 * 4 * n_adapters + 3 * 4 * n_full / 10
-  assert lora_bytes < full_bytes / 3
+  n_saved = sum(v.get_value().size for p, v in nnx.to_flat_state(t.state.params) if p[-1].startswith("saved_"))
+  assert lora_bytes - 3 * 4 * n_saved < full_bytes / 3  # the adapters' part; the saved copies add their own size
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -161,6 +171,8 @@ def test_a_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_only(run
     ({"lora.rank": 33}, "config.lora.rank: 33 is above the smaller side of the k projection's [64, 32] matrix"),
     ({"lora.rank": 8, "lora.targets": "q,attn"}, "config.lora.targets: 'attn' is neither a projection"),
     ({"lora.rank": 8, "lora.alpha": 0.0}, "config.lora.alpha: must be positive"),
+    ({"lora.rank": 8, "lora.modules_to_save": "norm,mlp"},
+     "config.lora.modules_to_save: 'mlp' names model.layers.0.mlp, which is neither a norm nor the embeddings or LM head"),
 ])
 def test_bad_lora_settings_are_refused_naming_the_field(overrides, message, tmp_path):
   with pytest.raises(config_lib.ConfigError) as e:
