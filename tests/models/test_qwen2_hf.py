@@ -196,7 +196,9 @@ def test_missing_tensor(tmp_path):
   tensors = load_file(f)
   del tensors["lm_head.weight"]
   save_file(tensors, f, metadata={"format": "pt"})
-  with pytest.raises(KeyError, match=r"'lm_head\.weight' is missing from .*model\.safetensors"):
+  # Refused before any tensor is read, naming the tensor and the family (issue 34: a model folder is read strictly).
+  with pytest.raises(hf.WeightsMismatch, match=r"tensor 'lm_head\.weight' is missing from the weights, and "
+                     r"model_type 'qwen2' needs it"):
     hf.load_pretrained(path)
 
 
