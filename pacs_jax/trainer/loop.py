@@ -245,32 +245,8 @@ class Trainer:
                             sampling=self.sampling, seed=seed, on_finish=on_finish)
 
   def start_next_rollout(self, updated: bool) -> None:
-    """one_step_off: starts the next step's rollout on the background thread (trainer/overlap.py), if there is a
-    next step, with the current weights: those this step sampled with (before its update, `updated` False) or its
-    update's (after it). Its prompts are the pipeline's next element, its seed the synchronous step's."""
-    if int(self.state.step) + (1 if updated else 2) > self.cfg.steps:
-      return
-    if not isinstance(self.data_iter, overlap.Lookahead):
-      self.data_iter = overlap.Lookahead(self.data_iter)
-    element = self.data_iter.peek()
-    prompt_ids = [ids.tolist() for ids in element["prompt_ids"]]
-    rng = self.state.rng
-    seed = state_lib.rollout_seed(rng) if updated else state_lib.next_rollout_seed(rng)
-    version, worker = int(self.state.step), self.rollout_worker
-    with jax.set_mesh(self.mesh):
-      weights = self.sample_params()
-      if not updated:  # the update about to run donates the state: the worker keeps weights of its own
-        weights = jax.tree.map(jnp.copy, weights)
-
-    def rollout():
-      with jax.set_mesh(self.mesh):
-        worker.set_weights(weights, version)
-        try:
-          return stages.rollout(worker, prompt_ids, P=self.P, n=self.cfg.rollout.n, max_new_tokens=self.R,
-                                sampling=self.sampling, seed=seed)
-        finally:
-          worker.release()
-    self.next_rollout.start(element, rollout)
+    """one_step_off: the next step's rollout started on the background thread (`overlap.start_next`)."""
+    overlap.start_next(self, updated)
 
   def update(self, packed: batching.PackedRollout) -> dict[str, Any]:
     """The update stage on the trainer's state; keeps each mini-batch's own metrics in `minibatch_metrics`."""

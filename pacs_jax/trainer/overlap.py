@@ -14,6 +14,12 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
+
+from pacs_jax.trainer import stages
+from pacs_jax.trainer import state as state_lib
+
 
 class Lookahead:
   """The prompt pipeline's iterator, able to look one element ahead (`peek`); `get_state` is the position before
@@ -75,3 +81,32 @@ class NextRollout:
   def close(self) -> None:
     self.drop()
     self._pool.shutdown(wait=True)
+
+
+def start_next(trainer, updated: bool) -> None:
+  """one_step_off: starts `trainer`'s next step's rollout on the background thread if there is a next
+  step, with the current weights: those this step sampled with (before its update, `updated` False) or its
+  update's (after it). Its prompts are the pipeline's next element, its seed the synchronous step's."""
+  if int(trainer.state.step) + (1 if updated else 2) > trainer.cfg.steps:
+    return
+  if not isinstance(trainer.data_iter, Lookahead):
+    trainer.data_iter = Lookahead(trainer.data_iter)
+  element = trainer.data_iter.peek()
+  prompt_ids = [ids.tolist() for ids in element["prompt_ids"]]
+  rng = trainer.state.rng
+  seed = state_lib.rollout_seed(rng) if updated else state_lib.next_rollout_seed(rng)
+  version, worker = int(trainer.state.step), trainer.rollout_worker
+  with jax.set_mesh(trainer.mesh):
+    weights = trainer.sample_params()
+    if not updated:  # the update about to run donates the state: the worker keeps weights of its own
+      weights = jax.tree.map(jnp.copy, weights)
+
+  def rollout():
+    with jax.set_mesh(trainer.mesh):
+      worker.set_weights(weights, version)
+      try:
+        return stages.rollout(worker, prompt_ids, P=trainer.P, n=trainer.cfg.rollout.n, max_new_tokens=trainer.R,
+                              sampling=trainer.sampling, seed=seed)
+      finally:
+        worker.release()
+  trainer.next_rollout.start(element, rollout)
