@@ -15,8 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The table's columns a run decides (the step-time columns measure the machine): steps, reward (last 10%), val
 # accuracy (last), entropy (last), response length (last), as (absolute, relative) tolerances: what the README
 # prints plus another CPU's float noise, which over hundreds of sampled steps moves the last step's entropy by a few
-# percent (GRPO's: 2.431 and 2.507 on two machines). The README's read 0.240 (issue 35).
-DECIDED = {1: (0, 0), 2: (0.01, 0), 3: (0.01, 0), 4: (0, 0.1), 5: (0.1, 0)}
+# percent (GRPO's: 2.431 and 2.507 on two machines), and a collapsed entropy (PPO's) by some hundredths. The
+# README's GRPO entropy read 0.240 and PPO's 0.064 (issue 35).
+DECIDED = {1: (0, 0), 2: (0.01, 0), 3: (0.01, 0), 4: (0.05, 0.1), 5: (0.1, 0)}
 
 
 def run(tmp_path, config_arg, *extra):
