@@ -150,3 +150,17 @@ def test_more_seeds_or_algorithms_add_runs_to_a_study(tmp_path):
   merged = runs._with_runs_of(previous["settings"], more)
   assert merged["algorithms"] == ["pacs", "grpo", "ppo", "gspo"] and merged["seeds"] == [0, 1, 5]
   assert runs._previous(str(path), dataclasses.replace(s, steps=3)) is None
+
+
+def test_committed_tables_are_the_committed_summarys():
+  """docs/study.md's and the README's pass@k tables are what the report prints from docs/study_summary.json (the
+  study's own file), and docs/study.md's differences are the summary's: regenerating one and not the others fails."""
+  with open(os.path.join(ROOT, "docs", "study_summary.json")) as f:
+    summary = json.load(f)["summary"]
+  table = report.markdown_table(summary["pass_at_k"]).split("\n\n")[0]
+  differences = report.differences_table(summary["differences"]).split("\n\n")[0]
+  for doc in ("README.md", os.path.join("docs", "study.md")):
+    with open(os.path.join(ROOT, doc)) as f:
+      assert table in f.read(), f"{doc}'s study table is not docs/study_summary.json's: regenerate it"
+  with open(os.path.join(ROOT, "docs", "study.md")) as f:
+    assert differences in f.read()
