@@ -55,6 +55,8 @@ SLOWEST = (
     "tests/train/test_demo_learns.py",  # 60-130 s each
     "tests/train/test_first_hour.py",
     "tests/test_configs_e2e.py",
+    "tests/train/test_released_recipe.py::test_rollout_reference_run_with_exact_padding_dumps_and_every_checkpoint",
+    "tests/train/test_step.py",  # in-process, ~30-50 s a test (compiling), last in collection order before
 )
 _MODULE_FIXTURE = re.compile(r"""scope\s*=\s*["'](module|class|package)["']""")
 
