@@ -45,8 +45,9 @@ def pytest_collection_modifyitems(config, items):
 # - a file that defines a module- or class-scoped fixture is one unit of work, run by one worker (its fixtures are
 #   built once); every other test is a unit of its own;
 # - units go out longest first, each to the next idle worker: SLOWEST's files and tests in its order, then the
-#   tests marked `slow`, then the files with module fixtures, then the rest in collection order.
-# SLOWEST: test files or test ids, longest first (their time in CI's last full run).
+#   tests marked `slow`, then the files with module fixtures, then the tests of files that train (tests/train/) or
+#   start processes, then the rest (unit tests of a second or less) in collection order: the run ends on short ones.
+# SLOWEST: test files or test ids, longest first (times: CI's last full run, 2 workers on 2 cores).
 SLOWEST = (
     "tests/train/test_compile_only.py",  # ~400 s: two TPU compiles (full + LoRA) with the persistent cache off
     "tests/test_study.py",  # ~330 s: two shrunk studies
@@ -56,7 +57,7 @@ SLOWEST = (
     "tests/train/test_first_hour.py",
     "tests/test_configs_e2e.py",
     "tests/train/test_released_recipe.py::test_rollout_reference_run_with_exact_padding_dumps_and_every_checkpoint",
-    "tests/train/test_step.py",  # in-process, ~30-50 s a test (compiling), last in collection order before
+    "tests/train/test_step.py",  # 8 in-process tests of ~30-50 s (compiling) that came last
 )
 _MODULE_FIXTURE = re.compile(r"""scope\s*=\s*["'](module|class|package)["']""")
 
@@ -68,17 +69,24 @@ def _rank(item) -> int:
       return i
   if item.get_closest_marker("slow"):
     return len(SLOWEST)
-  return len(SLOWEST) + (1 if _one_unit(nodeid.split("::", 1)[0]) else 2)
+  path = nodeid.split("::", 1)[0]
+  if _one_unit(path):
+    return len(SLOWEST) + 1
+  return len(SLOWEST) + (2 if path.startswith("tests/train/") or "sys.executable" in _source(path) else 3)
 
 
 @functools.cache
-def _one_unit(path: str) -> bool:
-  """Whether the test file defines a module- or class-scoped fixture (its tests then share one worker)."""
+def _source(path: str) -> str:
   try:
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)) as f:
-      return bool(_MODULE_FIXTURE.search(f.read()))
+      return f.read()
   except OSError:
-    return False
+    return ""
+
+
+def _one_unit(path: str) -> bool:
+  """Whether the test file defines a module- or class-scoped fixture (its tests then share one worker)."""
+  return bool(_MODULE_FIXTURE.search(_source(path)))
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
