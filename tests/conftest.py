@@ -1,6 +1,8 @@
 """Test setup: 8 simulated CPU devices (before jax is imported) and shared tiny-model fixtures."""
 
+import functools
 import os
+import re
 
 # CPU unless a GPU / TPU run is asked for: with libtpu installed (a test dependency, for compiling TPU
 # programs ahead of time) jax would otherwise look for a TPU first. Subprocesses inherit it.
@@ -25,13 +27,81 @@ jax.config.update("jax_compilation_cache_dir",
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 def pytest_collection_modifyitems(config, items):
-  """`gpu`-marked tests run only where jax's default backend is a GPU."""
+  """`gpu`-marked tests run only where jax's default backend is a GPU. Under xdist, the longest tests first."""
+  if hasattr(config, "workerinput"):  # an xdist worker: its collection order is the order work is handed out
+    items.sort(key=_rank)  # stable: within a rank, collection order
   if jax.default_backend() == "gpu":
     return
   skip = pytest.mark.skip(reason="needs a GPU (jax's default backend is not gpu)")
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+# Scheduling under xdist (CI runs `pytest -n 2` on 2 cores). xdist's default (`--dist load`) deals tests out in
+# collection order, in chunks that cut through files: a file's module-scoped fixture (a compiled TPU program, a
+# trained run, a study) was then built by both workers, and the slowest files, last in alphabetical order
+# (tests/train/), left one worker running alone at the end. Here (hooks below):
+# - a file that defines a module- or class-scoped fixture is one unit of work, run by one worker (its fixtures are
+#   built once); every other test is a unit of its own;
+# - units go out longest first, each to the next idle worker: SLOWEST's files and tests in its order, then the
+#   tests marked `slow`, then the files with module fixtures, then the tests of files that train (tests/train/) or
+#   start processes, then the rest (unit tests of a second or less) in collection order: the run ends on short ones.
+# SLOWEST: test files or test ids, longest first (times: CI's last full run, 2 workers on 2 cores).
+SLOWEST = (
+    "tests/train/test_compile_only.py",  # ~400 s: two TPU compiles (full + LoRA) with the persistent cache off
+    "tests/test_study.py",  # ~330 s: two shrunk studies
+    "tests/test_configs_e2e.py::test_config_trains_two_steps_through_the_cli[configs/qwen3b_gpu.py]",  # 146 s
+    "tests/test_multihost.py::test_dynamic_sampling_on_two_processes_matches_one",  # 140 s
+    "tests/train/test_demo_learns.py",  # 60-130 s each
+    "tests/train/test_first_hour.py",
+    "tests/test_configs_e2e.py",
+    "tests/train/test_released_recipe.py::test_rollout_reference_run_with_exact_padding_dumps_and_every_checkpoint",
+    "tests/train/test_step.py",  # 8 in-process tests of ~30-50 s (compiling) that came last
+)
+_MODULE_FIXTURE = re.compile(r"""scope\s*=\s*["'](module|class|package)["']""")
+
+
+def _rank(item) -> int:
+  nodeid = item.nodeid
+  for i, prefix in enumerate(SLOWEST):
+    if nodeid == prefix or nodeid.startswith(prefix + "::"):
+      return i
+  if item.get_closest_marker("slow"):
+    return len(SLOWEST)
+  path = nodeid.split("::", 1)[0]
+  if _one_unit(path):
+    return len(SLOWEST) + 1
+  return len(SLOWEST) + (2 if path.startswith("tests/train/") or "sys.executable" in _source(path) else 3)
+
+
+@functools.cache
+def _source(path: str) -> str:
+  try:
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)) as f:
+      return f.read()
+  except OSError:
+    return ""
+
+
+def _one_unit(path: str) -> bool:
+  """Whether the test file defines a module- or class-scoped fixture (its tests then share one worker)."""
+  return bool(_MODULE_FIXTURE.search(_source(path)))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  if config.getvalue("dist") != "load":  # another --dist, asked for by name, is xdist's own
+    return None
+  from xdist.scheduler import LoadScopeScheduling
+
+  class FilesWithModuleFixturesLongestFirst(LoadScopeScheduling):
+    def _split_scope(self, nodeid):
+      path = nodeid.split("::", 1)[0]
+      return path if _one_unit(path) else nodeid
+
+  config.option.loadscopereorder = False  # units in the workers' collection order (longest first), not by size
+  return FilesWithModuleFixturesLongestFirst(config, log)
 
 
 # A few real rows of each released data set (tests/fixtures/data/SOURCES.md): the tests read nothing outside the repo.
