@@ -113,7 +113,7 @@ def runs(tmp_path_factory, hf_bases):
   for algorithm in ("pacs", "grpo", "ppo"):
     workdir = tmp_path_factory.mktemp(algorithm) / "run"
     on_hf = {"model.hf_path": hf_bases[0]} if algorithm == "pacs" else {"lora.modules_to_save": "norm,embed_tokens"}
-    t = trainer(workdir, algorithm=algorithm, **LORA, **on_hf)
+    t = trainer(workdir, algorithm=algorithm, **{**LORA, **on_hf})
     base, adapters = leaves(t.base), leaves(t.state.params)
     t.run()
     out[algorithm] = (workdir, t, base, adapters)
