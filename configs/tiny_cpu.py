@@ -39,6 +39,10 @@ def get_config(algorithm: str = "pacs"):
   c.eval_every = 10
   c.checkpoint.every = 50
   c.mesh.fsdp = 1
+  # LoRA on this random base (`--config.lora.rank=8`; a full run ignores it) also trains the embeddings (tied to the
+  # LM head) and the norms, peft's modules_to_save: frozen as drawn, they cap the right answer's probability below
+  # 0.4 whatever the adapters do (docs/lora.md, "The demo"). A pretrained base needs none (the 7B configs set none).
+  c.lora.modules_to_save = "embed_tokens,norm"
   # The baselines' own settings (at lr 3e-3 GRPO collapses its entropy and forgets the task).
   c.update_from_flattened_dict(BASELINE_SETTINGS.get(c.algorithm, {}))
   return c

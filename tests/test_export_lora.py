@@ -28,6 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
 RUN = {"steps": 2, "eval_every": 0, "train.batch_prompts": 4, "train.mini_batch_prompts": 2,
        "checkpoint.async_save": False}
+LORA = {"lora.rank": 8, "lora.modules_to_save": ""}  # a plain folder (the demo config saves embeddings and norms)
 NOISE = ("All log messages before absl::InitializeLog() is called", "cudart_stub.cc")  # jax's CUDA plugin, no GPU
 
 
@@ -59,7 +60,7 @@ def base_dir(tmp_path_factory):
 def lora_run(base_dir, tmp_path_factory):
   """Two PACS steps of rank-8 adapters on every projection of the base (the demo task)."""
   workdir = str(tmp_path_factory.mktemp("lora") / "run")
-  cfg = config_lib.load_config_file(TINY, {**RUN, "model.hf_path": base_dir, "lora.rank": 8})
+  cfg = config_lib.load_config_file(TINY, {**RUN, "model.hf_path": base_dir, **LORA})
   loop.train(cfg, workdir, devices=jax.devices()[:1])
   return workdir
 
@@ -71,7 +72,7 @@ def torch_logits(model, ids: np.ndarray) -> np.ndarray:
 
 def test_merged_and_adapter_exports_load_in_transformers_and_peft_to_the_runs_logits(lora_run, base_dir, tmp_path):
   policy = export_lib.load(lora_run)
-  assert policy.step == 2 and policy.spec == config_lib.lora_spec(config_lib.load_config_file(TINY, {"lora.rank": 8}))
+  assert policy.step == 2 and policy.spec == config_lib.lora_spec(config_lib.load_config_file(TINY, LORA))
   _, adapters, _ = lora.split(policy.model)
   b = [np.asarray(v.get_value()) for path, v in nnx.to_flat_state(adapters) if path[-1].endswith("_lora_b")]
   assert len(b) == 7 and all(np.abs(x).max() > 0 for x in b)  # trained: the update is no longer zero

@@ -218,7 +218,8 @@ def _check_lora(c: ml_collections.ConfigDict) -> None:
   its LoRA runs save (configs/tiny_cpu.py does) and still run full fine-tuning at rank 0."""
   _check(isinstance(c.lora.rank, int) and not isinstance(c.lora.rank, bool) and c.lora.rank >= 0, "lora.rank",
          f"must be a positive integer (0 = off: full fine-tuning), got {c.lora.rank!r}")
-  _check(c.lora.lr_multiplier > 0, "lora.lr_multiplier", f"must be positive, got {c.lora.lr_multiplier!r}")
+  _check(c.lora.lr_multiplier >= 0, "lora.lr_multiplier",
+         f"must be positive (or 0: the width rule), got {c.lora.lr_multiplier!r}")
   if not c.lora.rank:
     defaults = default_config().lora
     changed = [k for k in defaults if k not in ("rank", "modules_to_save") and c.lora[k] != defaults[k]]

@@ -117,10 +117,12 @@ def default_config() -> ml_collections.ConfigDict:
   # "embed_tokens", "lm_head"), checkpointed with them and merged into the export. None by default: a plain
   # LoRA folder, which vLLM serves.
   c.lora.modules_to_save = ""
-  # A LoRA run's learning rates (the policy's train.lr and a critic's rate) are times this: LoRA's best
-  # learning rate is about 10x full fine-tuning's (Thinking Machines, "LoRA Without Regret", 2025), so a
-  # config's full fine-tuning rate carries over when LoRA is turned on. 1 = use train.lr as it is.
-  c.lora.lr_multiplier = 10.0
+  # A LoRA run's learning rates (the policy's train.lr and a critic's rate) are times this, so a config's full
+  # fine-tuning rate carries over when LoRA is turned on. 0 = the rule (`LoraSpec.lr_multiplier`): LoRA's best
+  # rate is about 10x full fine-tuning's (Thinking Machines, "LoRA Without Regret", 2025, at widths of thousands),
+  # capped at hidden_size / (2 alpha) for narrow models (1 for the width-64 demo; 10 from a width of 640 up).
+  # 1 = use train.lr as it is.
+  c.lora.lr_multiplier = 0.0
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1

@@ -38,6 +38,7 @@ _SUBMODULE = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_a
               "gate": "mlp", "up": "mlp", "down": "mlp"}  # the decoder layer's submodule that holds each kernel
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+LR_RATIO = 10.0  # LoRA's best learning rate over full fine-tuning's (Thinking Machines, "LoRA Without Regret", 2025)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,13 @@ class LoraSpec:
   @property
   def scale(self) -> float:
     return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+  def lr_multiplier(self, hidden_size: int) -> float:
+    """LoRA's learning rate over full fine-tuning's (`lora.lr_multiplier` 0): LoRA Without Regret's 10 (measured at
+    widths 2048 to 8192, alpha 32), capped at hidden_size / (2 · scale · rank), tinker-cookbook's earlier rule
+    (hidden_size / (2 alpha)), which grows with the width as a LoRA step's first-order effect falls behind a full
+    step's. The cap binds below a width of 20 · scale · rank (640 for alpha 32): 1 for the width-64 demo."""
+    return min(LR_RATIO, hidden_size / (2 * self.scale * self.rank))
 
 
 def module_names(config: ModelConfig, target: str) -> list[str]:

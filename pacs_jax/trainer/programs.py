@@ -53,13 +53,21 @@ def micro_batches(cfg: ml_collections.ConfigDict) -> int:
   return cfg.train.mini_batch_prompts // (cfg.train.micro_batch_prompts or cfg.train.mini_batch_prompts)
 
 
+def lora_lr_multiplier(cfg: ml_collections.ConfigDict) -> float:
+  """A LoRA run's learning rates over the config's: `lora.lr_multiplier`, or where it is 0 (the default) the rule
+  `LoraSpec.lr_multiplier` at the policy's width (10, capped at hidden_size / (2 alpha))."""
+  if cfg.lora.lr_multiplier:
+    return cfg.lora.lr_multiplier
+  return config_lib.lora_spec(cfg).lr_multiplier(config_lib.model_config(cfg).hidden_size)
+
+
 def make_optimizers(cfg: ml_collections.ConfigDict):
-  """(policy optimizer, critic optimizer or None). A LoRA run's learning rates are `lora.lr_multiplier` times the
-  config's (LoRA's best is about 10x full fine-tuning's), but for its saved parameters (`lora.modules_to_save`),
-  which are trained in full and so at the config's rate."""
+  """(policy optimizer, critic optimizer or None). A LoRA run's learning rates are `lora_lr_multiplier` times the
+  config's (LoRA's best is about 10x full fine-tuning's at widths of thousands), but for its saved parameters
+  (`lora.modules_to_save`), which are trained in full and so at the config's rate."""
   total_updates = cfg.steps * updates_per_step(cfg)
   spec = config_lib.lora_spec(cfg)
-  scale = cfg.lora.lr_multiplier if spec else 1.0
+  scale = lora_lr_multiplier(cfg) if spec else 1.0
   saved = 1 / scale if spec and spec.modules_to_save else None
   optimizer = state_lib.make_optimizer(cfg.train, scale * cfg.train.lr, total_updates, saved)
   algo, critic = registry.of(cfg), None

@@ -151,7 +151,7 @@ def test_compile_only_builds_the_programs_the_trainer_runs(report, tmp_path):
 
 @pytest.fixture(scope="module")
 def lora_report(tiny_tpu_config):
-  cfg = config_lib.load_config_file(tiny_tpu_config, {"lora.rank": 8})
+  cfg = config_lib.load_config_file(tiny_tpu_config, {"lora.rank": 8, "lora.modules_to_save": ""})
   with jax.default_matmul_precision("default"):
     return aot.compile_run(cfg), cfg
 

@@ -23,7 +23,8 @@ TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
 TIMING_PREFIXES = ("timing/", "throughput/")
 STEPS = 10
 SETTINGS = {"steps": STEPS, "eval_every": 4, "checkpoint.every": 3, "train.batch_prompts": 8,
-            "train.mini_batch_prompts": 4, "data.synthetic_val_size": 8, "lora.rank": 8}
+            "train.mini_batch_prompts": 4, "data.synthetic_val_size": 8, "lora.rank": 8,
+            "lora.modules_to_save": ""}
 
 
 def trainer_cmd(workdir):
