@@ -347,6 +347,9 @@ def model_to_evaluate(path: str, step: int | None = None) -> Iterator[tuple[str,
   exported into a temporary local folder removed afterwards, the results going to `<workdir>-eval_step_<S>`
   beside it: a workdir is never written."""
   if not is_workdir(path):
+    cause = paths.unreachable(path)  # (asked once: is_workdir's retried look-ups read an outage as "no folder")
+    if cause:
+      raise paths.StorageUnreachable(f"{path}: storage unreachable ({cause}); rerun the same command to resume")
     if not paths.isfile(paths.join(path, hf.CONFIG_FILE)):
       raise FileNotFoundError(f"--model {path}: neither a Hugging Face directory ({hf.CONFIG_FILE}) nor a training "
                               f"workdir ({CHECKPOINT_DIR}/ and {MODEL_DIR}/)")
