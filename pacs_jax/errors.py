@@ -102,7 +102,7 @@ def classify(e: BaseException) -> Failure | None:
     return Failure(EXIT_DATA, str(e))
   if isinstance(e, lock.WorkdirLocked):
     return Failure(EXIT_LOCKED, str(e))
-  if isinstance(e, checkpoint.CheckpointMismatch):
+  if isinstance(e, (checkpoint.CheckpointMismatch, hf.NonFiniteWeights)):
     return Failure(EXIT_CHECKPOINT, str(e))
   if isinstance(e, paths.StorageError):
     return Failure(EXIT_STORAGE, str(e))

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import pytest
 from flax import nnx
@@ -211,6 +213,36 @@ def test_export_onto_a_full_disk_is_one_line(workdir, tmp_path):
   result = cli("pacs_jax.export", "--workdir", str(workdir), "--out", "hf", cwd=tmp_path, prelude=FULL_DISK)
   assert_fails(result, errors.EXIT_STORAGE, "model.safetensors: No space left on device")
   assert os.listdir(tmp_path) == []  # the staging folder is removed
+
+
+def test_export_and_evaluate_refuse_non_finite_weights_in_one_line(tmp_path):
+  """A checkpoint, or a Hugging Face folder, whose weights hold NaN: refused in one line naming it (exit 5), nothing
+  written; an earlier finite step still exports. (Were exported, and evaluated to nonsense, without a word.)"""
+  run = fake_workdir(tmp_path / "run", steps=(1,))
+  model = registry.causal_lm(tiny_config(), rngs=nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  nan = jax.tree.map(lambda x: x.at[..., 0].set(jnp.nan) if x.ndim == 1 else x, params)  # the final norm's
+  ckpt = checkpoint_lib.Checkpointer(str(run / "checkpoints"), keep=0, async_save=False)
+  record = {"model": {k: model.config.to_hf_dict().get(k) for k in resume.MODEL_FIELDS}}
+  ckpt.save(2, {"params": nan}, {}, ml_collections.ConfigDict({"model": {"param_dtype": "float32"},
+                                                              "algorithm": "pacs"}), record=record)
+  ckpt.close()
+  expected = (f"{run}/checkpoints/2: the weights are non-finite (NaN or inf in model.norm.weight); choose an "
+              "earlier one with --step")
+  assert_fails(cli("pacs_jax.export", "--workdir", str(run), "--out", "hf", cwd=tmp_path), errors.EXIT_CHECKPOINT,
+               f"export: {expected}")
+  assert_fails(cli("pacs_jax.evaluate", "--model", str(run), "--data", "synthetic/mod3", cwd=tmp_path),
+               errors.EXIT_CHECKPOINT, f"evaluate: {expected}")
+  assert sorted(os.listdir(tmp_path)) == ["run"]
+  export_lib.export(str(run), str(tmp_path / "hf"), step=1)  # the finite step: fine
+  nnx.update(model, nan)
+  export_lib.save_model_dir(model, str(tmp_path / "nan_hf"), synthetic.build_tokenizer())
+  before = tree(tmp_path / "nan_hf")
+  assert_fails(cli("pacs_jax.evaluate", "--model", "nan_hf", "--data", "synthetic/mod3", cwd=tmp_path),
+               errors.EXIT_CHECKPOINT, "evaluate: nan_hf: the weights are non-finite (NaN or inf in "
+               "model.norm.weight)")
+  after = tree(tmp_path / "nan_hf")  # (evaluate records its settings first, as before any evaluation)
+  assert {k: v for k, v in after.items() if k != "eval_summary.json"} == before  # no results beside the weights
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -216,6 +216,8 @@ def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | Non
   remove_stale_staging(out_dir)
   previous = _previous_export(out_dir, overwrite)  # before the checkpoint is read: refuse early
   policy = load(workdir, step, adapters_only=adapter)
+  hf.refuse_non_finite(lora.split(policy.model)[1] if adapter else nnx.state(policy.model, nnx.Param),
+                       f"{workdir_lib.checkpoint_dir(workdir)}/{policy.step}", "; choose an earlier one with --step")
   staging = _staging_dir(out_dir)
   try:
     if adapter:
