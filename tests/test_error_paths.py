@@ -263,6 +263,14 @@ def test_a_tensor_the_family_does_not_use_or_lacks_is_refused(tmp_path):
   with pytest.raises(hf.WeightsMismatch, match=r"tensor 'model\.layers\.2\.[\w.]+' \(and \d+ more\) is missing from "
                      r"the weights, and model_type 'qwen2' needs it"):
     hf.load_pretrained(str(directory))
+  # The issue's probe: evaluate on such a folder ended in 33-40 lines and safetensors' KeyError.
+  export_lib.save_model_dir(model, str(tmp_path / "tokenizer_only"), synthetic.build_tokenizer())
+  for name in os.listdir(tmp_path / "tokenizer_only"):
+    if name.startswith(("tokenizer", "special_tokens", "vocab", "generation")):
+      shutil.copy(tmp_path / "tokenizer_only" / name, directory / name)
+  assert_fails(cli("pacs_jax.evaluate", "--model", "qwen", "--data", "synthetic/mod3", cwd=tmp_path),
+               errors.EXIT_INPUT, "evaluate: ", "tensor 'model.layers.2.", "is missing from the weights, and "
+               "model_type 'qwen2' needs it")
   assert errors.classify(hf.WeightsMismatch("x")).status == errors.EXIT_INPUT
 
 
