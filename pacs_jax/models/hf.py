@@ -256,11 +256,13 @@ def save_safetensors(tensors: dict[str, np.ndarray], file: str) -> None:
   text of its own error type)."""
   try:
     save_file(tensors, file, metadata={"format": "pt"})
-  except Exception as e:  # noqa: BLE001 (SafetensorError: "... IoError(Os { code: 28, kind: StorageFull, ...")
-    code = re.search(r"Os \{ code: (\d+)", str(e))
+  except Exception as e:  # noqa: BLE001 (SafetensorError: "... I/O error: No space left on device (os error 28)",
+    # older versions "... IoError(Os { code: 28, kind: StorageFull, ...")
+    code = re.search(r"Os \{ code: (\d+)|\(os error (\d+)\)", str(e))
     if code is None:
       raise
-    raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), file) from e
+    number = int(code.group(1) or code.group(2))
+    raise OSError(number, os.strerror(number), file) from e
   paths.ordinary_permissions(file)
 
 
