@@ -7,13 +7,16 @@ traceback is printed whole, as before.
 
 from __future__ import annotations
 
+import _thread
 import dataclasses
 import errno
 import logging as std_logging
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Callable
@@ -99,7 +102,7 @@ def classify(e: BaseException) -> Failure | None:
     return Failure(EXIT_DATA, str(e))
   if isinstance(e, lock.WorkdirLocked):
     return Failure(EXIT_LOCKED, str(e))
-  if isinstance(e, checkpoint.CheckpointMismatch):
+  if isinstance(e, (checkpoint.CheckpointMismatch, hf.NonFiniteWeights)):
     return Failure(EXIT_CHECKPOINT, str(e))
   if isinstance(e, paths.StorageError):
     return Failure(EXIT_STORAGE, str(e))
@@ -181,6 +184,49 @@ def _show_held_records() -> None:
   for record in _held_records:
     lines = [line for line in record.getMessage().splitlines() if line.strip()]
     sys.stderr.write(f"{record.name} error (at exit): {lines[0] if lines else ''}\n")
+
+
+def stop_on_ctrl_c(prog: str) -> None:
+  """A command line's first call, before its imports (seconds of them): until `run` takes over, a Ctrl-C ends it at
+  once in one line with EXIT_INTERRUPTED (nothing is written before), not in a traceback through those imports."""
+
+  def at_once(signum, frame):  # pylint: disable=unused-argument
+    sys.stderr.write(f"{prog}: {INTERRUPTED}\n")
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+  if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGINT, at_once)
+
+
+INTERRUPTED = "interrupted (Ctrl-C)"
+_interrupted = False  # a Ctrl-C came while the program ran outside the trainer's steps (trainer/preemption.py's)
+
+
+def _on_ctrl_c(signum, frame):  # pylint: disable=unused-argument
+  """Python's own Ctrl-C (a KeyboardInterrupt wherever the program is), remembered: see `_ctrl_c_in_a_callback`."""
+  global _interrupted
+  _interrupted = True
+  raise KeyboardInterrupt
+
+
+def _ctrl_c_in_a_callback(previous_hook):
+  """A KeyboardInterrupt raised inside a callback that Python runs between the program's own instructions (jax's
+  garbage-collection callback, a `__del__`) cannot stop the program: Python prints it as "Exception ignored in"
+  with a traceback and goes on, the Ctrl-C lost (seen while a model loads or compiles). Raised again instead, a
+  moment later from another thread (raised here, it would land in this hook), until it lands in the program's own
+  code. Anything else goes to `previous_hook`."""
+
+  def hook(unraisable):
+    if _interrupted and isinstance(unraisable.exc_value, KeyboardInterrupt):
+      threading.Timer(_AGAIN_AFTER_S, _thread.interrupt_main).start()  # (nothing printed: the one line says it)
+      return
+    previous_hook(unraisable)
+
+  return hook
+
+
+_AGAIN_AFTER_S = 0.05
 
 
 def _flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
@@ -286,6 +332,11 @@ def run(prog: str, main: Callable[[list[str]], object]) -> None:
   """`app.run(main)` with expected failures as one line `<prog>: <what>: <cause>` and their exit status."""
 
   def guarded(argv):
+    # Until the trainer's steps begin (their own handler finishes the step and saves), Ctrl-C stops the program in
+    # one line with EXIT_INTERRUPTED: a model load, a compile, a restore, an evaluation or an export.
+    if threading.current_thread() is threading.main_thread():
+      signal.signal(signal.SIGINT, _on_ctrl_c)
+      sys.unraisablehook = _ctrl_c_in_a_callback(sys.unraisablehook)
     for handler in {*std_logging.getLogger().handlers, logging.get_absl_handler()}:
       handler.addFilter(_HoldLibraryErrors())
     try:
@@ -295,11 +346,12 @@ def run(prog: str, main: Callable[[list[str]], object]) -> None:
     except (SystemExit, app.UsageError):
       raise
     except KeyboardInterrupt as e:  # (once training runs, Ctrl-C saves a checkpoint first: trainer/preemption.py)
-      _exit(prog, Failure(EXIT_INTERRUPTED, "interrupted (Ctrl-C)"), e)
+      _exit(prog, Failure(EXIT_INTERRUPTED, INTERRUPTED), e)
     except _ConfigFileError as e:
       _exit(prog, Failure(EXIT_CONFIG, str(e)), e)
     except Exception as e:  # noqa: BLE001 (classified below; a bug is re-raised whole)
-      failure = classify(e)
+      # After a Ctrl-C, whatever a library made of its KeyboardInterrupt is the interruption.
+      failure = Failure(EXIT_INTERRUPTED, INTERRUPTED) if _interrupted else classify(e)
       if failure is None:
         raise
       _exit(prog, failure, e)

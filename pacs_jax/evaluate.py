@@ -5,8 +5,12 @@ data source, written in the released layouts (`eval_rollout.jsonl`, `eval_metric
 import ml_collections
 from absl import flags
 
-from pacs_jax import config
 from pacs_jax import errors
+
+if __name__ == "__main__":  # (before the imports below, which take seconds)
+  errors.stop_on_ctrl_c("evaluate")
+
+from pacs_jax import config  # pylint: disable=wrong-import-position
 from pacs_jax.eval import settings as settings_lib
 
 _MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory, or a training workdir (never written: its "

@@ -8,8 +8,12 @@ folder (adapter_config.json, adapter_model.safetensors) for `peft.PeftModel.from
 
 from absl import flags
 
-from pacs_jax import config
 from pacs_jax import errors
+
+if __name__ == "__main__":  # (before the imports below, which take seconds)
+  errors.stop_on_ctrl_c("export")
+
+from pacs_jax import config  # pylint: disable=wrong-import-position
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir (holds checkpoints/ and model/).", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")

@@ -13,6 +13,9 @@ from ml_collections import config_flags
 
 from pacs_jax import errors
 
+if __name__ == "__main__":  # (before the config file is read below: its imports take seconds)
+  errors.stop_on_ctrl_c("train")
+
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                                "tiny_cpu.py")
 

@@ -3,13 +3,17 @@ exit status docs/training.md's table gives it, because its cause is gone (no std
 platform's own import lines): Orbax's event loop outlives its reads, evaluate and export classify like train, a
 model folder is read strictly, evaluate writes nothing into a workdir, stale export staging is removed."""
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import pytest
 from flax import nnx
@@ -156,13 +160,25 @@ def test_usage_faults_are_one_line_with_the_documented_status(case, workdir, tmp
 
 
 def test_an_unreachable_gs_workdir_is_named_unreachable(local_gcs, tmp_path):
+  """export and evaluate from a `gs://` workdir whose store refuses connections: one line, EXIT_STORAGE, after one
+  retried look-up (about 15 s: paths.STORAGE_RETRIES). evaluate used to retry a second look-up (is_workdir's
+  isdir took the outage for "no such folder", then isfile retried again): 14 s longer than export."""
   workdir = f"gs://{local_gcs.bucket}/runs/{tmp_path.name}"
   local_gcs.stop_serving()
+  seconds = {}
   try:
-    result = cli("pacs_jax.export", "--workdir", workdir, "--out", "hf", cwd=tmp_path, environ=env(**local_gcs.env))
+    for module, args in (("pacs_jax.export", ["--workdir", workdir, "--out", "hf"]),
+                         ("pacs_jax.evaluate", ["--model", workdir, "--data", "synthetic/mod3"])):
+      started = time.monotonic()
+      result = cli(module, *args, cwd=tmp_path, environ=env(**local_gcs.env))
+      seconds[module] = time.monotonic() - started
+      prog = module.split(".")[-1]
+      assert_fails(result, errors.EXIT_STORAGE, f"{prog}: {workdir}: storage unreachable (Connection refused); "
+                   "rerun the same command to resume")
   finally:
     local_gcs.serve_again()
-  assert_fails(result, errors.EXIT_STORAGE, f"export: {workdir}: storage unreachable (Connection refused)")
+  assert os.listdir(tmp_path) == []
+  assert seconds["pacs_jax.evaluate"] < seconds["pacs_jax.export"] + 8, seconds  # no second 15 s of retries
 
 
 EMPTY_MOUNT_POINT = """
@@ -175,29 +191,59 @@ def busy(path, *a, **k):
 os.rmdir = busy
 """
 
-# safetensors' own error for a write that fails with ENOSPC (its Rust io::Error in the text of a SafetensorError).
-# (It replaces a file rather than writing through it, so /dev/full in its place is no simulation.)
+# safetensors' own error for a write that fails with ENOSPC (its Rust io::Error in the text of a SafetensorError),
+# as 0.8 words it and as older versions did. (It replaces a file rather than writing through it, so /dev/full in its
+# place is no simulation.)
 FULL_DISK = """
 import safetensors, safetensors.numpy
 def full(tensors, filename, metadata=None):
-  raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
-                                    '"No space left on device" })')
+  raise safetensors.SafetensorError({text!r})
 safetensors.numpy.save_file = full
 """
+SAFETENSORS_ENOSPC = ("Error while serializing: I/O error: No space left on device (os error 28)",
+                      'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left '
+                      'on device" })')
+
+
+@contextlib.contextmanager
+def small_tmpfs(directory, size):
+  """A real filesystem of `size` mounted on `directory` (as root, where mounts are allowed); yields whether it is."""
+  directory.mkdir()
+  mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                                                   str(directory)], capture_output=True).returncode == 0
+  try:
+    yield mounted
+  finally:
+    if mounted:
+      subprocess.run(["umount", str(directory)], check=True)
 
 
 def test_export_into_an_empty_mount_point(workdir, tmp_path):
-  (tmp_path / "mnt").mkdir()
-  result = cli("pacs_jax.export", "--workdir", str(workdir), "--out", "mnt", cwd=tmp_path, prelude=EMPTY_MOUNT_POINT)
-  assert result.returncode == 0, result.stderr
-  assert hf.CONFIG_FILE in os.listdir(tmp_path / "mnt") and os.listdir(tmp_path) == ["mnt"]
-  assert not [n for n in os.listdir(tmp_path / "mnt") if "partial" in n]
+  """A real (tmpfs) mount point where mounts are allowed, else its EBUSY on rmdir simulated."""
+  with small_tmpfs(tmp_path / "mnt", "8m") as real:
+    result = cli("pacs_jax.export", "--workdir", str(workdir), "--out", "mnt", cwd=tmp_path,
+                 prelude=None if real else EMPTY_MOUNT_POINT)
+    assert result.returncode == 0, result.stderr
+    assert hf.CONFIG_FILE in os.listdir(tmp_path / "mnt") and os.listdir(tmp_path) == ["mnt"]
+    assert not [n for n in os.listdir(tmp_path / "mnt") if "partial" in n]
 
 
-def test_export_onto_a_full_disk_is_one_line(workdir, tmp_path):
-  result = cli("pacs_jax.export", "--workdir", str(workdir), "--out", "hf", cwd=tmp_path, prelude=FULL_DISK)
+@pytest.mark.parametrize("text", SAFETENSORS_ENOSPC)
+def test_export_onto_a_full_disk_is_one_line(text, workdir, tmp_path):
+  result = cli("pacs_jax.export", "--workdir", str(workdir), "--out", "hf", cwd=tmp_path,
+               prelude=FULL_DISK.format(text=text))
   assert_fails(result, errors.EXIT_STORAGE, "model.safetensors: No space left on device")
   assert os.listdir(tmp_path) == []  # the staging folder is removed
+
+
+def test_export_onto_a_really_full_disk_is_one_line(workdir, tmp_path):
+  """A 16 KiB tmpfs where mounts are allowed (else the simulation of safetensors 0.8's error): safetensors 0.8's
+  real ENOSPC text ended in a 30-line traceback, exit 1, that the older simulated text had hidden."""
+  with small_tmpfs(tmp_path / "full", "16k") as real:
+    result = cli("pacs_jax.export", "--workdir", str(workdir), "--out", "full/hf", cwd=tmp_path,
+                 prelude=None if real else FULL_DISK.format(text=SAFETENSORS_ENOSPC[0]))
+    assert_fails(result, errors.EXIT_STORAGE, "model.safetensors: No space left on device")
+    assert os.listdir(tmp_path / "full") == []  # the staging folder is removed
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -218,6 +264,14 @@ def test_a_tensor_the_family_does_not_use_or_lacks_is_refused(tmp_path):
   with pytest.raises(hf.WeightsMismatch, match=r"tensor 'model\.layers\.2\.[\w.]+' \(and \d+ more\) is missing from "
                      r"the weights, and model_type 'qwen2' needs it"):
     hf.load_pretrained(str(directory))
+  # The issue's probe: evaluate on such a folder ended in 33-40 lines and safetensors' KeyError.
+  export_lib.save_model_dir(model, str(tmp_path / "tokenizer_only"), synthetic.build_tokenizer())
+  for name in os.listdir(tmp_path / "tokenizer_only"):
+    if name.startswith(("tokenizer", "special_tokens", "vocab", "generation")):
+      shutil.copy(tmp_path / "tokenizer_only" / name, directory / name)
+  assert_fails(cli("pacs_jax.evaluate", "--model", "qwen", "--data", "synthetic/mod3", cwd=tmp_path),
+               errors.EXIT_INPUT, "evaluate: ", "tensor 'model.layers.2.", "is missing from the weights, and "
+               "model_type 'qwen2' needs it")
   assert errors.classify(hf.WeightsMismatch("x")).status == errors.EXIT_INPUT
 
 

@@ -44,6 +44,7 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
               reward_workers: int, reward_timeout_s: float, progress: bool) -> dict[str, Any]:
   """`evaluate` of the Hugging Face directory `model_dir`, recorded as `name`."""
   import jax
+  from flax import nnx
   from tqdm.auto import tqdm
 
   from pacs_jax.data import tokenizers
@@ -89,6 +90,7 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
       jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
     eos, _ = stop_tokens.stop_and_mask_ids(tokenizer, local_model, settings.stop_tokens)
     policy, _ = hf.load_pretrained(local_model, dtype=dtype, mesh=mesh, compute_dtype=dtype)
+    hf.refuse_non_finite(nnx.state(policy, nnx.Param), model_dir)
   # No more slots than one chunk can fill (the KV cache is allocated per slot), and a multiple of the model
   # replicas so that the slots split evenly over them instead of being replicated.
   replicas = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1

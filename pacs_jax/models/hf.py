@@ -91,6 +91,25 @@ class WeightsMismatch(ValueError):
   """A model directory whose weights hold a tensor its config.json's family does not use, or lack one it needs."""
 
 
+class NonFiniteWeights(ValueError):
+  """Weights holding NaN or inf (a run that diverged before its check, a damaged file): nothing to export or evaluate."""
+
+
+@jax.jit
+def _all_finite(tree):
+  return jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), tree)
+
+
+def refuse_non_finite(params: nnx.State, where: str, hint: str = "") -> None:
+  """Raises NonFiniteWeights naming the first tensor (of `params`, a model's nnx.Param state) holding NaN or inf."""
+  finite = jax.device_get(_all_finite(params))
+  bad = [".".join(map(str, key)) for key, ok in sorted(nnx.to_flat_state(finite), key=lambda kv: str(kv[0]))
+         if not bool(getattr(ok, "value", ok))]
+  if bad:
+    more = f" and {len(bad) - 1} more tensors" if len(bad) > 1 else ""
+    raise NonFiniteWeights(f"{where}: the weights are non-finite (NaN or inf in {bad[0]}{more}){hint}")
+
+
 # Tensors a checkpoint may hold that no family reads (transformers ignores them too): rotary tables some older
 # exports saved, and an lm_head saved beside embeddings it is tied to.
 _IGNORED_TENSORS = re.compile(r"(.*\.rotary_emb\.inv_freq|lm_head\.weight)")
@@ -237,11 +256,13 @@ def save_safetensors(tensors: dict[str, np.ndarray], file: str) -> None:
   text of its own error type)."""
   try:
     save_file(tensors, file, metadata={"format": "pt"})
-  except Exception as e:  # noqa: BLE001 (SafetensorError: "... IoError(Os { code: 28, kind: StorageFull, ...")
-    code = re.search(r"Os \{ code: (\d+)", str(e))
+  except Exception as e:  # noqa: BLE001 (SafetensorError: "... I/O error: No space left on device (os error 28)",
+    # older versions "... IoError(Os { code: 28, kind: StorageFull, ...")
+    code = re.search(r"Os \{ code: (\d+)|\(os error (\d+)\)", str(e))
     if code is None:
       raise
-    raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), file) from e
+    number = int(code.group(1) or code.group(2))
+    raise OSError(number, os.strerror(number), file) from e
   paths.ordinary_permissions(file)
 
 

@@ -216,6 +216,8 @@ def export(workdir: str, out_dir: str, step: int | None = None, dtype: str | Non
   remove_stale_staging(out_dir)
   previous = _previous_export(out_dir, overwrite)  # before the checkpoint is read: refuse early
   policy = load(workdir, step, adapters_only=adapter)
+  hf.refuse_non_finite(lora.split(policy.model)[1] if adapter else nnx.state(policy.model, nnx.Param),
+                       f"{workdir_lib.checkpoint_dir(workdir)}/{policy.step}", "; choose an earlier one with --step")
   staging = _staging_dir(out_dir)
   try:
     if adapter:
@@ -347,6 +349,9 @@ def model_to_evaluate(path: str, step: int | None = None) -> Iterator[tuple[str,
   exported into a temporary local folder removed afterwards, the results going to `<workdir>-eval_step_<S>`
   beside it: a workdir is never written."""
   if not is_workdir(path):
+    cause = paths.unreachable(path)  # (asked once: is_workdir's retried look-ups read an outage as "no folder")
+    if cause:
+      raise paths.StorageUnreachable(f"{path}: storage unreachable ({cause}); rerun the same command to resume")
     if not paths.isfile(paths.join(path, hf.CONFIG_FILE)):
       raise FileNotFoundError(f"--model {path}: neither a Hugging Face directory ({hf.CONFIG_FILE}) nor a training "
                               f"workdir ({CHECKPOINT_DIR}/ and {MODEL_DIR}/)")

@@ -5,7 +5,8 @@ Dead: for `health.patience` consecutive steps no update applied (every gradient 
 exactly 0 while the rewards within some group differ (so the objective has something to learn from; GRPO's
 all-equal groups legitimately give none), or the entropy pinned at the uniform policy's ln V. Diverged, at once:
 a parameter norm `health.max_param_growth` times its norm at the start, or one that moved by
-`health.max_update_ratio` times itself in one step (non-finite norms included).
+`health.max_update_ratio` times itself in one step (non-finite norms included). Weights non-finite from the start
+(a NaN base model or checkpoint) stop the run at its first step with a line saying so, not advising a lower rate.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class Monitor:
     self.h = cfg.health
     self.log_vocab, self.updates = math.log(vocab_size), updates_per_step
     self.start_norm = self.previous_norm = start_norm
-    self.last_saved = restored_step  # the newest healthy checkpoint
+    self.last_saved = self.restored = restored_step  # the newest healthy checkpoint; the one the run started from
     self.streaks: dict[str, int] = {}  # dead symptom -> consecutive steps
     self.suspect_since: int | None = None  # the first step of the current run of steps with a dead symptom
 
@@ -85,6 +86,8 @@ class Monitor:
     diverged = diverged_symptoms(row, self.start_norm, self.previous_norm, self.h.max_param_growth,
                                  self.h.max_update_ratio)
     self.previous_norm = row["param_norm"]
+    if diverged and not math.isfinite(self.start_norm):  # no learning rate made them so: say where they came from
+      raise Unhealthy(self.non_finite_start(step))
     if diverged:
       raise Unhealthy(self.line(step, diverged[0].text, "diverged", step))
     dead = dead_symptoms(row, skipped, self.updates, self.log_vocab, self.h.entropy_tolerance) if self.h.patience else []
@@ -101,3 +104,12 @@ class Monitor:
     else:
       healthy = f"no checkpoint before step {first_bad} (a rerun starts over: lower train.lr first)"
     return f"training {verb} at step {step}: {what}; stopped without saving; {healthy}"
+
+  def non_finite_start(self, step: int) -> str:
+    """`training stopped at step N: the weights were non-finite before any update ...` (a NaN base model or
+    checkpoint: every gradient is non-finite, so no update applies, whatever train.lr is)."""
+    source = (f"the checkpoint of step {self.restored}" if self.restored is not None
+              else "the starting model (config.model)")
+    return (f"training stopped at step {step}: the weights were non-finite before any update (parameter norm "
+            f"{self.start_norm} at the start, from {source}), so no update can apply; stopped without saving; not "
+            "a learning-rate problem: start from finite weights")

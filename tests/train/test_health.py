@@ -86,6 +86,23 @@ def test_exploding_parameters_stop_the_run_at_once():
   assert "parameter norm inf" in str(run_steps(monitor(), [row(param_norm=math.inf)]))
 
 
+@pytest.mark.parametrize("restored_step, source", [(None, "the starting model (config.model)"),
+                                                    (4, "the checkpoint of step 4")])
+def test_weights_non_finite_from_the_start_are_named_as_such(restored_step, source):
+  """A NaN base model: every gradient is non-finite, no update applies, the norm stays NaN. The line said `lower
+  train.lr first`; it says where the non-finite weights came from."""
+  cfg = config_lib.default_config()
+  m = health.Monitor(cfg, vocab_size=64, updates_per_step=2, start_norm=math.nan, restored_step=restored_step)
+  first = (restored_step or 0) + 1
+  stopped = str(run_steps(m, [row(param_norm=math.nan)], skipped=2, first=first))
+  assert stopped == (f"training stopped at step {first}: the weights were non-finite before any update (parameter "
+                     f"norm nan at the start, from {source}), so no update can apply; stopped without saving; not a "
+                     "learning-rate problem: start from finite weights")
+  assert "train.lr" not in stopped
+  # Finite at the start, non-finite after an update: the learning rate's doing, as before.
+  assert "lower train.lr first" in str(run_steps(monitor(), [row(param_norm=math.nan)]))
+
+
 def test_a_norm_that_jumps_in_one_step_stops_the_run_at_once():
   stopped = run_steps(monitor(), [row(param_norm=250.0)])
   assert "the parameter norm moved by 230 in one step, 11.5x its 20 before it (health.max_update_ratio=10)" in \
