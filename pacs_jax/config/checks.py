@@ -142,8 +142,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   if c.rollout.mode != "sync":
     _check(algo.sampling_rounds(c) == 1, "rollout.mode",
            f"{c.rollout.mode} needs one rollout per step; {c.algorithm} samples dynamically (its refills draw prompts)")
-    _check(num_processes == 1, "rollout.mode", f"{c.rollout.mode} runs on one process for now (its background "
-           f"rollout's collectives are not ordered across processes), got {num_processes}")
+
   _check(c.rollout.kv_pages >= 0, "rollout.kv_pages", f"must be >= 0 (0 = enough for every slot), got {c.rollout.kv_pages}")
   _check_lora(c)
   if not c.model.hf_path and c.lora.rank:  # the preset's shapes are known without reading anything

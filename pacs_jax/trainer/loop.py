@@ -148,8 +148,8 @@ class Trainer:
     self.sampler = programs_lib.make_rollout(cfg, run.decode_model, self.mesh, self.eos_ids)
     # rollout.mode "one_step_off" / "async": the next steps' rollouts in the background, by a worker with weights of
     # its own (trainer/overlap.py).
-    self.next_rollout = (overlap.Overlapped(self.sampler.fork(), cfg.rollout.max_staleness)
-                         if cfg.rollout.mode != "sync" else None)
+    self.next_rollout = (overlap.Overlapped(self.sampler.fork(), cfg.rollout.max_staleness,
+                                            inline=jax.process_count() > 1) if cfg.rollout.mode != "sync" else None)
     self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self.programs = programs_lib.make_programs(cfg, self.graphdef, self.critic_graphdef, self.optimizer,
                                                self.critic_optimizer, self.state_shardings,
@@ -195,7 +195,8 @@ class Trainer:
       packed = stages.pack(prompt_ids, completions, scored, P=self.P, R=self.R, n=self.cfg.rollout.n,
                            pad_id=self.pad_id, mask_eos_ids=self.mask_eos_ids,
                            host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R),
-                           shape_rewards=lambda scores, mask: self.algo.shape_rewards(self.cfg, scores, mask))
+                           shape_rewards=lambda scores, mask: self.algo.shape_rewards(self.cfg, scores, mask),
+                           version=version if self.next_rollout else None)
       metrics = self.update(packed)
       if self.next_rollout:
         self.next_rollout.after_update(self)

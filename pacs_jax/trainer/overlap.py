@@ -59,18 +59,25 @@ class Lookahead:
 
 
 class NextRollout:
-  """Rollouts in flight on one background thread, run in the order started, each for one pipeline element."""
+  """Rollouts in flight on one background thread, run in the order started, each for one pipeline element.
+  `inline`: each runs to its end when started, on the caller's thread (the same schedule, no overlap)."""
 
-  def __init__(self):
+  def __init__(self, inline: bool = False):
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-rollout")
     self._pending: collections.deque[tuple[Any, concurrent.futures.Future]] = collections.deque()
-    self.started = 0  # rollouts started in the background (and so overlapped with something)
+    self.started = 0  # rollouts started ahead (in the background unless inline)
+    self.inline = inline
 
   def __len__(self) -> int:
     return len(self._pending)
 
   def start(self, element, rollout: Callable[[], Any]) -> None:
-    self._pending.append((element, self._pool.submit(rollout)))
+    if self.inline:
+      future = concurrent.futures.Future()
+      future.set_result(rollout())
+    else:
+      future = self._pool.submit(rollout)
+    self._pending.append((element, future))
     self.started += 1
 
   def take(self, element):
@@ -93,11 +100,16 @@ class NextRollout:
 
 class Overlapped:
   """The rollouts of the next `max_staleness` steps (the next one, at 0) in flight by `worker`, for a trainer
-  (`loop.Trainer`: its state, pipeline, mesh and rollout settings)."""
+  (`loop.Trainer`: its state, pipeline, mesh and rollout settings).
 
-  def __init__(self, worker: interface.Rollout, max_staleness: int):
+  On more than one process (`inline`) each runs on the trainer's thread when it is started: every process must
+  launch the programs of a global mesh and its host collectives in the same order, which a background thread beside
+  the update's does not keep. The responses (versions, seeds, prompts) are the same as on one process; the time
+  is not overlapped (split device groups, with an ordered launch, are for that)."""
+
+  def __init__(self, worker: interface.Rollout, max_staleness: int, inline: bool = False):
     self.worker, self.max_staleness = worker, int(max_staleness)
-    self.queue = NextRollout()
+    self.queue = NextRollout(inline)
     self.dropped = 0  # the last step's responses dropped as too stale
 
   @property

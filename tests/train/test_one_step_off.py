@@ -67,6 +67,33 @@ def test_async_runs_max_staleness_steps_ahead_and_logs_it(tmp_path):
     assert name in tags, name
 
 
+@pytest.mark.slow  # two runs of three steps on 8 devices
+def test_pacs_with_the_rollout_reference_at_staleness_0_is_the_released_objective(tmp_path):
+  settings = {"eval_every": 0, "pacs.reference_policy": "rollout"}
+  sync_trainer, sync = run(tmp_path / "sync", **settings)
+  trainer, overlapped = run(tmp_path / "async", **settings, **{"rollout.mode": "async", "rollout.max_staleness": 0})
+  assert trainer.next_rollout.started == 2
+  for a, b in zip(sync, overlapped, strict=True):
+    for k in a:
+      if not k.startswith(TIMING):
+        assert a[k] == b[k], (a["step"], k, a[k], b[k])  # bitwise: π_old is the reference, as released
+  # The first mini-batch's reference is the policy being trained: r̂ = 0 up to the rounding between the log-prob
+  # pass and the train step's forward on the sharded mesh, in both.
+  assert sync_trainer.minibatch_metrics[0]["pacs/reward_proxy_abs_mean"] < 1e-5
+  assert trainer.minibatch_metrics == sync_trainer.minibatch_metrics
+
+
+def test_pacs_with_the_rollout_reference_takes_stale_responses_behaviour_log_probs(tmp_path):
+  # Step 3's responses were sampled by the policy before step 2's update: their reference is that policy, read
+  # from their behaviour log-probs, so r̂ is not 0 on the first mini-batch as it is with π_old as the reference.
+  trainer, logged = run(tmp_path, eval_every=0, **{"pacs.reference_policy": "rollout", "rollout.mode": "async",
+                                                   "rollout.max_staleness": 1})
+  assert [r["rollout/staleness_max"] for r in logged] == [0.0, 1.0, 1.0]
+  first = trainer.minibatch_metrics[0]
+  assert first["pacs/reward_proxy_abs_mean"] > 1e-3, first
+  assert all(np.isfinite(r["loss"]) for r in logged)
+
+
 class Finished:
   """A rollout in flight that has finished (a future's `result`)."""
 

@@ -3,6 +3,8 @@ mid-update and restarted trains on every prompt of the pipeline's order exactly 
 dataset ids in the rollout dumps, and logs each step's metrics row once. The rollouts in flight at a kill are
 dropped; their prompts are drawn again after the resume (the checkpoint holds the data position before them).
 
+A two-process (gloo) run in one_step_off matches one process.
+
 Not bitwise: after a resume the first step samples synchronously (nothing in flight), with fresher weights than the
 uninterrupted run's rollout had.
 """
@@ -14,6 +16,7 @@ import os
 import random
 import sys
 
+import numpy as np
 import pytest
 
 from pacs_jax import config as config_lib
@@ -60,13 +63,14 @@ def expected_prompt_ids(workdir, mode) -> tuple[list[collections.Counter], dict[
   reader = object.__new__(loop.Trainer)  # the trainer's inputs, read as it reads them, nothing built
   reader._read_inputs(cfg)
   it, per_step, id_of = reader.pipeline.iterator(), [], {}
-  for _ in range(STEPS):
+  for step in range(2 * STEPS):  # later steps' texts too: a run that skips ahead fails on the counts
     element = next(it)
     texts = metrics_lib.prompt_texts(reader.tokenizer, [p.tolist() for p in element["prompt_ids"]],
                                      list(range(len(element["prompt_ids"]))))
     for text, index in zip(texts, element["index"].tolist()):
       assert id_of.setdefault(text, index) == index, f"rows {id_of[text]} and {index} share {text!r}"
-    per_step.append(collections.Counter({index: cfg.rollout.n for index in element["index"].tolist()}))
+    if step < STEPS:
+      per_step.append(collections.Counter({index: cfg.rollout.n for index in element["index"].tolist()}))
   return per_step, id_of
 
 
@@ -104,3 +108,21 @@ def test_a_killed_overlapped_run_trains_on_each_prompt_once(tmp_path, mode):
   assert trained_prompt_ids(straight, id_of) == expected
   assert trained_prompt_ids(workdir, id_of) == expected  # no prompt lost or repeated, each in its step
   assert all(r["rollout/dropped"] == 0.0 for r in kill_loop.rows(workdir))
+
+
+@pytest.mark.slow
+def test_one_step_off_on_two_processes_matches_one(tmp_path):
+  # Two gloo processes of one CPU device each against one process of two devices, as tests/test_multihost.py
+  # runs them; one_step_off at staleness 1 (each rollout one version old) with the rollout correction.
+  from tests import test_multihost as mh
+  extra = ["--config.rollout.mode=one_step_off", "--config.rollout.max_staleness=1", "--config.algorithm=grpo",
+           "--config.rollout.tis_imp_ratio_cap=2.0", "--config.steps=3"]
+  one, two = tmp_path / "one", tmp_path / "two"
+  mh.run_one(one, *extra)
+  mh.run_two(two, *extra)
+  for a, b in zip(mh.final_params(str(one), 3), mh.final_params(str(two), 3), strict=True):
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+  rows_one, rows_two = mh.metrics(one), mh.metrics(two)
+  assert [r["rollout/staleness_max"] for r in rows_one] == [r["rollout/staleness_max"] for r in rows_two] == [0, 1, 1]
+  for a, b in zip(rows_one, rows_two, strict=True):
+    assert a["reward/mean"] == b["reward/mean"] and a["response_length/mean"] == b["response_length/mean"]
