@@ -179,7 +179,7 @@ class Trainer:
       if self.algo.sampling_rounds(self.cfg) == 1:
         completions = None
         if self.next_rollout:  # started by an earlier step (stale responses drawn again now)
-          completions = self.next_rollout.take(self, prompts, version, lambda: self.rollout(prompt_ids, seed))
+          completions = self.next_rollout.take(prompts, version, lambda: self.rollout(prompt_ids, seed))
         if completions is None:
           completions = self.rollout(prompt_ids, seed, on_finish=progress.on_finish)
         if self.next_rollout:

@@ -15,7 +15,7 @@ A response made by a policy more than s versions older than the one the step's u
 counted (`rollout/dropped`), and its prompt's responses are drawn again by the current policy (same seed, so no prompt
 is lost or repeated). The worker here never makes one (each rollout starts within the bound); a worker that
 lags (another device group, a server) can. Weights are taken whole at a rollout's start: no partial rollouts
-(docs/design.md, "Overlapped rollouts").
+(docs/design.md, "The rollout interface", says why).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Overlapped:
   def started(self) -> int:
     return self.queue.started
 
-  def take(self, trainer, prompts, version: int, resample: Callable[[], list[interface.Completion]]):
+  def take(self, prompts, version: int, resample: Callable[[], list[interface.Completion]]):
     """The completions of the rollout in flight for `prompts` (the step's element; None if none is), those made by
     a policy more than `max_staleness` versions older than `version` replaced by `resample()`'s (the current
     policy's rollout of the same prompts and seed) and counted in `dropped`."""
@@ -124,10 +124,10 @@ class Overlapped:
     completions = self.queue.take(prompts)
     if completions is None:
       return None
-    stale = [i for i, c in enumerate(completions) if version - c.policy_version > self.max_staleness]
+    stale = {i for i, c in enumerate(completions) if version - c.policy_version > self.max_staleness}
     if stale:
       fresh = resample()
-      completions = [fresh[i] if i in set(stale) else c for i, c in enumerate(completions)]
+      completions = [fresh[i] if i in stale else c for i, c in enumerate(completions)]
       self.dropped = len(stale)
     return completions
 
