@@ -2,6 +2,7 @@
 of 0.9 in `sync`, `one_step_off` (staleness 1) and `async` (staleness 2), issue 33's acceptance 2.
 
   python benchmarks/overlap_demo.py [--algorithms=pacs,grpo] [--max_steps=300] [--slack=1.25]
+                                   [--pacs_reference=rollout]
 
 Exits 1 if an off-policy mode needs more than `slack` times sync's steps (or never gets there), if a loss or reward
 is not finite, or if more than `max_dropped` of the responses were dropped as too stale (a drop storm). GRPO's
@@ -37,6 +38,7 @@ _TARGET = flags.DEFINE_float("target", 0.9, "The running mean to reach.")
 _SLACK = flags.DEFINE_float("slack", 1.25, "An off-policy mode may take at most this many times sync's steps.")
 _MAX_DROPPED = flags.DEFINE_float("max_dropped", 0.05, "The largest share of responses dropped as too stale.")
 _TIS_CAP = flags.DEFINE_float("tis_cap", 2.0, "GRPO's rollout correction cap in the off-policy modes.")
+_PACS_REFERENCE = flags.DEFINE_string("pacs_reference", "", "pacs.reference_policy (frozen | rollout); '': the demo's.")
 
 
 def demo_config(algorithm: str):
@@ -56,6 +58,8 @@ def run(algorithm: str, mode: str, workdir: str) -> dict:
   cfg.update_from_flattened_dict(MODES[mode])
   if mode != "sync" and algorithm in ("grpo", "ppo"):
     cfg.rollout.tis_imp_ratio_cap = _TIS_CAP.value
+  if algorithm == "pacs" and _PACS_REFERENCE.value:
+    cfg.pacs.reference_policy = _PACS_REFERENCE.value
   cfg.steps = _MAX_STEPS.value  # (how far the overlapped modes start rollouts ahead)
   trainer = loop.Trainer(cfg, workdir, devices=jax.devices()[:1])
   out = {"reached": None, "rewards": [], "finite": True, "dropped": 0.0, "sampled": 0, "staleness": []}
