@@ -16,7 +16,7 @@ from pacs_jax.data import prompts
 DTYPE_NAMES = ("float32", "bfloat16")  # model.dtype, model.param_dtype, evaluate --dtype, export --dtype
 LR_SCHEDULES = ("constant", "cosine")
 RESTORE_MODES = ("latest", "never")
-ROLLOUT_MODES = ("sync", "one_step_off")  # rollout.mode
+ROLLOUT_MODES = ("sync", "one_step_off", "async")  # rollout.mode
 # The checkpoint record's sections a resume may be allowed to change (`checkpoint.allow_changes`; the record is
 # storage/resume.py's); the model's shape never can.
 ALLOWABLE = ("algorithm", "tokenizer", "objective", "data", "rollout")
@@ -134,13 +134,15 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(c.rollout.tis_imp_ratio_cap <= 0 or algo.supports_rollout_correction, "rollout.tis_imp_ratio_cap",
          f"the rollout correction is for grpo and ppo, not {c.algorithm!r}: set it <= 0 (off)")
   _check_enum(c.rollout.mode, ROLLOUT_MODES, "rollout.mode")
-  _check(c.rollout.max_staleness in (0, 1), "rollout.max_staleness",
-         f"one_step_off runs one rollout ahead: 0 or 1, got {c.rollout.max_staleness!r}")
   if c.rollout.mode == "one_step_off":
+    _check(c.rollout.max_staleness in (0, 1), "rollout.max_staleness",
+           f"one_step_off runs one rollout ahead: 0 or 1, got {c.rollout.max_staleness!r} (async takes more)")
+  _check(isinstance(c.rollout.max_staleness, int) and c.rollout.max_staleness >= 0, "rollout.max_staleness",
+         f"must be an integer >= 0 (policy versions), got {c.rollout.max_staleness!r}")
+  if c.rollout.mode != "sync":
     _check(algo.sampling_rounds(c) == 1, "rollout.mode",
-           f"one_step_off needs one rollout per step; {c.algorithm} samples dynamically (its refills draw prompts)")
-    _check(num_processes == 1, "rollout.mode", "one_step_off runs on one process for now (its background rollout's "
-           f"collectives are not ordered across processes), got {num_processes}")
+           f"{c.rollout.mode} needs one rollout per step; {c.algorithm} samples dynamically (its refills draw prompts)")
+
   _check(c.rollout.kv_pages >= 0, "rollout.kv_pages", f"must be >= 0 (0 = enough for every slot), got {c.rollout.kv_pages}")
   _check_lora(c)
   if not c.model.hf_path and c.lora.rank:  # the preset's shapes are known without reading anything

@@ -60,7 +60,8 @@ def default_config() -> ml_collections.ConfigDict:
   # engine's log-probs as sampled; > 0 turns it on (GRPO, PPO), <= 0 (the default) leaves the loss as released.
   c.rollout.tis_imp_ratio_cap = -1.0
   # "sync": each step samples, then updates; "one_step_off": the next step's rollout runs on a background thread
-  # while this step updates (trainer/overlap.py), its responses up to `max_staleness` (0 or 1) policy versions old.
+  # while this step updates (trainer/overlap.py), its responses up to `max_staleness` (0 or 1) policy versions old;
+  # "async": the next `max_staleness` steps' rollouts run ahead (responses older than that are dropped, counted).
   c.rollout.mode = "sync"
   c.rollout.max_staleness = 1
   c.rollout.page_size = 64

@@ -34,6 +34,9 @@ class PackedRollout:
   # The rollout engine's log-probs of each response token [rows, R] (0 past its end): the behaviour policy of the
   # rollout correction (`batch.BEHAVIOUR_LOGPROBS`); None when not packed.
   behaviour_logprobs: np.ndarray | None = None
+  # [rows] bool: responses sampled by an older policy than the one the update starts from (the overlapped modes);
+  # with the sampling policy as reference their reference is their behaviour log-probs. None: all fresh.
+  stale_rows: np.ndarray | None = None
 
 
 def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
@@ -83,18 +86,33 @@ def to_minibatches(rollout: PackedRollout, layout: batch_lib.BatchLayout, mesh,
   arrays = layout.host_rows({"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
                              "response_mask": rollout.response_mask, "rewards": rollout.rewards, **rollout.extra,
                              **behaviour})
-  rows = rollout.rewards.shape[0]
+  return split_rows(arrays, layout.k, mesh, num_minibatches)
+
+
+def split_rows(arrays: dict[str, np.ndarray], k: int, mesh, num_minibatches: int) -> list[batch_lib.Batch]:
+  """Host arrays {name: [rows, ...]} -> `num_minibatches` dicts of global arrays [k, m, ...] over (data, fsdp)."""
+  rows = next(iter(arrays.values())).shape[0]
   per_mb = rows // num_minibatches
   out = []
   for j in range(num_minibatches):
     mb = {}
     for name, a in arrays.items():
-      local = a[j * per_mb:(j + 1) * per_mb].reshape((layout.k, per_mb // layout.k) + a.shape[1:])
+      local = a[j * per_mb:(j + 1) * per_mb].reshape((k, per_mb // k) + a.shape[1:])
       global_shape = (local.shape[0], local.shape[1] * jax.process_count()) + local.shape[2:]
       mb[name] = jax.make_array_from_process_local_data(programs_lib.minibatch_sharding(mesh, local.ndim), local,
                                                         global_shape)
     out.append(mb)
   return out
+
+
+def rollout_reference(rollout: PackedRollout, k: int, mesh, num_minibatches: int) -> list[batch_lib.Batch] | None:
+  """Per mini-batch, the stale rows' flags [k, m] (`stale`) and behaviour log-probs [k, m, R] (`behaviour`): what
+  the sampling-policy reference takes from the behaviour policy; None when no row is stale (every process's) or
+  staleness is not tracked (`stale_rows` None: the synchronous path, which calls no collective here)."""
+  if rollout.stale_rows is None or not multihost.any_process([bool(np.any(rollout.stale_rows))])[0]:
+    return None
+  return split_rows({"stale": rollout.stale_rows, "behaviour": rollout.behaviour_logprobs}, k, mesh,
+                    num_minibatches)
 
 
 def check_groups(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: int, n: int) -> None:

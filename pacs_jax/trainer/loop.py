@@ -146,9 +146,10 @@ class Trainer:
 
     # The rollout (`rollout.interface.Rollout`): the in-process engine, on the trainer's mesh.
     self.sampler = programs_lib.make_rollout(cfg, run.decode_model, self.mesh, self.eos_ids)
-    # rollout.mode="one_step_off": the next step's rollout in the background, by a worker with weights of its own.
-    self.next_rollout = overlap.NextRollout() if cfg.rollout.mode == "one_step_off" else None
-    self.rollout_worker = self.sampler.fork() if self.next_rollout else None
+    # rollout.mode "one_step_off" / "async": the next steps' rollouts in the background, by a worker with weights of
+    # its own (trainer/overlap.py).
+    self.next_rollout = (overlap.Overlapped(self.sampler.fork(), cfg.rollout.max_staleness,
+                                            inline=jax.process_count() > 1) if cfg.rollout.mode != "sync" else None)
     self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self.programs = programs_lib.make_programs(cfg, self.graphdef, self.critic_graphdef, self.optimizer,
                                                self.critic_optimizer, self.state_shardings,
@@ -176,11 +177,13 @@ class Trainer:
     with console.StepProgress(len(prompt_ids) * jax.process_count() * self.cfg.rollout.n,
                               lambda: f"step {int(self.state.step) + 1}: rollout{first}") as progress:
       if self.algo.sampling_rounds(self.cfg) == 1:
-        completions = self.next_rollout.take(prompts) if self.next_rollout else None  # started by the last step
+        completions = None
+        if self.next_rollout:  # started by an earlier step (stale responses drawn again now)
+          completions = self.next_rollout.take(prompts, version, lambda: self.rollout(prompt_ids, seed))
         if completions is None:
           completions = self.rollout(prompt_ids, seed, on_finish=progress.on_finish)
-        if self.next_rollout and self.cfg.rollout.max_staleness == 1:
-          self.start_next_rollout(updated=False)
+        if self.next_rollout:
+          self.next_rollout.before_update(self)
         clock.lap("rollout")
         progress.stage("rollout", "reward and update")
         scored = stages.score(scorer, self.tokenizer, prompts, completions)
@@ -192,10 +195,11 @@ class Trainer:
       packed = stages.pack(prompt_ids, completions, scored, P=self.P, R=self.R, n=self.cfg.rollout.n,
                            pad_id=self.pad_id, mask_eos_ids=self.mask_eos_ids,
                            host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R),
-                           shape_rewards=lambda scores, mask: self.algo.shape_rewards(self.cfg, scores, mask))
+                           shape_rewards=lambda scores, mask: self.algo.shape_rewards(self.cfg, scores, mask),
+                           version=version if self.next_rollout else None)
       metrics = self.update(packed)
-      if self.next_rollout and self.cfg.rollout.max_staleness == 0:
-        self.start_next_rollout(updated=True)
+      if self.next_rollout:
+        self.next_rollout.after_update(self)
       clock.lap("update")
       self._stepped = True
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
@@ -203,6 +207,8 @@ class Trainer:
     row = stages.record(metrics, packed, scored, clock, self.source_names, self.cfg.rollout.n)
     row.update(sampled)  # (its timings split the rounds' rollouts from their scoring)
     row.update(stages.staleness_metrics(completions, version))
+    if self.next_rollout:
+      row["rollout/dropped"] = float(self.next_rollout.dropped)
     return row
 
   def sample(self, prompts: dict[str, Any], seed: int, scorer, on_finish=None):
@@ -243,10 +249,6 @@ class Trainer:
     with self.current_policy() as sampler:
       return stages.rollout(sampler, prompt_ids, P=self.P, n=self.cfg.rollout.n, max_new_tokens=self.R,
                             sampling=self.sampling, seed=seed, on_finish=on_finish)
-
-  def start_next_rollout(self, updated: bool) -> None:
-    """one_step_off: the next step's rollout started on the background thread (`overlap.start_next`)."""
-    overlap.start_next(self, updated)
 
   def update(self, packed: batching.PackedRollout) -> dict[str, Any]:
     """The update stage on the trainer's state; keeps each mini-batch's own metrics in `minibatch_metrics`."""
@@ -332,7 +334,7 @@ class Trainer:
       try:
         return self._steps(held, restored)
       finally:
-        if self.next_rollout:  # a rollout still in flight (a stop, a failure) is dropped: a resume draws it again
+        if self.next_rollout:  # rollouts still in flight (a stop, a failure) are dropped: a resume draws them again
           self.next_rollout.close()
 
   def _steps(self, held: teardown.Held, restored: int | None) -> dict[str, Any]:

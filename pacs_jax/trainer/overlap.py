@@ -1,112 +1,182 @@
-"""`rollout.mode = "one_step_off"`: the rollout of step k+1 runs on a background thread while step k scores and
-updates (devices shared), by a worker over the trainer's engine with weights of its own (`LocalRollout.fork`).
+"""`rollout.mode` "one_step_off" and "async": the rollouts of the next steps run on a background thread, by a worker
+(`interface.Rollout`, e.g. `LocalRollout.fork`: the trainer's engine with weights of its own) while this step scores
+and updates (devices shared).
 
-With `rollout.max_staleness` 1 the next rollout starts before step k's update, with the weights step k sampled with
-(its responses are one policy version old: the rollout correction, `rollout.tis_imp_ratio_cap`, reweights them);
-with 0 it starts after the update, with the new weights: sync's responses through the overlapped machinery. Either
-way its seed is the one the synchronous step k+1 would draw (`state.next_rollout_seed`), and its prompts are the
-pipeline's next element, looked at ahead (`Lookahead`): a checkpoint records the data position before that element,
-so after a resume it is drawn again and the rollout that was in flight is dropped, never trained on.
+With `rollout.max_staleness` s >= 1, before step k's update the rollouts of steps k+1 .. k+s are in flight (those not
+yet started are started then, with the weights step k sampled with, policy version k-1): step j's responses are at
+most s versions old when it trains on them (s exactly, once the pipeline is full; the rollout correction,
+`rollout.tis_imp_ratio_cap`, reweights them). "one_step_off" is s <= 1; "async" any s. With s = 0 step k+1's rollout
+starts after step k's update, with its weights: sync's responses through the overlapped machinery (bitwise).
+Each rollout's seed is the one the synchronous step would draw (`state.rollout_seed_ahead`), and its prompts are the
+pipeline's next elements, looked at ahead (`Lookahead`): a checkpoint records the data position before the first of
+them, so after a resume they are drawn again and the rollouts in flight are dropped, never trained on.
+
+A response made by a policy more than s versions older than the one the step's update starts from is dropped and
+counted (`rollout/dropped`), and its prompt's responses are drawn again by the current policy (same seed, so no prompt
+is lost or repeated). The worker here never makes one (each rollout starts within the bound); a worker that
+lags (another device group, a server) can. Weights are taken whole at a rollout's start: no partial rollouts
+(docs/design.md, "The rollout interface", says why).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
+from pacs_jax.rollout import interface
 from pacs_jax.trainer import stages
 from pacs_jax.trainer import state as state_lib
 
 
 class Lookahead:
-  """The prompt pipeline's iterator, able to look one element ahead (`peek`); `get_state` is the position before
-  an element looked at and not yet taken."""
+  """The prompt pipeline's iterator, able to look ahead (`peek(i)`: the i-th element not yet taken); `get_state` is
+  the position before the first element looked at and not yet taken."""
 
   def __init__(self, iterator):
     self._iterator = iterator
-    self._ahead: Any = None
-    self._state_before: Any = None
+    self._ahead: collections.deque = collections.deque()  # (state before, element)
 
-  def peek(self):
-    if self._ahead is None:
-      self._state_before = self._iterator.get_state()
-      self._ahead = next(self._iterator)
-    return self._ahead
+  def peek(self, i: int = 0):
+    while len(self._ahead) <= i:
+      state = self._iterator.get_state()
+      self._ahead.append((state, next(self._iterator)))
+    return self._ahead[i][1]
 
   def __iter__(self):
     return self
 
   def __next__(self):
-    if self._ahead is None:
+    if not self._ahead:
       return next(self._iterator)
-    element, self._ahead, self._state_before = self._ahead, None, None
-    return element
+    return self._ahead.popleft()[1]
 
   def get_state(self):
-    return self._iterator.get_state() if self._ahead is None else self._state_before
+    return self._ahead[0][0] if self._ahead else self._iterator.get_state()
 
 
 class NextRollout:
-  """At most one rollout in flight on a background thread, for one pipeline element."""
+  """Rollouts in flight on one background thread, run in the order started, each for one pipeline element.
+  `inline`: each runs to its end when started, on the caller's thread (the same schedule, no overlap)."""
 
-  def __init__(self):
+  def __init__(self, inline: bool = False):
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-rollout")
-    self._pending: tuple[Any, concurrent.futures.Future] | None = None
-    self.started = 0  # rollouts started in the background (and so overlapped with something)
+    self._pending: collections.deque[tuple[Any, concurrent.futures.Future]] = collections.deque()
+    self.started = 0  # rollouts started ahead (in the background unless inline)
+    self.inline = inline
+
+  def __len__(self) -> int:
+    return len(self._pending)
 
   def start(self, element, rollout: Callable[[], Any]) -> None:
-    self.drop()
-    self._pending = (element, self._pool.submit(rollout))
+    if self.inline:
+      future = concurrent.futures.Future()
+      future.set_result(rollout())
+    else:
+      future = self._pool.submit(rollout)
+    self._pending.append((element, future))
     self.started += 1
 
   def take(self, element):
-    """The completions of the rollout started for `element` (waits for it), or None if none was."""
-    if self._pending is None or self._pending[0] is not element:
+    """The completions of the rollout started for `element` (waits for it), or None if the first in flight is not
+    its (then every one in flight is dropped)."""
+    if not self._pending or self._pending[0][0] is not element:
       self.drop()
       return None
-    _, future = self._pending
-    self._pending = None
-    return future.result()
+    return self._pending.popleft()[1].result()
 
   def drop(self) -> None:
-    """Lets the rollout in flight finish and forgets it (its prompts are drawn again on a resume)."""
-    if self._pending is not None:
-      _, future = self._pending
-      self._pending = None
-      concurrent.futures.wait([future])
+    """Lets the rollouts in flight finish and forgets them (their prompts are drawn again on a resume)."""
+    pending, self._pending = list(self._pending), collections.deque()
+    concurrent.futures.wait([future for _, future in pending])
 
   def close(self) -> None:
     self.drop()
     self._pool.shutdown(wait=True)
 
 
-def start_next(trainer, updated: bool) -> None:
-  """one_step_off: starts `trainer`'s next step's rollout on the background thread if there is a next
-  step, with the current weights: those this step sampled with (before its update, `updated` False) or its
-  update's (after it). Its prompts are the pipeline's next element, its seed the synchronous step's."""
-  if int(trainer.state.step) + (1 if updated else 2) > trainer.cfg.steps:
-    return
-  if not isinstance(trainer.data_iter, Lookahead):
-    trainer.data_iter = Lookahead(trainer.data_iter)
-  element = trainer.data_iter.peek()
-  prompt_ids = [ids.tolist() for ids in element["prompt_ids"]]
-  rng = trainer.state.rng
-  seed = state_lib.rollout_seed(rng) if updated else state_lib.next_rollout_seed(rng)
-  version, worker = int(trainer.state.step), trainer.rollout_worker
-  with jax.set_mesh(trainer.mesh):
-    weights = trainer.sample_params()
-    if not updated:  # the update about to run donates the state: the worker keeps weights of its own
-      weights = jax.tree.map(jnp.copy, weights)
+class Overlapped:
+  """The rollouts of the next `max_staleness` steps (the next one, at 0) in flight by `worker`, for a trainer
+  (`loop.Trainer`: its state, pipeline, mesh and rollout settings).
 
-  def rollout():
+  On more than one process (`inline`) each runs on the trainer's thread when it is started: every process must
+  launch the programs of a global mesh and its host collectives in the same order, which a background thread beside
+  the update's does not keep. The responses (versions, seeds, prompts) are the same as on one process; the time
+  is not overlapped (split device groups, with an ordered launch, are for that)."""
+
+  def __init__(self, worker: interface.Rollout, max_staleness: int, inline: bool = False):
+    self.worker, self.max_staleness = worker, int(max_staleness)
+    self.queue = NextRollout(inline)
+    self.dropped = 0  # the last step's responses dropped as too stale
+
+  @property
+  def started(self) -> int:
+    return self.queue.started
+
+  def take(self, prompts, version: int, resample: Callable[[], list[interface.Completion]]):
+    """The completions of the rollout in flight for `prompts` (the step's element; None if none is), those made by
+    a policy more than `max_staleness` versions older than `version` replaced by `resample()`'s (the current
+    policy's rollout of the same prompts and seed) and counted in `dropped`."""
+    self.dropped = 0
+    completions = self.queue.take(prompts)
+    if completions is None:
+      return None
+    stale = {i for i, c in enumerate(completions) if version - c.policy_version > self.max_staleness}
+    if stale:
+      fresh = resample()
+      completions = [fresh[i] if i in stale else c for i, c in enumerate(completions)]
+      self.dropped = len(stale)
+    return completions
+
+  def before_update(self, trainer) -> None:
+    """max_staleness >= 1: the rollouts of the next steps up to max_staleness ahead not yet in flight, started
+    with the weights this step sampled with (copied: the update donates the state)."""
+    if self.max_staleness >= 1:
+      self._fill(trainer, self.max_staleness, before_update=True)
+
+  def after_update(self, trainer) -> None:
+    """max_staleness 0: the next step's rollout, started with this update's weights."""
+    if self.max_staleness == 0:
+      self._fill(trainer, 1, before_update=False)
+
+  def _fill(self, trainer, ahead: int, before_update: bool) -> None:
+    """Starts the rollouts of the steps after the one whose element was taken last, up to `ahead` of them in flight
+    and no further than `trainer.cfg.steps`, all with the trainer's current weights (version `state.step`; copied
+    `before_update`, which donates the state)."""
+    rng, version = trainer.state.rng, int(trainer.state.step)
+    next_step = version + 1  # the step that starts from `rng` (the one running, before its update ends)
+    taken = version + 1 if before_update else version  # steps whose element is taken: before the update, this one too
+    first = taken + 1 + len(self.queue)
+    todo = [j for j in range(first, taken + ahead + 1) if j <= trainer.cfg.steps]
+    if not todo:
+      return
+    if not isinstance(trainer.data_iter, Lookahead):
+      trainer.data_iter = Lookahead(trainer.data_iter)
     with jax.set_mesh(trainer.mesh):
-      worker.set_weights(weights, version)
-      try:
-        return stages.rollout(worker, prompt_ids, P=trainer.P, n=trainer.cfg.rollout.n, max_new_tokens=trainer.R,
-                              sampling=trainer.sampling, seed=seed)
-      finally:
-        worker.release()
-  trainer.next_rollout.start(element, rollout)
+      weights = trainer.sample_params()
+      if before_update:  # the rollouts keep weights of their own
+        weights = jax.tree.map(jnp.copy, weights)
+    for j in todo:
+      element = trainer.data_iter.peek(j - taken - 1)
+      seed = state_lib.rollout_seed_ahead(rng, j - next_step)
+      self.queue.start(element, self._rollout(trainer, element, weights, version, seed))
+
+  def _rollout(self, trainer, element, weights, version: int, seed: int) -> Callable[[], list]:
+    prompt_ids = [ids.tolist() for ids in element["prompt_ids"]]
+    worker, mesh = self.worker, trainer.mesh
+
+    def rollout():
+      with jax.set_mesh(mesh):
+        worker.set_weights(weights, version)
+        try:
+          return stages.rollout(worker, prompt_ids, P=trainer.P, n=trainer.cfg.rollout.n, max_new_tokens=trainer.R,
+                                sampling=trainer.sampling, seed=seed)
+        finally:
+          worker.release()
+    return rollout
+
+  def close(self) -> None:
+    self.queue.close()

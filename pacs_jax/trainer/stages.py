@@ -12,6 +12,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pacs_jax.algos import batch as batch_lib
@@ -64,17 +65,21 @@ def score(scorer, tokenizer, prompts: dict[str, Any], completions: list[Completi
 def pack(prompt_ids: list[list[int]], completions: list[Completion], scored: Scored, *, P: int,
          R: int, n: int, pad_id: int, mask_eos_ids,
          host_inputs: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]],
-         shape_rewards: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> batching.PackedRollout:
+         shape_rewards: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+         version: int | None = None) -> batching.PackedRollout:
   """The responses as host rows (prompt left-padded to P, response right-padded to R), checked to be grouped
   prompt-major; `host_inputs(input_ids, attention_mask)`: the algorithm's extra host fields;
-  `shape_rewards(scores, response_mask)`: the rewards the loss sees (default: the verifier's scores)."""
+  `shape_rewards(scores, response_mask)`: the rewards the loss sees (default: the verifier's scores); `version`:
+  the policy the update starts from, which marks the rows sampled by an older one (`stale_rows`; None: untracked)."""
   input_ids, attention_mask, resp_mask = batching.pack_rows(prompt_ids, completions, P, R, pad_id, mask_eos_ids)
   batching.check_groups(input_ids, attention_mask, P, n)
   scores = np.asarray(scored.scores, np.float32)
   rewards = scores if shape_rewards is None else np.asarray(shape_rewards(scores, resp_mask), np.float32)
   return batching.PackedRollout(input_ids, attention_mask, resp_mask, rewards, scored.data_sources,
                                [c.finish_reason for c in completions], extra=host_inputs(input_ids, attention_mask),
-                               scores=scores, behaviour_logprobs=batching.behaviour_logprobs(completions, R))
+                               scores=scores, behaviour_logprobs=batching.behaviour_logprobs(completions, R),
+                               stale_rows=None if version is None else np.asarray(
+                                   [c.policy_version < version for c in completions], bool))
 
 
 def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_params, packed: batching.PackedRollout,
@@ -84,17 +89,24 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
   optimizer update per mini-batch (the last one moves the step counter and the RNG on). `ref_params`: a frozen
   reference, or None for the policy that sampled the step; `frozen`: a LoRA run's (base,), the programs' last
   argument. With the rollout correction (`layout` holds `behaviour_logprobs`), each mini-batch's metrics gain the
-  importance weights' statistics (`correction.importance_stats`). Returns the new state (`state` is donated) and
-  each mini-batch's metrics (device scalars)."""
+  importance weights' statistics (`correction.importance_stats`). With the sampling policy as reference, a row
+  sampled by an older policy than this one (`packed.stale_rows`) takes its behaviour log-probs as its reference
+  (over its response); a fresh row takes π_old, as released. Returns the new state (`state` is donated) and each
+  mini-batch's metrics (device scalars)."""
   old, ref, values = batch_lib.OLD_LOGPROBS.name, batch_lib.REF_LOGPROBS.name, batch_lib.OLD_VALUES.name
   passes = layout.names(batch_lib.PASS)
   with jax.set_mesh(mesh):
     minibatches = batching.to_minibatches(packed, layout, mesh, num_minibatches)
-    for mb in minibatches:
+    behaviour = None
+    if ref in passes and ref_params is None:
+      behaviour = batching.rollout_reference(packed, layout.k, mesh, num_minibatches)
+    for j, mb in enumerate(minibatches):
       if old in passes:
         mb[old] = programs.logprob_fn(state.params, mb, *frozen)
       if ref in passes:  # a frozen copy (or base), or the policy that sampled this step (e.g. PACS "rollout")
         mb[ref] = programs.ref_logprob_fn(ref_params, mb) if ref_params is not None else mb[old]
+        if behaviour is not None:
+          mb[ref] = _STALE_REFERENCE(mb[old], behaviour[j]["behaviour"], behaviour[j]["stale"], mb["response_mask"])
       if values in passes:
         mb[values] = programs.value_fn(state.critic_params, mb, *frozen)
     if programs.step_inputs is not None:
@@ -111,6 +123,13 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
       state, m = programs.train_step(state, mb, programs_lib.ends_step(mesh, j == len(minibatches) - 1), *frozen)
       per_minibatch.append({**m, **stats[j]})
   return state, per_minibatch
+
+
+@jax.jit
+def _STALE_REFERENCE(old_logprobs, behaviour_logprobs, stale, response_mask):
+  """[k, m, R]: the behaviour log-probs over the responses of the stale rows [k, m], π_old elsewhere."""
+  take = stale[..., None] & (response_mask > 0)
+  return jnp.where(take, behaviour_logprobs.astype(old_logprobs.dtype), old_logprobs)
 
 
 def step_metrics(per_minibatch: list[dict]) -> dict[str, float]:

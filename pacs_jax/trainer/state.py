@@ -125,6 +125,14 @@ def next_rollout_seed(rng: jax.Array) -> int:
   return rollout_seed(_split(rng)[0])
 
 
+def rollout_seed_ahead(rng: jax.Array, steps: int) -> int:
+  """The sampling seed of the step `steps` after the one that starts from `rng` (0: `rollout_seed`, 1:
+  `next_rollout_seed`): what a rollout started that many steps ahead draws."""
+  for _ in range(steps):
+    rng = _split(rng)[0]
+  return rollout_seed(rng)
+
+
 def advance(state: TrainState, ends_step: jax.Array | bool = True) -> TrainState:
   """After a training step's last update (`ends_step`, a [] bool): step + 1 and the next RNG key. Runs inside
   the jitted step, so neither is ever changed on the host."""

@@ -4,9 +4,7 @@ The frozen base is read again from its source at each start; the checkpoints nev
 
 import os
 import random
-import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -17,6 +15,7 @@ from pacs_jax import sharding
 from pacs_jax.storage import export as export_lib
 from pacs_jax.trainer import programs as programs_lib
 from pacs_jax.trainer.metrics import read_rows
+from tests import kill_loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
@@ -56,26 +55,8 @@ def final_state(workdir) -> list[np.ndarray]:
   return [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
-def saving(workdir) -> bool:
-  ckpt = os.path.join(workdir, "checkpoints")
-  return os.path.isdir(ckpt) and any("tmp" in name for name in os.listdir(ckpt))
-
-
-def wait_for(predicate, proc, poll=0.005, timeout=600):
-  deadline = time.time() + timeout
-  while not predicate():
-    if proc.poll() is not None:
-      raise AssertionError(f"trainer exited early with {proc.returncode}:\n{proc.stdout.read()}")
-    if time.time() > deadline:
-      proc.kill()
-      raise AssertionError("timed out waiting for the trainer")
-    time.sleep(poll)
-
-
 def run_to_the_end(workdir) -> str:
-  proc = subprocess.run(trainer_cmd(workdir), env=env(), capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  return proc.stdout
+  return kill_loop.run_to_the_end(trainer_cmd(workdir), env())
 
 
 @pytest.mark.slow
@@ -86,15 +67,8 @@ def test_a_lora_run_killed_at_random_moments_resumes_bitwise(tmp_path):
   workdir = tmp_path / "run"
   # (the step whose row to wait for, whether to wait for a save in flight, then a random extra delay)
   for step, mid_save, delay in [(rng.randint(3, 5), True, 0.0), (rng.randint(6, 8), False, rng.uniform(0.0, 0.3))]:
-    proc = subprocess.Popen(trainer_cmd(workdir), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    wait_for(lambda: os.path.exists(workdir / "metrics.jsonl") and any(r["step"] >= step for r in rows(workdir)),
-             proc)
-    if mid_save:
-      wait_for(lambda: saving(workdir), proc)
-    time.sleep(delay)
-    proc.kill()  # SIGKILL: no handler, no cleanup
-    proc.communicate()
+    moments = [kill_loop.logged(workdir, step)] + ([lambda: kill_loop.saving(workdir)] if mid_save else [])
+    kill_loop.kill_when(trainer_cmd(workdir), env(), *moments, delay=delay)
   assert "resumed from step" in run_to_the_end(workdir)
   assert [r["step"] for r in rows(workdir)] == list(range(STEPS + 1))  # each step once, step 0's validation too
   assert rows(workdir) == rows(straight)

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from pacs_jax.storage import export as export_lib
-from pacs_jax.trainer.metrics import read_rows
+from tests import kill_loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMING_PREFIXES = ("timing/", "throughput/")
@@ -44,11 +44,11 @@ def env():
 
 
 def start(workdir) -> subprocess.Popen:
-  return subprocess.Popen(trainer_cmd(workdir), env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  return kill_loop.start(trainer_cmd(workdir), env())
 
 
 def rows(workdir):
-  return read_rows(os.path.join(workdir, "metrics.jsonl"))
+  return kill_loop.rows(workdir)
 
 
 def without_timings(logged):
@@ -61,31 +61,8 @@ def final_params(workdir):
   return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
-def saving(workdir) -> bool:
-  """An Orbax save is in flight: its temporary folder exists."""
-  ckpt = os.path.join(workdir, "checkpoints")
-  return os.path.isdir(ckpt) and any("tmp" in name for name in os.listdir(ckpt))
-
-
-def wait_for(predicate, proc, poll=0.005, timeout=600):
-  deadline = time.time() + timeout
-  while not predicate():
-    if proc.poll() is not None:
-      raise AssertionError(f"trainer exited early with {proc.returncode}:\n{proc.stdout.read()}")
-    if time.time() > deadline:
-      proc.kill()
-      raise AssertionError("timed out waiting for the trainer")
-    time.sleep(poll)
-
-
-def logged(workdir, step):
-  return lambda: any(r["step"] >= step for r in rows(workdir))
-
-
 def run_to_the_end(workdir) -> str:
-  proc = subprocess.run(trainer_cmd(workdir), env=env(), capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stdout + proc.stderr
-  return proc.stdout
+  return kill_loop.run_to_the_end(trainer_cmd(workdir), env())
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +91,10 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(tmp_path, un
   plan = [("row", 0, rng.uniform(0.0, 0.05)), ("save", rng.randint(4, 8), 0.0),
           ("row", rng.randint(9, 12), rng.uniform(0.0, 0.6)), ("row", rng.randint(13, 17), rng.uniform(0.0, 0.6))]
   for i, (event, step, delay) in enumerate(plan):
-    proc = start(workdir)
-    wait_for(logged(workdir, step), proc)
+    moments = [kill_loop.logged(workdir, step)] + ([lambda: kill_loop.saving(workdir)] if event == "save" else [])
+    kill_loop.kill_when(trainer_cmd(workdir), env(), *moments, delay=delay)
     if event == "save":
-      wait_for(lambda: saving(workdir), proc)
-    time.sleep(delay)
-    proc.kill()  # SIGKILL: no handler, no cleanup
-    proc.communicate()
-    if event == "save":
-      assert saving(workdir), "the kill should have caught a save in flight"
+      assert kill_loop.saving(workdir), "the kill should have caught a save in flight"
     if i == 0:  # rows logged, no checkpoint yet: the restart begins anew and must not log step 0 twice
       assert not [name for name in os.listdir(workdir / "checkpoints") if name.isdigit()]
     if i == 2:  # as if the kill had cut a row mid-write: the next start must drop the partial line
@@ -144,7 +116,7 @@ def test_sigterm_at_random_moments_then_resume_is_bitwise_identical(tmp_path, un
   for step, delay in plan:
     proc = start(workdir)
     if step is not None:
-      wait_for(logged(workdir, step), proc)
+      kill_loop.wait_for(kill_loop.logged(workdir, step), proc)
     time.sleep(delay)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
