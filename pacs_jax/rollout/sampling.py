@@ -94,7 +94,7 @@ class TopK(SamplingMethod):
 class TopP(SamplingMethod):
   """Nucleus sampling at `temperature`: the smallest set of most likely tokens whose probability
   reaches p (the token that crosses p is kept, as in transformers / vLLM; among equal logits the lower id
-  comes first, as a stable sort orders them). Found without sorting the vocabulary (`nucleus`)."""
+  comes first, as a stable sort orders them). Drawn without sorting the vocabulary (`nucleus_argmax`)."""
   p: float
   temperature: float = 1.0
 
@@ -116,8 +116,10 @@ class TopP(SamplingMethod):
 
 
 def nucleus_argmax(scaled: jax.Array, z: jax.Array, p: float) -> jax.Array:
-  """argmax of `z` [B, V] over each row's top-p support of logits `scaled` [B, V] (`nucleus`'s), without
-  finding the support: with z = scaled + Gumbel noise, a draw from the nucleus renormalised (Gumbel-max).
+  """argmax of `z` [B, V] over each row's top-p support of logits `scaled` [B, V] (what a stable sort by
+  descending logit keeps while the probability before a token is < p), without sorting (O(V log V) per row,
+  more than the model's decode step at V = 151,936) or finding the support: with z = scaled + Gumbel noise, a
+  draw from the nucleus renormalised (Gumbel-max).
 
   The argmax over the tokens not yet ruled out is in the nucleus iff the probability of the tokens before it
   (higher logit, or equal and lower id) is < p: one masked sum. If not, it and every token after it are ruled
@@ -142,49 +144,6 @@ def nucleus_argmax(scaled: jax.Array, z: jax.Array, p: float) -> jax.Array:
   B, V = scaled.shape
   start = (jnp.full((B,), -jnp.inf), jnp.full((B,), V, jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool))
   return lax.while_loop(lambda s: ~jnp.all(s[3]), round_, start)[2]
-
-
-def _order_key(x: jax.Array) -> jax.Array:
-  """int32 keys ordered as the float32 values (-0.0 and 0.0 equal), and back (`_from_order_key`)."""
-  bits = lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
-  return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-
-
-def _from_order_key(k: jax.Array) -> jax.Array:
-  return lax.bitcast_convert_type(jnp.where(k < 0, k ^ jnp.int32(0x7FFFFFFF), k), jnp.float32)
-
-
-def nucleus(scaled: jax.Array, p: float, chunk: int = 128) -> jax.Array:
-  """The top-p support of logits `scaled` [B, V]: True for the tokens a stable sort by descending logit keeps
-  while the probability before them is < p, without the sort (O(V log V) per row, more than the model's decode
-  step at V = 151,936). The crossing token's logit t is the largest logit whose tokens at or above it hold
-  >= p: a bisection over the 2^32 float32 values, 32 masked sums. Every token above t is kept, and of those
-  at t, in id order, as many as the mass before them is < p: the first by a count per chunk of ids."""
-  probs = jax.nn.softmax(scaled, axis=-1)
-  key = _order_key(scaled)
-
-  def halve(_, bounds):  # invariant: t's key in [lo, hi]
-    lo, hi = bounds
-    mid = lo + lax.bitcast_convert_type((lax.bitcast_convert_type(hi - lo, jnp.uint32) + 1) >> 1, jnp.int32)
-    reached = jnp.sum(jnp.where(scaled >= _from_order_key(mid)[:, None], probs, 0.0), axis=-1) >= p
-    return jnp.where(reached, mid, lo), jnp.where(reached, hi, mid - 1)
-
-  t, _ = lax.fori_loop(0, 32, halve, (jnp.min(key, axis=-1), jnp.max(key, axis=-1)))
-  t = _from_order_key(t)[:, None]
-  above, at = scaled > t, scaled == t
-  mass_above = jnp.sum(jnp.where(above, probs, 0.0), axis=-1)
-  q = jnp.max(jnp.where(at, probs, 0.0), axis=-1)
-  n_at = jnp.sum(at, axis=-1)
-  keep_at = jnp.clip(jnp.ceil((p - mass_above) / q), 1, n_at).astype(jnp.int32)  # the first keep_at ids at t
-  # The id of the keep_at-th token at t: its chunk by the counts per chunk, then its place in the chunk.
-  B, V = scaled.shape
-  padded = jnp.pad(at, ((0, 0), (0, -V % chunk))).reshape(B, -1, chunk)
-  before_chunk = jnp.cumsum(jnp.sum(padded, axis=-1, dtype=jnp.int32), axis=-1)  # [B, chunks]
-  c = jnp.sum(before_chunk < keep_at[:, None], axis=-1)  # the chunk holding it
-  rest = keep_at - jnp.where(c > 0, jnp.take_along_axis(before_chunk, jnp.maximum(c - 1, 0)[:, None], -1)[:, 0], 0)
-  in_chunk = jnp.cumsum(jnp.take_along_axis(padded, c[:, None, None], axis=1)[:, 0], axis=-1, dtype=jnp.int32)
-  last_id = c * chunk + jnp.sum(in_chunk < rest[:, None], axis=-1)
-  return above | (at & (jnp.arange(V) <= last_id[:, None]))
 
 
 def from_config(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> SamplingMethod:
