@@ -62,16 +62,16 @@ def cpu(max_ratio: float, problems: int, n: int, max_new_tokens: int) -> bool:
         f.write(json.dumps({"problem": f"A farmer has {i + 3} goats and buys {2 * i} more. How many goats now?",
                             "answer": str(3 * i + 3), "data_source": "goats"}) + "\n")
 
-    def timed(top_p: float, out: str) -> float:
+    def timed(top_p: float, out: str, n: int = n, max_new_tokens: int = max_new_tokens) -> float:
       start = time.perf_counter()
-      runner.evaluate(model, data, EvalSettings(n=n, top_p=top_p, max_new_tokens=max_new_tokens),
+      runner.evaluate(model, data, EvalSettings(n=n, top_p=top_p, max_new_tokens=max_new_tokens, limit=problems),
                       out_dir=os.path.join(tmp, out), scorer=NoScore(), progress=False)
       seconds = time.perf_counter() - start
       print(f"  {out}: {seconds:.1f} s", flush=True)
       return seconds
 
-    timed(1.0, "warmup")  # jax's start, the model's first load: neither setting pays them in the timing
-    times = {p: timed(p, f"top_p_{p}") for p in (0.95, 1.0)}
+    timed(1.0, "warmup", n=1, max_new_tokens=2)  # jax's start, the model's first load: neither setting pays them
+    times = {p: timed(p, f"top_p_{p}") for p in (1.0, 0.95)}
   ratio = times[0.95] / times[1.0]
   print(f"cpu: evaluate of {problems * n} responses x {max_new_tokens} tokens, V={V}: top_p 0.95 {times[0.95]:.1f} s, "
         f"top_p 1.0 {times[1.0]:.1f} s, ratio {ratio:.2f} (at most {max_ratio})")
