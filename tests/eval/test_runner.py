@@ -270,7 +270,7 @@ def test_the_bar_counts_tokens_as_decode_calls_return(first_run, model_dir, data
   assert summary["sources"] == first_run[1]["sources"]
   assert sum(c for kind, c in moves if kind == "tokens") == responses * SETTINGS.max_new_tokens
   assert sum(kind == "finish" for kind, _ in moves) == responses
-  assert moves[0][0] == "tokens"  # tokens counted before any response finished
+  assert sum(kind == "tokens" for kind, _ in moves) >= 3  # once per decode call: 3 chunks of problems at least
 
 
 def test_never_rewrites_released_results_beside_it(first_run, model_dir, data_dir, tmp_path):
