@@ -45,11 +45,11 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
   """`evaluate` of the Hugging Face directory `model_dir`, recorded as `name`."""
   import jax
   from flax import nnx
-  from tqdm.auto import tqdm
 
   from pacs_jax.data import tokenizers
   from pacs_jax.models import hf
   from pacs_jax.rewards import math as rewards_lib
+  from pacs_jax.rollout import interface
   from pacs_jax.rollout import local as local_rollout
   from pacs_jax.rollout import sampling as sampling_lib
   from pacs_jax.rollout import stop_tokens
@@ -102,15 +102,19 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
   own_scorer = scorer is None
   if own_scorer:
     scorer = rewards_lib.RewardScorer(num_workers=reward_workers, timeout_s=reward_timeout_s)
-  bar = tqdm(total=len(problems) * n, initial=len(problems) * n - len(todo) * n, unit="response",
-             desc="eval", disable=not progress, dynamic_ncols=True)
+  # A bar over the token budget (responses x max_new_tokens): it moves with every decode call, so its rate and
+  # estimate are the decoding's (a response that stops early fills the rest of its budget as it ends).
+  budget = n * settings.max_new_tokens
+  bar = interface.token_bar("eval", total=len(problems) * budget, initial=(len(problems) - len(todo)) * budget,
+                            leave=True, disable=not progress)
+  ticks = interface.BarProgress(bar)
   results.repair_tail(rollout_path)
   try:
     for start in range(0, len(todo), chunk):
       batch = todo[start:start + chunk]
       completions = sampler.generate(
           [p.prompt_ids for p in batch], n=n, max_new_tokens=settings.max_new_tokens, sampling=sampling,
-          seed=settings.seed, prompt_ids=[p.seed_id for p in batch], on_finish=lambda: bar.update(1))
+          seed=settings.seed, prompt_ids=[p.seed_id for p in batch], on_finish=ticks)
       texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
       scores, _ = scorer.score_batch(texts, [batch[c.prompt_index].answer for c in completions],
                                      [batch[c.prompt_index].data_source for c in completions])
@@ -122,9 +126,9 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
       results.append_lines(rollout_path, new)
       lines.update({p.key: line for p, line in zip(batch, new)})
       summary = write_metrics(complete=start + chunk >= len(todo))
-      bar.set_postfix(accuracy=f"{summary['overall']['mean_accuracy'] or 0:.3f}")
+      bar.set_postfix_str(f"{ticks.responses} responses, accuracy {summary['overall']['mean_accuracy'] or 0:.3f}")
   finally:
-    bar.close()
+    ticks.close()
     if own_scorer:
       scorer.close()
   return summary

@@ -11,6 +11,7 @@ Shapes: B slots.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,6 +31,64 @@ class Completion:
   logprobs: np.ndarray  # [len(tokens)] fp32, log_softmax(logits / temperature) at each token
   finish_reason: str  # "eos" | "length"
   policy_version: int = 0
+
+
+class Progress:
+  """A progress bar's view of `Rollout.generate`, passed as its `on_finish`: called as each response finishes;
+  `begin(budget)` as a generate call starts (its token budget: responses x max_new_tokens) and `tokens(count)`
+  after each decode call (the budget it used up: the tokens it generated, and the rest of the budget of each
+  response that stopped early), so a bar over the budget moves with the tokens and ends full."""
+
+  def __call__(self) -> None:
+    pass
+
+  def begin(self, budget: int) -> None:
+    pass
+
+  def tokens(self, count: int) -> None:
+    pass
+
+
+def token_bar(description: str, total: int | None = None, initial: int = 0, leave: bool = False,
+              disable: bool = False):
+  """A tqdm bar over the token budget of a rollout (responses x max_new_tokens; `interface.Progress` fills it)."""
+  from tqdm.auto import tqdm
+  return tqdm(total=total, initial=initial, desc=description, unit="token", unit_scale=True, leave=leave,
+              dynamic_ncols=True, smoothing=0.1, disable=disable)
+
+
+class BarProgress(Progress):
+  """Moves `bar` with the tokens a rollout generates (a bar made without a total grows by each generate call's
+  budget), counts the finished responses beside it, and redraws it every `tick_s` so its clock runs through long
+  device calls (a step's update, a first call's compile)."""
+
+  def __init__(self, bar, tick_s: float = 1.0):
+    self.bar, self.responses = bar, 0
+    self._grow = bar.total is None
+    self._stop = threading.Event()
+    self._ticker = threading.Thread(target=self._tick, args=(tick_s,), daemon=True)
+    self._ticker.start()
+
+  def _tick(self, tick_s: float) -> None:
+    while not self._stop.wait(tick_s):
+      self.bar.refresh()
+
+  def __call__(self) -> None:
+    self.responses += 1
+    self.bar.set_postfix_str(f"{self.responses} responses", refresh=False)
+
+  def begin(self, budget: int) -> None:
+    if self._grow:
+      self.bar.total = (self.bar.total or 0) + budget
+      self.bar.refresh()
+
+  def tokens(self, count: int) -> None:
+    self.bar.update(count)
+
+  def close(self) -> None:
+    self._stop.set()
+    self._ticker.join()
+    self.bar.close()
 
 
 @runtime_checkable

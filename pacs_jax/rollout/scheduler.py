@@ -80,7 +80,10 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   next token waits for others to return theirs. Each decode call runs at the smallest page budget that holds
   the busy slots' next steps (`budget.PagePolicy.page_budget`). RuntimeError if every busy slot waits (the pool is too small
   for the tokens in flight). `stats`, if given, accumulates the KV rows decode read and held. `on_finish()`, if
-  given, is called as each response finishes (a progress bar's tick).
+  given, is called as each response finishes; if it also has `begin(budget)` and `tokens(count)` (an
+  `interface.Progress`), it hears the token budget of the call (responses x max_new_tokens) before the first
+  decode, and after each decode call the budget that call used up (its tokens, and the rest of the budget of
+  each response that stopped early), so a bar over them moves with the tokens and ends full.
   """
   max_new_tokens = engine.max_decode_length if max_new_tokens is None else max_new_tokens
   budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -103,6 +106,10 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   queue = collections.deque((p, s) for p in range(len(prompts)) for s in range(n))
   if not queue:
     return []
+  progress = getattr(on_finish, "tokens", None)
+  if progress is not None:
+    on_finish.begin(n * sum(budgets))
+  used = 0  # token budget used up since the last report
   slot_request: list[tuple[int, int] | None] = [None] * B
   slot_rows = np.zeros(B, np.int64)  # filled cache rows of each busy slot (the pending token's position)
   tokens: dict[tuple[int, int], list[int]] = {}
@@ -134,8 +141,10 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
     return take, slots
 
   def finish(slot: int):
+    nonlocal used
     req = slot_request[slot]
     toks = tokens.pop(req)
+    used += budgets[req[0]] - len(toks)  # what a response that stopped early leaves
     reason = "eos" if toks and toks[-1] in eos_set else "length"
     done[req] = Completion(prompt_index=req[0], sample_index=req[1], tokens=toks,
                            logprobs=np.asarray(logprobs.pop(req), np.float32), finish_reason=reason)
@@ -188,6 +197,11 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
       emitted = out.emitted[slot]
       tokens[req].extend(out.tokens[slot, emitted].tolist())
       logprobs[req].extend(out.logprobs[slot, emitted].tolist())
+      used += int(emitted.sum())
       if not out.active[slot]:
         finish(slot)
+    used += len(take)  # the first tokens, sampled by the prefill
+    if progress is not None:
+      progress(used)
+      used = 0
   return [done[(p, s)] for p in range(len(prompts)) for s in range(n)]

@@ -1,11 +1,15 @@
 """What a run tells its terminal besides the per-step line: the start banner, the closing line, and a progress
-bar over a step's responses (tqdm; silent when stderr is not a terminal, and on processes other than 0)."""
+bar over a step's rollout tokens named by its phase (tqdm; on processes other than 0 nothing, and without a
+terminal the first step's phases as plain lines)."""
 
 from __future__ import annotations
+
+import sys
 
 import ml_collections
 
 from pacs_jax import paths
+from pacs_jax.rollout import interface
 from pacs_jax.storage import workdir as workdir_lib
 
 
@@ -69,37 +73,50 @@ def closing_line(workdir: str, step: int) -> str:
 
 def watched() -> bool:
   """Process 0 writing to a terminal: where progress bars are drawn."""
-  import sys
-
-  import jax
-  return jax.process_index() == 0 and sys.stderr.isatty()
+  return _process_zero() and sys.stderr.isatty()
 
 
-def response_bar(total: int, description: str):
-  """A tqdm bar over a step's responses, cleared when closed (the step's console line follows)."""
-  from tqdm.auto import tqdm
-  return tqdm(total=total, desc=description, unit="response", leave=False, dynamic_ncols=True)
+_announced = False  # without a terminal, the first step's phases are printed (compiling makes them long)
 
 
 class StepProgress:
-  """A context manager: the bar over a step's responses where someone watches (`watched()`), else nothing.
-  `description()` is asked only for a bar (the step number waits for the previous update)."""
+  """A context manager over a step's phases (rollout, reward, update). Where someone watches (`watched()`): a bar
+  over the rollout's token budget, named by the phase, its clock kept running; else, on process 0, the first
+  step's phases as plain lines. `description()` ("step N: rollout") is asked once (the step number waits for
+  the previous update)."""
 
   def __init__(self, total: int, description):
-    self.bar = response_bar(total, description()) if watched() else None
+    del total  # the bar's total is the rollout's token budget, told by the rollout itself
+    global _announced
+    self.progress, self.desc = None, None
+    if watched():
+      self.progress = interface.BarProgress(interface.token_bar(description()))
+    elif not _announced and _process_zero():
+      _announced = True
+      self.desc = description()
+      print(f"{self.desc} ...", file=sys.stderr, flush=True)
 
   def __enter__(self) -> "StepProgress":
     return self
 
   def __exit__(self, *exc) -> None:
-    if self.bar is not None:
-      self.bar.close()
+    if self.progress is not None:
+      self.progress.close()
 
   @property
   def on_finish(self):
-    """What the rollout calls as each response finishes (None without a bar)."""
-    return None if self.bar is None else (lambda: self.bar.update(1))
+    """What the rollout is given as `on_finish` (an `interface.Progress`; None without a bar)."""
+    return self.progress
 
   def stage(self, done: str, next_stage: str) -> None:
-    if self.bar is not None:
-      self.bar.set_description(self.bar.desc.replace(f": {done}", f": {next_stage}"))
+    """The step goes from phase `done` to `next_stage`."""
+    if self.progress is not None:
+      bar = self.progress.bar
+      bar.set_description(bar.desc.split(": ")[0] + f": {next_stage}")
+    elif self.desc is not None:
+      print(f"{self.desc.split(': ')[0]}: {next_stage} ...", file=sys.stderr, flush=True)
+
+
+def _process_zero() -> bool:
+  import jax
+  return jax.process_index() == 0

@@ -185,13 +185,14 @@ class Trainer:
         if self.next_rollout:
           self.next_rollout.before_update(self)
         clock.lap("rollout")
-        progress.stage("rollout", "reward and update")
+        progress.stage("rollout", "reward")
         scored = stages.score(scorer, self.tokenizer, prompts, completions)
       else:  # the kept groups of rollouts drawn until the batch is full (trainer/dynamic_sampling.py)
         prompt_ids, completions, scored, sampled = self.sample(prompts, seed, scorer, progress.on_finish)
         clock.lap("rollout")
         progress.stage("rollout", "update")
       clock.lap("score")
+      progress.stage("reward", "update")
       packed = stages.pack(prompt_ids, completions, scored, P=self.P, R=self.R, n=self.cfg.rollout.n,
                            pad_id=self.pad_id, mask_eos_ids=self.mask_eos_ids,
                            host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R),

@@ -248,6 +248,31 @@ def test_resume_redraws_only_missing_problems_identically(first_run, model_dir, 
                            scorer=ParityScorer(), progress=False)["sources"] == summary["sources"]
 
 
+def test_the_bar_counts_tokens_as_decode_calls_return(first_run, model_dir, data_dir, tmp_path, monkeypatch):
+  """The bar's total is the token budget (problems x n x max_new_tokens); it moves after every decode call, so
+  its rate and estimate are the decoding's (a per-response bar moved once per finished response)."""
+  from pacs_jax.rollout import interface
+  moves = []
+
+  class Recording(interface.BarProgress):
+    def tokens(self, count):
+      moves.append(("tokens", count))
+      super().tokens(count)
+
+    def __call__(self):
+      moves.append(("finish", 1))
+      super().__call__()
+
+  monkeypatch.setattr(interface, "BarProgress", Recording)
+  summary = runner.evaluate(model_dir, ",".join(NAMES), SETTINGS, out_dir=str(tmp_path), data_dir=data_dir,
+                            scorer=ParityScorer(), progress=True)
+  responses = sum(KEPT.values()) * SETTINGS.n
+  assert summary["sources"] == first_run[1]["sources"]
+  assert sum(c for kind, c in moves if kind == "tokens") == responses * SETTINGS.max_new_tokens
+  assert sum(kind == "finish" for kind, _ in moves) == responses
+  assert sum(kind == "tokens" for kind, _ in moves) >= 3  # once per decode call: 3 chunks of problems at least
+
+
 def test_never_rewrites_released_results_beside_it(first_run, model_dir, data_dir, tmp_path):
   """Pointed at a directory holding the released inference.py's files: its lines survive byte for byte (even a
   last line without a newline), its eval_metrics.json is kept aside, ours are appended, and a rerun resumes."""

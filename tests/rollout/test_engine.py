@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as Spec
 
 from pacs_jax import sharding
 from pacs_jax.models import hf, registry
-from pacs_jax.rollout import decode, sampling, scheduler
+from pacs_jax.rollout import decode, interface, sampling, scheduler
 from pacs_jax.rollout import engine as engine_lib
 
 VOCAB = 128
@@ -253,6 +253,36 @@ def test_samples_differ_and_are_reproducible(engine, params, prompts):
   for a, b in zip(first, again):
     np.testing.assert_array_equal(a.logprobs, b.logprobs)
   assert [c.tokens for c in first] != [c.tokens for c in other_seed]
+
+
+class Recorder(interface.Progress):
+  def __init__(self):
+    self.events = []
+
+  def __call__(self):
+    self.events.append(("finish", 0))
+
+  def begin(self, budget):
+    self.events.append(("begin", budget))
+
+  def tokens(self, count):
+    self.events.append(("tokens", count))
+
+
+def test_progress_moves_with_the_tokens_of_each_decode_call(engine, params, prompts):
+  """A progress bar hears the token budget, then what each decode call (8 steps) generated: it moves before the
+  first response (24 tokens) finishes, and ends at the budget whatever stops early."""
+  for eos, budget in (([], 24), ([1, 2, 3, 4], 30)):
+    recorder = Recorder()
+    out = scheduler.generate(engine, params, prompts, n=3, max_new_tokens=budget, sampling=sampling.Temperature(1.0),
+                             seed=11, eos_ids=eos, on_finish=recorder)
+    events = recorder.events
+    assert events[0] == ("begin", len(prompts) * 3 * budget)
+    assert sum(c for kind, c in events if kind == "tokens") == len(prompts) * 3 * budget
+    assert sum(kind == "finish" for kind, _ in events) == len(out)
+    if not eos:  # 4 slots x (1 prefill token + 8 steps) per call, before any of the 24-token responses ends
+      first_finish = [kind for kind, _ in events].index("finish")
+      assert [c for kind, c in events[:first_finish] if kind == "tokens"] == [4 * 9, 4 * 8], events[:6]
 
 
 def test_more_requests_than_slots_independent_of_order(engine, params, prompts):

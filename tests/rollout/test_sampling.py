@@ -143,3 +143,57 @@ def test_from_config_and_validation():
     sampling.TopP(0.0)
   with pytest.raises(ValueError):
     sampling.TopK(0)
+
+
+def sorted_nucleus(scaled, p):
+  """The reference top-p support: a stable sort by descending logit, tokens kept while the mass before them
+  (summed in float64) is < p. Returns (keep, mass_before) in vocabulary order."""
+  order = np.argsort(-scaled, axis=-1, kind="stable")
+  probs = np.asarray(jax.nn.softmax(jnp.asarray(np.take_along_axis(scaled, order, -1)), axis=-1), np.float64)
+  mass_before = np.zeros_like(probs)
+  np.put_along_axis(mass_before, order, np.cumsum(probs, -1) - probs, -1)
+  return mass_before < p, mass_before
+
+
+# float32 sums of ~150,000 probabilities (the sort's cumsum as much as the bisection's masked sums) are good to
+# about 1e-7: a token whose float64 mass-before is that close to p may fall either side.
+ROUND_OFF = 1e-6
+
+
+def nucleus_cases():
+  rng = np.random.default_rng(0)
+  V = 151_936
+  for scale in (0.02, 1.0, 4.0, 30.0):  # near uniform (most of the vocabulary kept) to one token
+    yield f"normal*{scale}", (rng.normal(size=(4, V)) * scale).astype(np.float32)
+  # bf16 logits, as the model gives them: hundreds of tokens share each value, so the cut falls inside ties.
+  yield "bf16", rng.normal(size=(4, V)).astype(jnp.bfloat16).astype(np.float32)
+  yield "few values", rng.integers(0, 5, size=(4, 1000)).astype(np.float32)
+  yield "all equal", np.zeros((2, 1000), np.float32)
+  yield "one masked vocab", np.where(np.arange(1000) % 3 == 0, -np.inf, rng.normal(size=(3, 1000))).astype(np.float32)
+  yield "signed zeros", np.array([[0.0, -0.0, 0.0, -0.0, -1.0, 1.0]], np.float32)
+
+
+def test_top_p_at_exact_masses():
+  """Masses that are exact in binary: a token whose mass before is exactly p is dropped, one below kept (z
+  favours one token: it is drawn iff it is in the nucleus, else token 0, the first)."""
+  logits = np.log(np.array([[0.5, 0.25, 0.125, 0.125]], np.float32))
+  for p, kept in ((0.5, 1), (0.5000001, 2), (0.75, 2), (0.875, 3), (0.8751, 4), (1 - 1e-7, 4)):
+    drawn = [int(sampling.nucleus_argmax(jnp.asarray(logits), jnp.asarray(np.eye(4, dtype=np.float32)[k][None]), p)[0])
+             for k in range(4)]
+    assert drawn == [k if k < kept else 0 for k in range(4)], (p, drawn)
+    assert sorted_nucleus(logits, p)[0].sum() == kept
+
+
+@pytest.mark.parametrize("p", [1e-6, 0.5, 0.95, 0.999])
+def test_top_p_draw_is_the_gumbel_argmax_over_the_sorted_nucleus(p):
+  """For the same Gumbel noise the draw is the argmax over the sort's support: Gumbel-max restricted to the
+  nucleus, so the draws follow the nucleus distribution renormalised (a token within round-off of the cut aside)."""
+  for name, scaled in nucleus_cases():
+    z = scaled + np.asarray(jax.random.gumbel(jax.random.key(len(name)), scaled.shape))
+    got = np.asarray(jax.jit(sampling.nucleus_argmax, static_argnums=2)(jnp.asarray(scaled), jnp.asarray(z), p))
+    keep, mass_before = sorted_nucleus(scaled, p)
+    want = np.argmax(np.where(keep, z, -np.inf), -1)
+    for row in np.flatnonzero(got != want):  # only where the support itself is at round-off's mercy
+      assert abs(mass_before[row, got[row]] - p) < ROUND_OFF or abs(mass_before[row, want[row]] - p) < ROUND_OFF, \
+          (name, p, row)
+    assert (got != want).sum() <= 1, (name, p, got, want)

