@@ -17,7 +17,6 @@ from absl import logging
 
 from pacs_jax import config as config_lib
 from pacs_jax import paths
-from pacs_jax import sharding
 from pacs_jax.algos import registry
 from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import prompts as prompts_lib
@@ -41,6 +40,7 @@ from pacs_jax.trainer import preemption as preemption_lib
 from pacs_jax.trainer import dynamic_sampling
 from pacs_jax.trainer import health
 from pacs_jax.trainer import programs as programs_lib
+from pacs_jax.trainer import split
 from pacs_jax.trainer import stages
 from pacs_jax.trainer import state as state_lib
 from pacs_jax.trainer import equal_rewards as signal_lib
@@ -122,7 +122,7 @@ class Trainer:
   def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
     self.algo = registry.of(cfg)
     self._stepped = False  # no step has run in this process yet (the first one compiles)
-    self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+    self.mesh, self.rollout_mesh = split.meshes(cfg, devices)  # rollout_mesh: None unless rollout.devices
     with jax.set_mesh(self.mesh):
       policy = build.build_policy(cfg, self.mesh)
     self.policy_config = policy.config  # the model card (model/) is written once a resume is known to be this run's
@@ -145,10 +145,10 @@ class Trainer:
     self.state = jax.device_put(self.state, self.state_shardings)
 
     # The rollout (`rollout.interface.Rollout`): the in-process engine, on the trainer's mesh.
-    self.sampler = programs_lib.make_rollout(cfg, run.decode_model, self.mesh, self.eos_ids)
+    self.sampler = split.make_rollout(cfg, run.decode_model, self.mesh, self.rollout_mesh, self.eos_ids)
     # rollout.mode="one_step_off": the next step's rollout in the background, by a worker with weights of its own.
     self.next_rollout = overlap.NextRollout() if cfg.rollout.mode == "one_step_off" else None
-    self.rollout_worker = self.sampler.fork() if self.next_rollout else None
+    self.rollout_worker = split.make_worker(self.sampler) if self.next_rollout else None
     self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self.programs = programs_lib.make_programs(cfg, self.graphdef, self.critic_graphdef, self.optimizer,
                                                self.critic_optimizer, self.state_shardings,
@@ -203,6 +203,7 @@ class Trainer:
     row = stages.record(metrics, packed, scored, clock, self.source_names, self.cfg.rollout.n)
     row.update(sampled)  # (its timings split the rounds' rollouts from their scoring)
     row.update(stages.staleness_metrics(completions, version))
+    row.update(split.phase_metrics(self, clock))  # wall times, overlap, weight pushes
     return row
 
   def sample(self, prompts: dict[str, Any], seed: int, scorer, on_finish=None):
