@@ -144,7 +144,7 @@ class Trainer:
                                                               self.critic_optimizer)
     self.state = jax.device_put(self.state, self.state_shardings)
 
-    # The rollout (`rollout.interface.Rollout`): the in-process engine, on the trainer's mesh.
+    # The rollout (`rollout.interface.Rollout`): the in-process engine, on the trainer's mesh or its own (split).
     self.sampler = split.make_rollout(cfg, run.decode_model, self.mesh, self.rollout_mesh, self.eos_ids)
     # rollout.mode="one_step_off": the next step's rollout in the background, by a worker with weights of its own.
     self.next_rollout = overlap.NextRollout() if cfg.rollout.mode == "one_step_off" else None
