@@ -81,9 +81,11 @@ def main(argv):
       counted = [r for r in rows if r["step"] > 2]
       measured[mode] = counted
       print(f"{mode:>12}: step_s {median(counted, 'timing/step_s'):.3f}  rollout_wall_s "
-            f"{median(counted, 'timing/rollout_wall_s'):.3f}  update_wall_s {median(counted, 'timing/update_wall_s'):.3f}"
+            f"{median(counted, 'timing/rollout_wall_s'):.3f}  "
+            f"update_wall_s {median(counted, 'timing/update_wall_s'):.3f}"
             f"  overlap {median(counted, 'timing/overlap_fraction'):.0%} of the shorter phase  "
-            f"(push {median(counted, 'weights/push_s') * 1e3:.1f} ms, {median(counted, 'weights/push_bytes') / 1e6:.2f} MB)"
+            f"(push {median(counted, 'weights/push_s') * 1e3:.1f} ms, "
+            f"{median(counted, 'weights/push_bytes') / 1e6:.2f} MB)"
             f"  [{len(counted)} steps of {len(rows)}, run {seconds:.0f} s]", flush=True)
   overlap = median(measured["one_step_off"], "timing/overlap_fraction")
   sync_s, off_s = median(measured["sync"], "timing/step_s"), median(measured["one_step_off"], "timing/step_s")

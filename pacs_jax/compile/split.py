@@ -89,13 +89,15 @@ def compile_split(cfg: ml_collections.ConfigDict, tgt: Target, log=lambda s: Non
 
 
 def format_split(report: SplitReport, num_processes: int) -> str:
-  lines = ["== trainer group ==", format_report(report.trainer), "", "== rollout group ==", format_report(report.rollout),
+  lines = ["== trainer group ==", format_report(report.trainer), "",
+           "== rollout group ==", format_report(report.rollout),
            "", "split devices: estimated optimal seconds per step (the compiler's times; Pallas kernels untimed)"]
   update = step_seconds(report.trainer, "update")
   push = "not estimated" if report.push_s is None else f"{report.push_s:.3f} s"
   lines.append(f"  update {update:.1f} s on the trainer's {len(report.trainer.target.devices)}; weight push "
                f"{report.push_bytes / GB:.2f} GB per rollout chip, {push}")
-  lines.append(f"  {'responses (mean / max_new_tokens)':<40}{'rollout s':>10}{'sync s':>9}{'overlapped s':>14}{'gain':>7}")
+  lines.append(f"  {'responses (mean / max_new_tokens)':<40}{'rollout s':>10}{'sync s':>9}{'overlapped s':>14}"
+               f"{'gain':>7}")
   for fraction in FRACTIONS:
     sync, overlapped = report.step_s(fraction)
     label = "every one at max (worst case)" if fraction == 1.0 else f"{fraction:g} (floor: 1 of {report.waves} waves)"

@@ -1,10 +1,11 @@
 """Split devices (`rollout.devices` > 0): the rollout on a device group of its own, the trainer on the rest.
 
 `split_devices` cuts the device list (the trainer gets the first devices, the rollout the last `rollout.devices`:
-on a TPU slice two blocks of consecutive chips, on one GPU host two sets of GPUs, on CPU two sets of virtual
-devices). `rollout_mesh` lays the rollout group out as (data 1, fsdp = devices / tensor, tensor = the trainer's
-tensor size): sample mode keeps weights whole along fsdp and splits them over tensor only, so with the same tensor
-size every weight shard the rollout needs already exists on the trainer's mesh in the trainer's sample layout.
+on a TPU slice two blocks of chips along its first axis, e.g. v5p:4x4x4 split 32/32 into two 2x4x4 sub-slices of
+whole hosts; on one GPU host two sets of GPUs; on CPU two sets of virtual devices). `rollout_mesh` lays the
+rollout group out as (data 1, fsdp = devices / tensor, tensor = the trainer's tensor size): sample mode keeps
+weights whole along fsdp and splits them over tensor only, so with the same tensor size every weight shard the
+rollout needs already exists on the trainer's mesh in the trainer's sample layout.
 
 `SplitRollout` wraps the in-process engine on that mesh (`local.LocalRollout`): its `weight_shardings` are that
 sample layout *on the trainer's mesh* (the trainer's `to_sample_params` writes into it), and `set_weights` pushes
@@ -40,6 +41,8 @@ def split_devices(devices: Sequence, rollout_devices: int) -> tuple[list, list]:
   devices = list(devices)
   if not rollout_devices:
     return devices, []
+  if all(getattr(d, "coords", None) is not None for d in devices):  # TPU chips: blocks along the first axis, so
+    devices = sorted(devices, key=lambda d: tuple(d.coords))      # each group is a sub-slice of whole hosts
   return devices[:len(devices) - rollout_devices], devices[len(devices) - rollout_devices:]
 
 

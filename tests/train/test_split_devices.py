@@ -51,7 +51,8 @@ def test_the_push_copies_shards_device_to_device(host_reads):
   trainer = sharding.make_mesh(1, 2, 2, devices=trainer_devices)
   rollout = placement.rollout_mesh(rollout_devices, tensor=2)
   assert dict(rollout.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
-  weights = {"w": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(trainer, P(None, "tensor"))),
+  w = np.arange(64, dtype=np.float32).reshape(8, 8)
+  weights = {"w": jax.device_put(w, NamedSharding(trainer, P(None, "tensor"))),
              "norm": jax.device_put(np.ones(8, np.float32), NamedSharding(trainer, P()))}
   target = {"w": NamedSharding(rollout, P(None, "tensor")), "norm": NamedSharding(rollout, P())}
   stats = placement.PushStats()
@@ -91,9 +92,9 @@ def test_a_split_run_trains_as_a_shared_run_on_the_trainers_devices(tmp_path, ho
     for k in same:
       assert a[k] == b[k], (a["step"], k, a[k], b[k])  # bitwise: the same floats
   # Each push writes every rollout device's shards: tensor-split weights twice (fsdp 2), whole ones 4 times.
-  shapes = trainer.sampler.ahead_of_time().abstract_params()
+  engine = trainer.sampler.ahead_of_time()
   per_push = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize * 4
-                 for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(trainer.sampler.ahead_of_time().param_shardings)))
+                 for x, s in zip(jax.tree.leaves(engine.abstract_params()), jax.tree.leaves(engine.param_shardings)))
   # A row counts the pushes since the last row: step 1's, step 0's validation and its rollout; step 2's, its rollout
   # (its validation runs after its row); step 3's, step 2's validation and its rollout.
   assert [r["weights/pushes"] for r in split[1:]] == [2.0, 1.0, 2.0]
