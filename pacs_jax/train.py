@@ -33,8 +33,8 @@ def main(argv):
   cfg = errors.config_value(_CONFIG)
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   if _COMPILE_ONLY.value:
-    from pacs_jax.compile import aot
-    sys.exit(aot.main(cfg, config_path))
+    from pacs_jax.compile import split
+    sys.exit(split.main(cfg, config_path))  # aot.main's, or the split devices' (rollout.devices)
   if _DRY_RUN.value:
     from pacs_jax.compile import memory
     print(memory.dry_run(cfg))

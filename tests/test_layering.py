@@ -156,9 +156,10 @@ def test_a_backwards_import_is_caught(importer, source, bad):
 # -- the rollout interface (issue 33) ----------------------------------------------------------------------------
 
 # What modules outside pacs_jax/rollout/ may import of it: the interface, its in-process implementation, the
-# sampling methods and stop-token sets a caller chooses, and the page-budget sizing `--compile_only` reads. The
-# engine, its scheduler, state and programs are the implementation's own.
-ROLLOUT_PUBLIC = {"interface", "local", "sampling", "stop_tokens", "budget"}
+# sampling methods and stop-token sets a caller chooses, the page-budget sizing `--compile_only` reads, and the
+# split-device placement (`placement.SplitRollout`, another implementation). The engine, its scheduler, state and
+# programs are the implementation's own.
+ROLLOUT_PUBLIC = {"interface", "local", "sampling", "stop_tokens", "budget", "placement"}
 
 
 def rollout_internals_imported(graph: dict[str, set[str]]) -> list[str]:

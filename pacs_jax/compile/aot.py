@@ -113,8 +113,13 @@ def weights_resident(cfg: ml_collections.ConfigDict, state, base_bytes: float) -
 
 
 def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, validation: bool = True,
-                one_step_decode: bool = False, log: Callable[[str], None] = lambda s: None) -> Report:
+                one_step_decode: bool = False, log: Callable[[str], None] = lambda s: None,
+                group: str = "all") -> Report:
   """Compiles every program of a training run of `cfg` for its target; see the module docstring.
+
+  `group` (split devices, `compile/split.py`): "all" (shared devices), "trainer" (the update programs and
+  `to_sample_params`, whose output is staged for the push, on `tgt`'s devices: one phase, "update") or "rollout"
+  (the rollout's programs on `tgt`'s devices, from the rollout weights alone).
 
   Rollout programs are compiled at the largest shapes a step uses: each prefill bucket at the most
   prompts one call can hold, the insert program at the longest bucket, the decode chunk at every
@@ -149,94 +154,104 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
 
   params_bytes = per_chip_bytes(state.params)
   # -- rollout phase ---------------------------------------------------------------------------
-  compiled = run(ProgramReport("to_sample_params", "rollout", 1, 0.0),
-                 lambda: progs.to_sample_params.lower(state.params, *base),
-                 lambda c: params_bytes + base_bytes + per_chip_bytes(outputs_of(c)))
+  compiled = None
+  if group != "rollout":
+    compiled = run(ProgramReport("to_sample_params", "update" if group == "trainer" else "rollout", 1, 0.0),
+                   lambda: progs.to_sample_params.lower(state.params, *base),
+                   lambda c: params_bytes + base_bytes + per_chip_bytes(outputs_of(c)))
   sample_params = outputs_of(compiled) if compiled is not None else engine.abstract_params(
       config_lib.dtype(cfg.model.dtype))
   rollout_weights = per_chip_bytes(sample_params)
-  compiled = run(ProgramReport("init_decode_state", "rollout", 1, 0.0), engine.lower_init,
-                 lambda c: per_chip_bytes(outputs_of(c)))
-  decode_state = outputs_of(compiled) if compiled is not None else engine.abstract_decode_state()
-  state_bytes = per_chip_bytes(decode_state)
-  waves = -(-(cfg.train.batch_prompts * n) // B)
+  state_bytes = 0.0
+  if group != "trainer":
+    compiled = run(ProgramReport("init_decode_state", "rollout", 1, 0.0), engine.lower_init,
+                   lambda c: per_chip_bytes(outputs_of(c)))
+    decode_state = outputs_of(compiled) if compiled is not None else engine.abstract_decode_state()
+    state_bytes = per_chip_bytes(decode_state)
+    waves = -(-(cfg.train.batch_prompts * n) // B)
 
-  def rollout_programs(tag: str, sampling, rows: int, requests: int, calls_scale: float, prompts: int,
-                       largest_only: bool = False):
-    prefill_out = None
-    for T in engine.prefill_buckets[-1:] if largest_only else engine.prefill_buckets:
-      longest = T == engine.prefill_buckets[-1]
-      calls = calls_scale * -(-prompts // rows) if longest else 0.0  # bound: every prompt at the longest bucket
-      compiled = run(ProgramReport(f"{tag}prefill[B={rows},T={T}]", "rollout", calls, 2.0 * n_params * rows * T),
-                     lambda T=T: engine.lower_prefill(sample_params, rows, T),
-                     lambda c: rollout_weights)
-      if longest and compiled is not None:
-        prefill_out = outputs_of(compiled)
-    if prefill_out is not None:
-      cache, logits = prefill_out
-      # Requests into slots, the state donated.
-      run(ProgramReport(f"{tag}insert[Q={requests},T={engine.prefill_buckets[-1]}]", "rollout",
-                        calls_scale * -(-prompts // rows), 0.0),
-          lambda: engine.lower_insert_requests(decode_state, cache, logits, requests, sampling),
-          lambda c: state_bytes)
-    calls_at = decode_calls(engine, P, R)  # the bound's calls: slots starting at P rows (shorter prompts: fewer rows)
-    budgets = [(b, calls_at.get(b, 0)) for b in engine.page_budgets]
-    for page_budget, calls in budgets[-1:] if largest_only else budgets:
-      run(ProgramReport(f"{tag}{decode_name(page_budget)}", "rollout", calls_scale * calls,
-                        2.0 * n_params * B * engine.steps_per_call),
-          lambda page_budget=page_budget: engine.lower_decode(sample_params, decode_state, page_budget, sampling),
+    def rollout_programs(tag: str, sampling, rows: int, requests: int, calls_scale: float, prompts: int,
+                         largest_only: bool = False):
+      prefill_out = None
+      for T in engine.prefill_buckets[-1:] if largest_only else engine.prefill_buckets:
+        longest = T == engine.prefill_buckets[-1]
+        calls = calls_scale * -(-prompts // rows) if longest else 0.0  # bound: every prompt at the longest bucket
+        compiled = run(ProgramReport(f"{tag}prefill[B={rows},T={T}]", "rollout", calls, 2.0 * n_params * rows * T),
+                       lambda T=T: engine.lower_prefill(sample_params, rows, T),
+                       lambda c: rollout_weights)
+        if longest and compiled is not None:
+          prefill_out = outputs_of(compiled)
+      if prefill_out is not None:
+        cache, logits = prefill_out
+        # Requests into slots, the state donated.
+        run(ProgramReport(f"{tag}insert[Q={requests},T={engine.prefill_buckets[-1]}]", "rollout",
+                          calls_scale * -(-prompts // rows), 0.0),
+            lambda: engine.lower_insert_requests(decode_state, cache, logits, requests, sampling),
+            lambda c: state_bytes)
+      calls_at = decode_calls(engine, P, R)  # the bound's calls: slots starting at P rows (shorter prompts: fewer rows)
+      budgets = [(b, calls_at.get(b, 0)) for b in engine.page_budgets]
+      for page_budget, calls in budgets[-1:] if largest_only else budgets:
+        run(ProgramReport(f"{tag}{decode_name(page_budget)}", "rollout", calls_scale * calls,
+                          2.0 * n_params * B * engine.steps_per_call),
+            lambda page_budget=page_budget: engine.lower_decode(sample_params, decode_state, page_budget, sampling),
+            lambda c: rollout_weights + state_bytes)
+
+    train_sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+    rows = prefill_rows(B, n, cfg.train.batch_prompts)
+    requests = budget_lib.next_pow2(min(B, cfg.train.batch_prompts * n))
+    rollout_programs("", train_sampling, rows, requests, waves, cfg.train.batch_prompts)
+    if one_step_decode:  # for comparison: a call of one step at the top page budget (no program of the run)
+      run(ProgramReport("decode_1_step", "rollout", 0, 2.0 * n_params * B),
+          lambda: engine.lower_decode(sample_params, decode_state, None, train_sampling, num_steps=1),
           lambda c: rollout_weights + state_bytes)
-
-  train_sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
-  rows = prefill_rows(B, n, cfg.train.batch_prompts)
-  requests = budget_lib.next_pow2(min(B, cfg.train.batch_prompts * n))
-  rollout_programs("", train_sampling, rows, requests, waves, cfg.train.batch_prompts)
-  if one_step_decode:  # for comparison: a call of one step at the top page budget (no program of the run)
-    run(ProgramReport("decode_1_step", "rollout", 0, 2.0 * n_params * B),
-        lambda: engine.lower_decode(sample_params, decode_state, None, train_sampling, num_steps=1),
-        lambda c: rollout_weights + state_bytes)
-  if validation and cfg.data.val and cfg.eval_every:
-    val_prompts = cfg.data.val_max_examples or B
-    if not cfg.data.val_max_examples:
-      notes.append(f"validation programs are compiled for {B} prompts at once (the slots; set "
-                   "data.val_max_examples for the real count)")
-    # Validation runs the same prefill and decode functions with more prompts at once and greedy sampling:
-    # its largest shapes are compiled (the other buckets and page budgets differ from them only in size).
-    rollout_programs("val_", sampling_lib.Greedy(), prefill_rows(min(B, val_prompts), 1, val_prompts),
-                     budget_lib.next_pow2(min(B, val_prompts)), 0.0, val_prompts, largest_only=True)
+    if validation and cfg.data.val and cfg.eval_every:
+      val_prompts = cfg.data.val_max_examples or B
+      if not cfg.data.val_max_examples:
+        notes.append(f"validation programs are compiled for {B} prompts at once (the slots; set "
+                     "data.val_max_examples for the real count)")
+      # Validation runs the same prefill and decode functions with more prompts at once and greedy sampling:
+      # its largest shapes are compiled (the other buckets and page budgets differ from them only in size).
+      rollout_programs("val_", sampling_lib.Greedy(), prefill_rows(min(B, val_prompts), 1, val_prompts),
+                       budget_lib.next_pow2(min(B, val_prompts)), 0.0, val_prompts, largest_only=True)
 
   # -- update phase ----------------------------------------------------------------------------
   batch_bytes = updates * per_chip_bytes(minibatch)
-  mb_tokens = mb_rows * (P + R)
-  logprob_in = {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")}
-  passes = logprob_passes if not base else int(programs_lib.needs_old_logprobs(cfg))
-  run(ProgramReport("logprobs", "update", updates * passes, 2.0 * n_params * mb_tokens),
-      lambda: progs.logprob_fn.lower(state.params, minibatch, *base),
-      lambda c: params_bytes + base_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
-  if base and programs_lib.needs_frozen_ref(cfg):  # the reference is the base without adapters: its own program
-    run(ProgramReport("ref_logprobs", "update", updates, 2.0 * n_params * mb_tokens),
-        lambda: progs.ref_logprob_fn.lower(base[0], minibatch),
-        lambda c: base_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
-  if progs.value_fn is not None:
-    critic_bytes = per_chip_bytes(state.critic_params) + base_bytes
-    run(ProgramReport("values", "update", updates, 2.0 * n_params * mb_tokens),
-        lambda: progs.value_fn.lower(state.critic_params, minibatch, *base),
-        lambda c: critic_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
-  if progs.step_inputs is not None:
-    step_batch = [minibatch] * updates
-    run(ProgramReport("step_inputs", "update", 1, 0.0), lambda: progs.step_inputs.lower(step_batch),
-        lambda c: per_chip_bytes(step_batch) + per_chip_bytes(outputs_of(c)))
-  critic_factor = 2.0 if progs.value_fn is not None else 1.0
-  ends_step = programs_lib.ends_step_shape(mesh)
-  # The model's FLOPs per token: 6N with weight gradients, 4N for a LoRA run's frozen base (forward and the
-  # activations' gradient; the adapters' own are a rank-I sliver).
-  run(ProgramReport("train_step", "update", updates, (4.0 if base else 6.0) * n_params * mb_tokens * critic_factor),
-      lambda: progs.train_step.lower(state, minibatch, ends_step, *base),
-      lambda c: per_chip_bytes(state) + per_chip_bytes(minibatch) + base_bytes)
+  if group != "rollout":
+    mb_tokens = mb_rows * (P + R)
+    logprob_in = {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")}
+    passes = logprob_passes if not base else int(programs_lib.needs_old_logprobs(cfg))
+    run(ProgramReport("logprobs", "update", updates * passes, 2.0 * n_params * mb_tokens),
+        lambda: progs.logprob_fn.lower(state.params, minibatch, *base),
+        lambda c: params_bytes + base_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
+    if base and programs_lib.needs_frozen_ref(cfg):  # the reference is the base without adapters: its own program
+      run(ProgramReport("ref_logprobs", "update", updates, 2.0 * n_params * mb_tokens),
+          lambda: progs.ref_logprob_fn.lower(base[0], minibatch),
+          lambda c: base_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
+    if progs.value_fn is not None:
+      critic_bytes = per_chip_bytes(state.critic_params) + base_bytes
+      run(ProgramReport("values", "update", updates, 2.0 * n_params * mb_tokens),
+          lambda: progs.value_fn.lower(state.critic_params, minibatch, *base),
+          lambda c: critic_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
+    if progs.step_inputs is not None:
+      step_batch = [minibatch] * updates
+      run(ProgramReport("step_inputs", "update", 1, 0.0), lambda: progs.step_inputs.lower(step_batch),
+          lambda c: per_chip_bytes(step_batch) + per_chip_bytes(outputs_of(c)))
+    critic_factor = 2.0 if progs.value_fn is not None else 1.0
+    ends_step = programs_lib.ends_step_shape(mesh)
+    # The model's FLOPs per token: 6N with weight gradients, 4N for a LoRA run's frozen base (forward and the
+    # activations' gradient; the adapters' own are a rank-I sliver).
+    run(ProgramReport("train_step", "update", updates, (4.0 if base else 6.0) * n_params * mb_tokens * critic_factor),
+        lambda: progs.train_step.lower(state, minibatch, ends_step, *base),
+        lambda c: per_chip_bytes(state) + per_chip_bytes(minibatch) + base_bytes)
 
   resident = {"rollout": {**weights_resident(cfg, state, base_bytes), "rollout weights": rollout_weights,
                           "decode state (KV cache)": state_bytes},
               "update": {**weights_resident(cfg, state, base_bytes), "step batch (mini-batches)": batch_bytes}}
+  if group == "trainer":  # it holds the rollout weights it pushes (staged in the sample layout) beside its state
+    resident = {"update": {**weights_resident(cfg, state, base_bytes), "rollout weights (staged for the push)":
+                           rollout_weights, "step batch (mini-batches)": batch_bytes}}
+  elif group == "rollout":  # the rollout's own devices: the pushed weights and the KV cache
+    resident = {"rollout": {"rollout weights": rollout_weights, "decode state (KV cache)": state_bytes}}
   if base:
     notes.append("LoRA: the base weights are frozen (no optimizer state) and are the frozen reference (no copy); the "
                  "rollout weights are the merged W + scale·AB (to_sample_params)")

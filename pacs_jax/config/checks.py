@@ -72,6 +72,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   `check_paths=False` (--dry_run, --compile_only: nothing is loaded) skips checking that local paths exist.
   """
   from pacs_jax import sharding
+  from pacs_jax.rollout import placement
   if devices is not None:
     num_devices = len(devices)
   _check(algo_registry.is_registered(c.algorithm), "algorithm",
@@ -161,6 +162,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     if check_paths and spec and spec != "synthetic" and paths.looks_local(spec) and not os.path.isdir(spec):
       _check(False, field, f"{spec!r} is not a directory (relative to {os.getcwd()}); give a local Hugging Face "
                            "model directory or a hub id such as Qwen/Qwen2.5-3B")
+  num_devices, devices = _trainer_share(c, num_devices, devices, num_processes)
   sizes = {"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor}
   for axis, size in sizes.items():
     _check(size == -1 or size >= 1, f"mesh.{axis}", f"must be >= 1 or -1, got {size}")
@@ -171,6 +173,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
       resolved = sharding.mesh_sizes(**sizes, num_devices=num_devices)
     except ValueError as e:
       raise ConfigError(f"config.{field}: {e}") from None
+    why = placement.check(c.rollout.devices, None, resolved["tensor"], num_processes)
+    _check(why is None, "rollout.devices", why)
     batch_shards = resolved["data"] * resolved["fsdp"]
     micro_rows = micro * c.rollout.n
     _check(micro_rows % batch_shards == 0, "train.micro_batch_prompts",
@@ -186,6 +190,17 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(micro % num_processes == 0, "train.micro_batch_prompts",
          f"micro-batch prompts ({micro}) must be divisible by the {num_processes} processes, so that each "
          "process feeds whole groups to every micro-batch")
+
+
+def _trainer_share(c: ml_collections.ConfigDict, num_devices, devices, num_processes: int):
+  """(num_devices, devices) the trainer's mesh is laid out on: all but the last `rollout.devices`."""
+  from pacs_jax.rollout import placement
+  why = placement.check(c.rollout.devices, num_devices, None, num_processes)
+  _check(why is None, "rollout.devices", why)
+  if not c.rollout.devices or num_devices is None:
+    return num_devices, devices
+  trainer_devices = None if devices is None else placement.split_devices(devices, c.rollout.devices)[0]
+  return num_devices - c.rollout.devices, trainer_devices
 
 
 def _check_sampling(c: ml_collections.ConfigDict) -> None:

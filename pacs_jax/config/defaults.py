@@ -64,6 +64,10 @@ def default_config() -> ml_collections.ConfigDict:
   # "async": the next `max_staleness` steps' rollouts run ahead (responses older than that are dropped, counted).
   c.rollout.mode = "sync"
   c.rollout.max_staleness = 1
+  # Split devices: > 0 runs the rollout on the last `devices` devices (its own mesh: slots over them, weights split
+  # over mesh.tensor as the trainer's) and the trainer on the rest; each weight push is a device-to-device copy,
+  # timed and counted (weights/push_*). 0 = shared: the rollout runs on the trainer's mesh. One process only.
+  c.rollout.devices = 0
   c.rollout.page_size = 64
   c.rollout.kv_pages = 0  # KV memory in pages, all batch shards together; 0 = enough for every slot at full length
   # Which tokens end a response, and how far the response mask runs (docs/algorithm.md "Padding and stopping"):

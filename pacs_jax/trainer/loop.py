@@ -17,7 +17,6 @@ from absl import logging
 
 from pacs_jax import config as config_lib
 from pacs_jax import paths
-from pacs_jax import sharding
 from pacs_jax.algos import registry
 from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import prompts as prompts_lib
@@ -41,6 +40,7 @@ from pacs_jax.trainer import preemption as preemption_lib
 from pacs_jax.trainer import dynamic_sampling
 from pacs_jax.trainer import health
 from pacs_jax.trainer import programs as programs_lib
+from pacs_jax.trainer import split
 from pacs_jax.trainer import stages
 from pacs_jax.trainer import state as state_lib
 from pacs_jax.trainer import equal_rewards as signal_lib
@@ -122,7 +122,7 @@ class Trainer:
   def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
     self.algo = registry.of(cfg)
     self._stepped = False  # no step has run in this process yet (the first one compiles)
-    self.mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
+    self.mesh, self.rollout_mesh = split.meshes(cfg, devices)  # rollout_mesh: None unless rollout.devices
     with jax.set_mesh(self.mesh):
       policy = build.build_policy(cfg, self.mesh)
     self.policy_config = policy.config  # the model card (model/) is written once a resume is known to be this run's
@@ -144,12 +144,13 @@ class Trainer:
                                                               self.critic_optimizer)
     self.state = jax.device_put(self.state, self.state_shardings)
 
-    # The rollout (`rollout.interface.Rollout`): the in-process engine, on the trainer's mesh.
-    self.sampler = programs_lib.make_rollout(cfg, run.decode_model, self.mesh, self.eos_ids)
+    # The rollout (`rollout.interface.Rollout`): the in-process engine, on the trainer's mesh or its own (split).
+    self.sampler = split.make_rollout(cfg, run.decode_model, self.mesh, self.rollout_mesh, self.eos_ids)
     # rollout.mode "one_step_off" / "async": the next steps' rollouts in the background, by a worker with weights of
-    # its own (trainer/overlap.py).
-    self.next_rollout = (overlap.Overlapped(self.sampler.fork(), cfg.rollout.max_staleness,
-                                            inline=jax.process_count() > 1) if cfg.rollout.mode != "sync" else None)
+    # its own (trainer/overlap.py), its generate calls timed (trainer/split.py).
+    self.rollout_worker = split.make_worker(self.sampler) if cfg.rollout.mode != "sync" else None
+    self.next_rollout = (overlap.Overlapped(self.rollout_worker, cfg.rollout.max_staleness,
+                                            inline=jax.process_count() > 1) if self.rollout_worker else None)
     self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self.programs = programs_lib.make_programs(cfg, self.graphdef, self.critic_graphdef, self.optimizer,
                                                self.critic_optimizer, self.state_shardings,
@@ -210,6 +211,7 @@ class Trainer:
     row.update(stages.staleness_metrics(completions, version))
     if self.next_rollout:
       row["rollout/dropped"] = float(self.next_rollout.dropped)
+    row.update(split.phase_metrics(self, clock))  # wall times, overlap, weight pushes
     return row
 
   def sample(self, prompts: dict[str, Any], seed: int, scorer, on_finish=None):
