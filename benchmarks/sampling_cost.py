@@ -101,7 +101,7 @@ def sorted_top_p(p: float, temperature: float):
   return SortedTopP(p, temperature)
 
 
-def tpu(with_sort: bool) -> None:
+def tpu(with_sort: bool, config_path: str = "") -> None:
   import jax
 
   from pacs_jax import config as config_lib
@@ -111,14 +111,18 @@ def tpu(with_sort: bool) -> None:
   from pacs_jax.compile.target import target
   from pacs_jax.rollout import sampling as sampling_lib
 
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
-  from tiny_cpu import get_config
-  cfg = get_config()
-  cfg.hardware.tpu_topology = "v5p:2x2x1"  # one v5p host, as tests/train/test_compile_only.py compiles
-  cfg.hardware.num_devices, cfg.hardware.num_processes, cfg.hardware.hbm_gb = 4, 1, 95.0
-  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 2, 2
-  cfg.model.dtype, cfg.model.vocab_size = "bfloat16", V
-  cfg.data.max_prompt_length, cfg.rollout.max_new_tokens, cfg.rollout.slots = 128, 32, 256
+  if config_path:  # a real config on its own target (the released 3B / 7B: a model that is not vocabulary-bound)
+    from pacs_jax.config import files as config_files
+    cfg = config_files.load_config_file(config_path)
+  else:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs"))
+    from tiny_cpu import get_config
+    cfg = get_config()
+    cfg.hardware.tpu_topology = "v5p:2x2x1"  # one v5p host, as tests/train/test_compile_only.py compiles
+    cfg.hardware.num_devices, cfg.hardware.num_processes, cfg.hardware.hbm_gb = 4, 1, 95.0
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 2, 2
+    cfg.model.dtype, cfg.model.vocab_size = "bfloat16", V
+    cfg.data.max_prompt_length, cfg.rollout.max_new_tokens, cfg.rollout.slots = 128, 32, 256
   tgt = target(cfg)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=tgt.devices)
   _, _, engine, _ = aot.abstract_run(cfg, mesh)
@@ -149,13 +153,14 @@ def main():
   parser.add_argument("--part", choices=("cpu", "tpu", "both"), default="both")
   parser.add_argument("--max_ratio", type=float, default=1.3)
   parser.add_argument("--with_sort", action="store_true", help="tpu: also the sort-based top-p of before")
+  parser.add_argument("--tpu_config", default="", help="tpu: this config's model and target instead of the tiny one")
   parser.add_argument("--problems", type=int, default=5)
   parser.add_argument("--n", type=int, default=16)
   parser.add_argument("--max_new_tokens", type=int, default=32)
   args = parser.parse_args()
   ok = True
   if args.part in ("tpu", "both"):
-    tpu(args.with_sort)
+    tpu(args.with_sort, args.tpu_config)
   if args.part in ("cpu", "both"):
     ok = cpu(args.max_ratio, args.problems, args.n, args.max_new_tokens)
   sys.exit(0 if ok else 1)
