@@ -10,7 +10,6 @@ trailing `window` steps average at least `target`. Exits with status 1, naming t
 target within `max_steps` (issue 32, acceptance 3: each objective trains the demo to 0.9).
 """
 
-import importlib.util
 import os
 import sys
 import tempfile
@@ -22,6 +21,9 @@ from absl import app, flags
 
 from pacs_jax.rewards import math as rewards_lib
 from pacs_jax.trainer import loop
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, also when loaded by path
+from demo_runs import demo_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,16 +55,6 @@ def steps_to_target(algorithm: str, workdir: str, max_steps: int, window: int,
     trainer.checkpointer.close()
     trainer.lock.release()
   return reached, rewards, time.perf_counter() - start
-
-
-def demo_config(algorithm: str):
-  """`--config configs/tiny_cpu.py:<algorithm>` (its per-algorithm settings), with no validation runs."""
-  spec = importlib.util.spec_from_file_location("tiny_cpu", os.path.join(ROOT, "configs", "tiny_cpu.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cfg = module.get_config(algorithm)
-  cfg.eval_every = 0
-  return cfg
 
 
 def run(algorithms: list[str], max_steps: int, window: int, target: float) -> None:

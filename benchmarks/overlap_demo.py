@@ -12,7 +12,6 @@ mode's run is the same each time (async's rollouts take their weights when they 
 they start at).
 """
 
-import importlib.util
 import math
 import os
 import sys
@@ -25,6 +24,9 @@ from absl import app, flags
 
 from pacs_jax.rewards import math as rewards_lib
 from pacs_jax.trainer import loop
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, also when loaded by path
+from demo_runs import demo_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = {"sync": {}, "one_step_off": {"rollout.mode": "one_step_off", "rollout.max_staleness": 1},
@@ -39,16 +41,6 @@ _SLACK = flags.DEFINE_float("slack", 1.25, "An off-policy mode may take at most 
 _MAX_DROPPED = flags.DEFINE_float("max_dropped", 0.05, "The largest share of responses dropped as too stale.")
 _TIS_CAP = flags.DEFINE_float("tis_cap", 2.0, "GRPO's rollout correction cap in the off-policy modes.")
 _PACS_REFERENCE = flags.DEFINE_string("pacs_reference", "", "pacs.reference_policy (frozen | rollout); '': the demo's.")
-
-
-def demo_config(algorithm: str):
-  """`--config configs/tiny_cpu.py:<algorithm>` (its per-algorithm settings), with no validation runs."""
-  spec = importlib.util.spec_from_file_location("tiny_cpu", os.path.join(ROOT, "configs", "tiny_cpu.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cfg = module.get_config(algorithm)
-  cfg.eval_every = 0
-  return cfg
 
 
 def run(algorithm: str, mode: str, workdir: str) -> dict:
