@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from pacs_jax.algos import registry
 from pacs_jax.rewards import math as rewards_lib
 from pacs_jax.trainer import loop
 
@@ -43,15 +44,15 @@ _TIS_CAP = flags.DEFINE_float("tis_cap", 2.0, "GRPO's rollout correction cap in 
 _PACS_REFERENCE = flags.DEFINE_string("pacs_reference", "", "pacs.reference_policy (frozen | rollout); '': the demo's.")
 
 
-def run(algorithm: str, mode: str, workdir: str) -> dict:
+def run(name: str, mode: str, workdir: str) -> dict:
   """Trains until the trailing window's mean reward reaches the target: the step (None if never), the rewards,
   whether every loss and reward was finite, the responses dropped and sampled, and the seconds."""
-  cfg = demo_config(algorithm)
+  cfg = demo_config(name)
   cfg.update_from_flattened_dict(MODES[mode])
-  if mode != "sync" and algorithm in ("grpo", "ppo"):
+  if mode != "sync" and registry.get(name).supports_rollout_correction:
     cfg.rollout.tis_imp_ratio_cap = _TIS_CAP.value
-  if algorithm == "pacs" and _PACS_REFERENCE.value:
-    cfg.pacs.reference_policy = _PACS_REFERENCE.value
+  if _PACS_REFERENCE.value and "reference_policy" in cfg.get(name, {}):  # PACS's setting
+    cfg[name].reference_policy = _PACS_REFERENCE.value
   cfg.steps = _MAX_STEPS.value  # (how far the overlapped modes start rollouts ahead)
   trainer = loop.Trainer(cfg, workdir, devices=jax.devices()[:1])
   out = {"reached": None, "rewards": [], "finite": True, "dropped": 0.0, "sampled": 0, "staleness": []}
@@ -82,25 +83,25 @@ def main(argv):
   print(f"{'objective':<10} {'mode':<13} {'steps to ' + str(_TARGET.value):>12} {'vs sync':>8} "
         f"{'staleness':>9} {'dropped':>8} {'finite':>6} {'seconds':>8}", flush=True)
   failures = []
-  for algorithm in _ALGORITHMS.value:
+  for name in _ALGORITHMS.value:
     sync_steps = None
     for mode in _MODES.value:
       with tempfile.TemporaryDirectory() as workdir:
-        r = run(algorithm, mode, workdir)
+        r = run(name, mode, workdir)
       reached = r["reached"]
       if mode == "sync":
         sync_steps = reached
       ratio = reached / sync_steps if reached and sync_steps else float("nan")
       dropped = r["dropped"] / max(r["sampled"], 1)
-      print(f"{algorithm:<10} {mode:<13} {reached if reached else '> ' + str(_MAX_STEPS.value):>12} "
+      print(f"{name:<10} {mode:<13} {reached if reached else '> ' + str(_MAX_STEPS.value):>12} "
             f"{ratio:>8.2f} {np.mean(r['staleness']):>9.2f} {dropped:>8.3f} {str(r['finite']):>6} "
             f"{r['seconds']:>8.0f}", flush=True)
       if not r["finite"]:
-        failures.append(f"{algorithm} {mode}: a loss or reward was not finite")
+        failures.append(f"{name} {mode}: a loss or reward was not finite")
       if dropped > _MAX_DROPPED.value:
-        failures.append(f"{algorithm} {mode}: {dropped:.1%} of the responses dropped as too stale")
+        failures.append(f"{name} {mode}: {dropped:.1%} of the responses dropped as too stale")
       if mode != "sync" and (reached is None or sync_steps is None or reached > _SLACK.value * sync_steps):
-        failures.append(f"{algorithm} {mode}: {reached or 'never'} steps against sync's {sync_steps} "
+        failures.append(f"{name} {mode}: {reached or 'never'} steps against sync's {sync_steps} "
                         f"(at most {_SLACK.value}x)")
   for failure in failures:
     print("FAIL:", failure, flush=True)

@@ -82,7 +82,7 @@ _announced = False  # without a terminal, the first step's phases are printed (c
 class StepProgress:
   """A context manager over a step's phases (rollout, reward, update). Where someone watches (`watched()`): a bar
   over the rollout's token budget, named by the phase, its clock kept running; else, on process 0, the first
-  step's phases as plain lines. `description()` ("step N: rollout") is asked once (the step number waits for
+  step's phases as plain lines on stdout. `description()` ("step N: rollout") is asked once (the step number waits for
   the previous update)."""
 
   def __init__(self, total: int, description):
@@ -94,7 +94,7 @@ class StepProgress:
     elif not _announced and _process_zero():
       _announced = True
       self.desc = description()
-      print(f"{self.desc} ...", file=sys.stderr, flush=True)
+      print(f"{self.desc} ...", flush=True)  # stdout, as the step lines: stderr keeps to warnings and faults
 
   def __enter__(self) -> "StepProgress":
     return self
@@ -114,7 +114,7 @@ class StepProgress:
       bar = self.progress.bar
       bar.set_description(bar.desc.split(": ")[0] + f": {next_stage}")
     elif self.desc is not None:
-      print(f"{self.desc.split(': ')[0]}: {next_stage} ...", file=sys.stderr, flush=True)
+      print(f"{self.desc.split(': ')[0]}: {next_stage} ...", flush=True)
 
 
 def _process_zero() -> bool:
