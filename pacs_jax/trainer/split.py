@@ -43,7 +43,8 @@ def make_rollout(cfg, model, mesh, rollout_mesh, eos_ids):
 
 
 def make_worker(sampler):
-  """one_step_off's background rollout: a fork of `sampler` whose `generate` calls are timed."""
+  """The overlapped modes' background rollout (one_step_off, async): a fork of `sampler` whose `generate` calls are
+  timed."""
   return placement.Timed(sampler.fork())
 
 

@@ -106,7 +106,7 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
       if ref in passes:  # a frozen copy (or base), or the policy that sampled this step (e.g. PACS "rollout")
         mb[ref] = programs.ref_logprob_fn(ref_params, mb) if ref_params is not None else mb[old]
         if behaviour is not None:
-          mb[ref] = _STALE_REFERENCE(mb[old], behaviour[j]["behaviour"], behaviour[j]["stale"], mb["response_mask"])
+          mb[ref] = _stale_reference(mb[old], behaviour[j]["behaviour"], behaviour[j]["stale"], mb["response_mask"])
       if values in passes:
         mb[values] = programs.value_fn(state.critic_params, mb, *frozen)
     if programs.step_inputs is not None:
@@ -126,7 +126,7 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
 
 
 @jax.jit
-def _STALE_REFERENCE(old_logprobs, behaviour_logprobs, stale, response_mask):
+def _stale_reference(old_logprobs, behaviour_logprobs, stale, response_mask):
   """[k, m, R]: the behaviour log-probs over the responses of the stale rows [k, m], π_old elsewhere."""
   take = stale[..., None] & (response_mask > 0)
   return jnp.where(take, behaviour_logprobs.astype(old_logprobs.dtype), old_logprobs)
