@@ -86,7 +86,9 @@ class Monitor:
     diverged = diverged_symptoms(row, self.start_norm, self.previous_norm, self.h.max_param_growth,
                                  self.h.max_update_ratio)
     self.previous_norm = row["param_norm"]
-    if diverged and not math.isfinite(self.start_norm):  # no learning rate made them so: say where they came from
+    # Non-finite weights at the start (a LoRA run's base: its adapters stay finite, every update is skipped) are no
+    # learning rate's doing: say where they came from.
+    if (diverged or skipped >= self.updates) and not math.isfinite(self.start_norm):
       raise Unhealthy(self.non_finite_start(step))
     if diverged:
       raise Unhealthy(self.line(step, diverged[0].text, "diverged", step))

@@ -267,6 +267,12 @@ class Trainer:
     with jax.set_mesh(self.mesh):
       return float(_TREE_NORM(self.state.params))
 
+  def start_norm(self) -> float:
+    """`param_norm` at the start, NaN where a LoRA run's frozen base is non-finite (no update of its adapters helps)."""
+    with jax.set_mesh(self.mesh):
+      base_finite = self.base is None or bool(jnp.isfinite(_TREE_NORM(self.base)))
+    return self.param_norm() if base_finite else float("nan")
+
   # -- validation ------------------------------------------------------------------------------
 
   def validate(self, scorer) -> dict[str, float]:
@@ -346,7 +352,7 @@ class Trainer:
     cfg, writer, preemption = self.cfg, held.writer, held.preemption
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
     updates_per_step = programs_lib.updates_per_step(cfg)
-    monitor = health.Monitor(cfg, self.policy_config.vocab_size, updates_per_step, self.param_norm(), restored)
+    monitor = health.Monitor(cfg, self.policy_config.vocab_size, updates_per_step, self.start_norm(), restored)
     save_due = False  # a periodic save put off while the run looked dead
     no_signal = signal_lib.EqualRewardsWatch(cfg.algorithm)
     last = {}

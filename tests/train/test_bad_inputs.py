@@ -139,3 +139,16 @@ def test_a_run_whose_updates_are_all_skipped_says_so(tmp_path, caplog):
   warnings = [r.getMessage() for r in caplog.records if "updates skipped" in r.getMessage()]
   assert warnings == ["step 1: 2 of 2 updates skipped (non-finite gradient): the parameters did not change"]
   assert not os.path.exists(tmp_path / "checkpoints") or not os.listdir(tmp_path / "checkpoints")
+
+
+def test_a_lora_run_on_a_non_finite_base_says_so(tmp_path):
+  """A NaN base under finite adapters: every gradient is non-finite, every update skipped, the adapters' norm stays
+  finite (nothing looks diverged). The line said `lower train.lr first` (no rate makes the base finite)."""
+  trainer = loop.Trainer(tiny(**{"lora.rank": 4, "lora.modules_to_save": ""}), str(tmp_path), devices=jax.devices()[:1])
+  nan_base = jax.tree.map(lambda x: x * jnp.nan, trainer.base)
+  trainer.base, trainer.ref_params = nan_base, nan_base  # (a LoRA run's reference is its base)
+  with pytest.raises(health.Unhealthy, match="training stopped at step 1: the weights were non-finite before any "
+                                             "update") as stopped:
+    trainer.run()
+  assert "train.lr" not in str(stopped.value)
+  assert not os.path.exists(tmp_path / "checkpoints") or not os.listdir(tmp_path / "checkpoints")
