@@ -118,6 +118,7 @@ sys.meta_path.insert(0, HeldImport())
     ("pacs_jax.train", ["--workdir", "run"]),
     ("pacs_jax.evaluate", ["--model", "run", "--data", "synthetic/mod3"]),
     ("pacs_jax.export", ["--workdir", "run", "--out", "hf"]),
+    ("pacs_jax.study", ["--out", "study", "--shrunk"]),
 ])
 def test_ctrl_c_during_the_imports_is_one_line(module, args, tmp_path):
   """Was: an 80-line KeyboardInterrupt traceback through the imports, and the status of a killed process."""
