@@ -3,10 +3,10 @@
 `split_devices` cuts the device list (the trainer gets the first devices, the rollout the last `rollout.devices`:
 on a TPU slice two blocks of chips along its first axis, e.g. v5p:2x4x4 split 16/16 into two 1x4x4 halves, each
 host (2x2x1 chips) holding 2 chips of each; on one GPU host two sets of GPUs; on CPU two sets of virtual devices;
-with several processes and no chip coordinates (CPU, GPU), each process's last `rollout.devices / processes`). `rollout_mesh` lays the
-rollout group out as (data 1, fsdp = devices / tensor, tensor = the trainer's tensor size): sample mode keeps
-weights whole along fsdp and splits them over tensor only, so with the same tensor size every weight shard the
-rollout needs already exists on the trainer's mesh in the trainer's sample layout.
+with several processes and no chip coordinates (CPU, GPU), each process's last `rollout.devices / processes`).
+`rollout_mesh` lays the rollout group out as (data 1, fsdp = devices / tensor, tensor = the trainer's tensor size):
+sample mode keeps weights whole along fsdp and splits them over tensor only, so with the same tensor size every
+weight shard the rollout needs already exists on the trainer's mesh in the trainer's sample layout.
 
 `SplitRollout` wraps the in-process engine on that mesh (`local.LocalRollout`): its `weight_shardings` are that
 sample layout *on the trainer's mesh* (the trainer's `to_sample_params` writes into it), and `set_weights` pushes
@@ -21,6 +21,7 @@ target sharding should have the same set of devices"; its cross-host transfer ne
 runtime that supports it), so the push there is `local_copy`: each process copies the shards its rollout devices
 need from the same shards on its own trainer devices (`device_to_device` per process), single-device copies
 device to device, and assembles them with `jax.make_array_from_single_device_arrays`; nothing crosses hosts.
+The rollouts there run between the updates, not beside them (`trainer/overlap.py`, `Overlapped`, says why).
 """
 
 from __future__ import annotations
