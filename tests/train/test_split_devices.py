@@ -173,7 +173,7 @@ def test_a_split_run_on_two_processes_trains_as_one_process(tmp_path):
   from tests import test_multihost as mh
   extra = ["--config.mesh.tensor=2", "--config.rollout.devices=4", "--config.rollout.mode=one_step_off",
            "--config.rollout.max_staleness=1", "--config.algorithm=grpo", "--config.rollout.tis_imp_ratio_cap=2.0",
-           "--config.steps=3"]
+           "--config.steps=3", "--config.eval_every=2", "--config.data.synthetic_val_size=8"]
   one, two = tmp_path / "one", tmp_path / "two"
   mh.run_one(one, *extra, devices=8)  # trainer on devices 0-3, rollout on 4-7
   outs = mh.run_two(two, *extra, devices=4)  # on each process: trainer on its first 2, rollout on its last 2
@@ -181,13 +181,17 @@ def test_a_split_run_on_two_processes_trains_as_one_process(tmp_path):
   for a, b in zip(mh.final_params(str(one), 3), mh.final_params(str(two), 3), strict=True):
     np.testing.assert_array_equal(a, b)
   rows_one, rows_two = mh.metrics(one), mh.metrics(two)
-  assert [r["rollout/staleness_max"] for r in rows_two] == [0, 1, 1]
+  assert [r["step"] for r in rows_two] == [0, 1, 2, 3]  # step 0: the validation before training
+  assert [r["rollout/staleness_max"] for r in rows_two[1:]] == [0, 1, 1]
   for a, b in zip(rows_one, rows_two, strict=True):
     same = sorted(k for k in a if not k.startswith(TIMING))
     assert sorted(k for k in b if not k.startswith(TIMING)) == same
     for k in same:
       assert a[k] == b[k], (a["step"], k, a[k], b[k])  # bitwise: the same floats
+  for a, b in zip(rows_one[1:], rows_two[1:]):  # a push is counted in the next step's row
     for k in ("weights/pushes", "weights/push_bytes"):
       assert a[k] == b[k], (a["step"], k)
     assert (b["weights/push_s"] > 0) == (b["weights/pushes"] > 0)
-  assert sum(r["weights/pushes"] for r in rows_two) == 3.0 and rows_two[0]["weights/push_bytes"] > 0
+  assert any(k.startswith("val/") for k in rows_two[0]) and any(k.startswith("val/") for k in rows_two[2])
+  # One push per rollout (3) and per validation (steps 0 and 2), on each process.
+  assert sum(r["weights/pushes"] for r in rows_two[1:]) == 5.0 and rows_two[1]["weights/push_bytes"] > 0
