@@ -36,24 +36,24 @@ def final_params(workdir, step):
   return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
-def run_one(workdir, *extra):
-  subprocess.run([sys.executable, "-m", "pacs_jax.train", *ARGS, *extra, "--workdir", str(workdir)], env=env(2),
-                 check=True, capture_output=True, timeout=900)
+def run_one(workdir, *extra, devices: int = 2):
+  subprocess.run([sys.executable, "-m", "pacs_jax.train", *ARGS, *extra, "--workdir", str(workdir)],
+                 env=env(devices), check=True, capture_output=True, timeout=900)
 
 
-def start_two(workdir, *extra) -> list[subprocess.Popen]:
-  """Two processes on 127.0.0.1, one CPU device each."""
+def start_two(workdir, *extra, devices: int = 1) -> list[subprocess.Popen]:
+  """Two processes on 127.0.0.1, `devices` CPU devices each."""
   port = portpicker.pick_unused_port()
   return [subprocess.Popen([sys.executable, "-m", "pacs_jax.train", *ARGS, *extra, "--workdir", str(workdir),
                             f"--config.distributed.coordinator_address=127.0.0.1:{port}",
                             "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"],
-                           env=env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                           env=env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
           for i in range(2)]
 
 
-def run_two(workdir, *extra) -> list[str]:
+def run_two(workdir, *extra, devices: int = 1) -> list[str]:
   """Runs `start_two` to the end; returns the two outputs."""
-  procs = start_two(workdir, *extra)
+  procs = start_two(workdir, *extra, devices=devices)
   outs = [p.communicate(timeout=900)[0] for p in procs]
   for p, out in zip(procs, outs):
     assert p.returncode == 0, out

@@ -103,8 +103,9 @@ def format_split(report: SplitReport, num_processes: int) -> str:
     label = "every one at max (worst case)" if fraction == 1.0 else f"{fraction:g} (floor: 1 of {report.waves} waves)"
     lines.append(f"  {label:<40}{report.rollout_s(fraction):>10.1f}{sync:>9.1f}{overlapped:>14.1f}"
                  f"{sync / overlapped:>6.2f}x")
-  if num_processes > 1:
-    lines.append(f"note: training on this split is refused for now ({num_processes} hosts): {placement.MULTI_PROCESS}")
+  why = placement.process_layout(report.trainer.target.devices, report.rollout.target.devices)
+  if why:
+    lines.append(f"note: training on this split is refused ({num_processes} hosts): {why}")
   lines.append("both groups fit" if report.fits else "DOES NOT FIT (see the group reports above)")
   return "\n".join(lines)
 

@@ -199,7 +199,11 @@ def _trainer_share(c: ml_collections.ConfigDict, num_devices, devices, num_proce
   _check(why is None, "rollout.devices", why)
   if not c.rollout.devices or num_devices is None:
     return num_devices, devices
-  trainer_devices = None if devices is None else placement.split_devices(devices, c.rollout.devices)[0]
+  if devices is None:
+    return num_devices - c.rollout.devices, None
+  trainer_devices, rollout_devices = placement.split_devices(devices, c.rollout.devices)
+  why = placement.process_layout(trainer_devices, rollout_devices)
+  _check(why is None, "rollout.devices", why)
   return num_devices - c.rollout.devices, trainer_devices
 
 

@@ -1,25 +1,34 @@
 """Split devices (`rollout.devices` > 0): the rollout on a device group of its own, the trainer on the rest.
 
 `split_devices` cuts the device list (the trainer gets the first devices, the rollout the last `rollout.devices`:
-on a TPU slice two blocks of chips along its first axis, e.g. v5p:4x4x4 split 32/32 into two 2x4x4 sub-slices of
-whole hosts; on one GPU host two sets of GPUs; on CPU two sets of virtual devices). `rollout_mesh` lays the
-rollout group out as (data 1, fsdp = devices / tensor, tensor = the trainer's tensor size): sample mode keeps
-weights whole along fsdp and splits them over tensor only, so with the same tensor size every weight shard the
-rollout needs already exists on the trainer's mesh in the trainer's sample layout.
+on a TPU slice two blocks of chips along its first axis, e.g. v5p:2x4x4 split 16/16 into two 1x4x4 halves, each
+host (2x2x1 chips) holding 2 chips of each; on one GPU host two sets of GPUs; on CPU two sets of virtual devices;
+with several processes and no chip coordinates (CPU, GPU), each process's last `rollout.devices / processes`).
+`rollout_mesh` lays the rollout group out as (data 1, fsdp = devices / tensor, tensor = the trainer's tensor size):
+sample mode keeps weights whole along fsdp and splits them over tensor only, so with the same tensor size every
+weight shard the rollout needs already exists on the trainer's mesh in the trainer's sample layout.
 
 `SplitRollout` wraps the in-process engine on that mesh (`local.LocalRollout`): its `weight_shardings` are that
 sample layout *on the trainer's mesh* (the trainer's `to_sample_params` writes into it), and `set_weights` pushes
 them to the rollout's devices by `jax.device_put` to the rollout's shardings, shard by shard, device to device
 (`device_to_device` checks no shard has to be assembled on the host), timed and counted (`PushStats`).
 
-One process only: with several, a push crosses hosts (jax's cross-host `device_put` needs the same sharding on
-both sides and a runtime that supports it) and the rollout would be driven by the rollout hosts' processes alone,
-its prompts and responses exchanged with the trainer's; `check` refuses it, naming this.
+Several processes: every process holds devices of both groups (`process_layout` refuses a layout that does not:
+v5p:4x4x4 split 32/32 along its first axis gives each group whole hosts) and runs both groups' programs on its own
+devices. jax 0.10.2's `device_put` refuses a reshard between two device sets spanning several processes
+(jax/_src/dispatch.py, `_device_put_sharding_impl`: "For a cross-host reshard in multi-controller JAX, input and
+target sharding should have the same set of devices"; its cross-host transfer needs different process sets and a
+runtime that supports it), so the push there is `local_copy`: each process copies the shards its rollout devices
+need from the same shards on its own trainer devices (`device_to_device` per process), single-device copies
+device to device, and assembles them with `jax.make_array_from_single_device_arrays`; nothing crosses hosts.
+The rollouts there run between the updates, not beside them (`trainer/overlap.py`, `Overlapped`, says why).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -31,9 +40,9 @@ from jax.sharding import NamedSharding
 from pacs_jax import sharding
 from pacs_jax.rollout import local
 
-MULTI_PROCESS = ("split devices run on one process for now: a weight push across hosts needs jax's cross-host "
-                 "device_put (the same sharding on both sides, a runtime that supports it) and a rollout driven by "
-                 "the rollout hosts' processes alone, its prompts and responses exchanged with the trainer's")
+MULTI_PROCESS = ("with several processes every process needs devices in both groups (the weight push copies each "
+                 "shard from the trainer's devices of its own host: jax's device_put refuses a cross-host reshard "
+                 "between different device sets)")
 
 
 def split_devices(devices: Sequence, rollout_devices: int) -> tuple[list, list]:
@@ -41,9 +50,31 @@ def split_devices(devices: Sequence, rollout_devices: int) -> tuple[list, list]:
   devices = list(devices)
   if not rollout_devices:
     return devices, []
-  if all(getattr(d, "coords", None) is not None for d in devices):  # TPU chips: blocks along the first axis, so
-    devices = sorted(devices, key=lambda d: tuple(d.coords))      # each group is a sub-slice of whole hosts
+  processes = sorted({d.process_index for d in devices})
+  if all(getattr(d, "coords", None) is not None for d in devices):  # TPU chips: blocks along the first axis
+    devices = sorted(devices, key=lambda d: tuple(d.coords))
+  elif len(processes) > 1 and rollout_devices % len(processes) == 0:  # each process's last share
+    share = rollout_devices // len(processes)
+    local = [[d for d in devices if d.process_index == p] for p in processes]
+    return [d for ds in local for d in ds[:len(ds) - share]], [d for ds in local for d in ds[len(ds) - share:]]
   return devices[:len(devices) - rollout_devices], devices[len(devices) - rollout_devices:]
+
+
+def process_layout(trainer_devices: Sequence, rollout_devices: Sequence) -> str | None:
+  """Why a split spanning several processes cannot run (None: it can, or it is on one process)."""
+  trainer = collections.Counter(d.process_index for d in trainer_devices)
+  rollout = collections.Counter(d.process_index for d in rollout_devices)
+  processes = sorted(set(trainer) | set(rollout))
+  if len(processes) < 2 or not rollout:
+    return None
+  missing = [p for p in processes if not trainer[p] or not rollout[p]]
+  if missing:
+    return (f"{MULTI_PROCESS}; processes {missing[:4]} of {len(processes)} hold devices of one group only "
+            f"(rollout devices per process: {dict(sorted(rollout.items()))})")
+  if len(set(rollout.values())) > 1:
+    return (f"{MULTI_PROCESS} and the same number of each; rollout devices per process: "
+            f"{dict(sorted(rollout.items()))}")
+  return None
 
 
 def check(rollout_devices: int, num_devices: int | None, trainer_tensor: int | None, num_processes: int) -> str | None:
@@ -52,8 +83,9 @@ def check(rollout_devices: int, num_devices: int | None, trainer_tensor: int | N
     return f"must be an integer >= 0 (0 = the rollout shares the trainer's devices), got {rollout_devices!r}"
   if not rollout_devices:
     return None
-  if num_processes != 1:
-    return f"{MULTI_PROCESS}; got {num_processes} processes"
+  if rollout_devices % num_processes:
+    return (f"{rollout_devices} devices do not divide among the {num_processes} processes ({MULTI_PROCESS}, the "
+            "same number on each)")
   if num_devices is not None and rollout_devices >= num_devices:
     return f"{rollout_devices} of {num_devices} devices leaves none for the trainer"
   if trainer_tensor is not None and rollout_devices % trainer_tensor:
@@ -67,18 +99,46 @@ def rollout_mesh(devices: Sequence, tensor: int) -> jax.sharding.Mesh:
   return sharding.make_mesh(1, -1, tensor, devices=devices)
 
 
+def _key(index, shape) -> tuple:
+  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _shards(sharding: NamedSharding, shape) -> dict[int, set]:
+  """{process: the shards (index keys) its devices hold}."""
+  out = collections.defaultdict(set)
+  for device, index in sharding.devices_indices_map(tuple(shape)).items():
+    out[device.process_index].add(_key(index, shape))
+  return out
+
+
 def device_to_device(source: NamedSharding, target: NamedSharding, shape) -> bool:
-  """Whether every shard of `target` is a whole shard of `source` (jax then copies it device to device; otherwise
-  device_put assembles the array on the host first)."""
-  held = {tuple((s.start, s.stop) for s in index) for index in source.devices_indices_map(tuple(shape)).values()}
-  wanted = {tuple((s.start, s.stop) for s in index) for index in target.devices_indices_map(tuple(shape)).values()}
-  return wanted <= held
+  """Whether every shard of `target` is a whole shard of `source` on the same process (jax then copies it device
+  to device; otherwise device_put assembles the array on the host first, or, across processes, refuses)."""
+  held = _shards(source, shape)
+  return all(wanted <= held[p] for p, wanted in _shards(target, shape).items())
+
+
+def local_copy(x: jax.Array, target: NamedSharding) -> jax.Array:
+  """`x` in `target`'s layout, each of this process's target shards copied device to device from the same shard
+  of `x` on this process (`device_to_device` must hold): the push across processes, no collective."""
+  held = {_key(shard.index, x.shape): shard.data for shard in x.addressable_shards}
+  wanted = target.addressable_devices_indices_map(x.shape)
+  copies = jax.device_put([held[_key(index, x.shape)] for index in wanted.values()], list(wanted))
+  return jax.make_array_from_single_device_arrays(x.shape, target, copies)
+
+
+def _nbytes(x: jax.Array) -> int:
+  """The bytes of `x`'s shards on all its devices (every process's)."""
+  sizes = (math.prod(len(range(*s.indices(n))) for s, n in zip(index, x.shape))
+           for index in x.sharding.devices_indices_map(x.shape).values())
+  return sum(sizes) * x.dtype.itemsize
 
 
 @dataclasses.dataclass
 class PushStats:
-  """Weight pushes since the last `take()`: how many, the bytes written on the rollout's devices, the seconds
-  from the weights being ready on the trainer's devices to their copies being ready on the rollout's."""
+  """Weight pushes since the last `take()`: how many, the bytes written on the rollout's devices (every process's),
+  the seconds from the weights being ready on the trainer's devices to their copies being ready on the rollout's
+  (this process's)."""
   pushes: int = 0
   bytes: int = 0
   seconds: float = 0.0
@@ -102,11 +162,16 @@ def push(params, target_shardings, stats: PushStats | None = None):
   being ready to the copies being ready; counted in `stats`."""
   params = jax.block_until_ready(params)  # the push's clock starts when the weights exist
   start = time.perf_counter()
-  pushed = jax.block_until_ready(jax.device_put(params, target_shardings))
+  if all(leaf.is_fully_addressable for leaf in jax.tree.leaves(params)):
+    pushed = jax.device_put(params, target_shardings)
+  else:  # several processes: each copies its own shards (module docstring)
+    leaves, treedef = jax.tree.flatten(params)
+    pushed = treedef.unflatten([local_copy(x, s) for x, s in zip(leaves, jax.tree.leaves(target_shardings),
+                                                                  strict=True)])
+  pushed = jax.block_until_ready(pushed)
   seconds = time.perf_counter() - start
   if stats is not None:
-    nbytes = sum(shard.data.nbytes for leaf in jax.tree.leaves(pushed) for shard in leaf.addressable_shards)
-    stats.add(nbytes, seconds)
+    stats.add(sum(_nbytes(leaf) for leaf in jax.tree.leaves(pushed)), seconds)
   return pushed
 
 

@@ -102,10 +102,11 @@ class Overlapped:
   """The rollouts of the next `max_staleness` steps (the next one, at 0) in flight by `worker`, for a trainer
   (`loop.Trainer`: its state, pipeline, mesh and rollout settings).
 
-  On more than one process (`inline`) each runs on the trainer's thread when it is started: every process must
-  launch the programs of a global mesh and its host collectives in the same order, which a background thread beside
-  the update's does not keep. The responses (versions, seeds, prompts) are the same as on one process; the time
-  is not overlapped (split device groups, with an ordered launch, are for that)."""
+  On more than one process (`inline`) each runs on the trainer's thread when it is started, on shared or split
+  devices: every process must launch programs that span processes in the same order, which a background thread
+  beside the update's does not keep (XLA:CPU runs one multi-device program at a time per process, so two processes
+  launching in different orders deadlock; docs/design.md, "The rollout interface"). The responses (versions, seeds,
+  prompts) are the same as on one process; the time is not overlapped."""
 
   def __init__(self, worker: interface.Rollout, max_staleness: int, inline: bool = False):
     self.worker, self.max_staleness = worker, int(max_staleness)

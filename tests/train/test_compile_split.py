@@ -2,11 +2,16 @@
 programs compile for the trainer's chips and the rollout programs for the rollout's, each group's memory is checked,
 and the sync and overlapped step estimates follow from the groups' compiled times."""
 
+import collections
+import os
+
 import jax
 import pytest
 
 from pacs_jax import config as config_lib
 from pacs_jax.compile import split
+from pacs_jax.rollout import placement
+from pacs_jax.trainer import split as trainer_split
 from pacs_jax.compile.report import step_seconds
 from pacs_jax.compile.target import target
 from tests.train.test_compile_only import run_cli, tiny_tpu_config  # noqa: F401 (a fixture)
@@ -55,3 +60,26 @@ def test_compile_only_on_a_split_prints_the_groups_and_the_estimates(tiny_tpu_co
   proc = run_cli("--config", tiny_tpu_config, "--compile_only", "--config.rollout.devices=2", "--config.mesh.fsdp=-1")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "== rollout group ==" in proc.stdout and "overlapped s" in proc.stdout and "both groups fit" in proc.stdout
+
+
+def test_a_multi_host_split_compiles_the_groups_the_runtime_runs():
+  """v5p:2x4x4 (8 hosts of 2x2x1 chips) split 16/16 along its first axis: every host holds 2 chips of each group
+  (x = 0 trains, x = 1 samples), the groups `--compile_only` compiles for are the runtime's meshes' devices, and
+  the run's config is accepted; v5p:4x4x4 split 32/32 gives each group whole hosts, which the run refuses."""
+  configs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+  for name, k, runs in (("qwen3b_v5p", 16, True), ("qwen7b_v5p", 32, False)):
+    cfg = config_lib.load_config_file(os.path.join(configs, f"{name}.py"), {"rollout.devices": k, "mesh.fsdp": -1})
+    tgt = target(cfg)
+    (_, trainer), (_, rollout) = split.group(cfg, tgt, "trainer"), split.group(cfg, tgt, "rollout")
+    mesh, rollout_mesh = trainer_split.meshes(cfg, list(tgt.devices))
+    assert set(mesh.devices.flat) == set(trainer.devices) and set(rollout_mesh.devices.flat) == set(rollout.devices)
+    hosts = [collections.Counter(d.process_index for d in g.devices) for g in (trainer, rollout)]
+    if runs:
+      assert {d.coords[0] for d in rollout.devices} == {1} and {d.coords[0] for d in trainer.devices} == {0}
+      assert hosts[0] == hosts[1] == {p: 2 for p in range(8)}
+      assert placement.process_layout(trainer.devices, rollout.devices) is None
+      config_lib.validate(cfg, num_processes=tgt.num_processes, devices=list(tgt.devices), check_paths=False)
+    else:
+      assert not set(hosts[0]) & set(hosts[1])  # whole hosts on each side
+      with pytest.raises(config_lib.ConfigError, match="config.rollout.devices: .*every process needs devices in both"):
+        config_lib.validate(cfg, num_processes=tgt.num_processes, devices=list(tgt.devices), check_paths=False)

@@ -1,9 +1,15 @@
 """Split devices (issue 33, `rollout.devices`): the rollout on the last devices, the trainer on the rest, each
 weight push a device-to-device copy (no shard read back to the host), timed and counted in the rows; with the
 same meshes the split run's rows are those of a shared run on the trainer's devices alone, bitwise; one_step_off on
-split devices overlaps the next rollout with the update and says by how much."""
+split devices overlaps the next rollout with the update and says by how much. On two processes (gloo, 4 CPU devices
+each) each process gives 2 devices to each group, its push copies shards on its own devices only, and a split run
+trains the rows of one process's split run, bitwise."""
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -67,6 +73,10 @@ def test_the_push_copies_shards_device_to_device(host_reads):
   # A layout the trainer's mesh holds no shard of would be assembled on the host: the check says so.
   assert placement.device_to_device(weights["w"].sharding, target["w"], (8, 8))
   assert not placement.device_to_device(weights["w"].sharding, NamedSharding(rollout, P("fsdp", "tensor")), (8, 8))
+  # The push on several processes (`local_copy`: each shard from the same shard on the same process) reads nothing.
+  copied = placement.local_copy(weights["w"], target["w"])
+  assert host_reads == [] and copied.sharding == target["w"]
+  np.testing.assert_array_equal(np.asarray(copied), w)
   placement.push(weights["w"], NamedSharding(rollout, P("fsdp", "tensor")))
   assert host_reads  # (the instrument sees a host round trip when there is one)
 
@@ -121,10 +131,67 @@ def test_one_step_off_on_split_devices_overlaps_the_rollout_with_the_update(tmp_
     (8, 8, 1, "leaves none for the trainer"),
     (-1, 8, 1, "must be an integer >= 0"),
     (1, 7, 1, "mesh.tensor=2"),  # the trainer's 6 take tensor 2, the rollout's 1 cannot
-    (4, 8, 2, "one process for now"),
+    (3, 8, 2, "do not divide among the 2 processes"),
 ])
 def test_bad_splits_name_the_field(rollout_devices, devices, processes, message):
   cfg = tiny(**{"mesh.fsdp": -1, "mesh.tensor": 2, "train.batch_prompts": 12, "train.mini_batch_prompts": 6,
                 "rollout.devices": rollout_devices})
   with pytest.raises(config_lib.ConfigError, match=f"config.rollout.devices: .*{message}"):
     config_lib.validate(cfg, num_devices=devices, num_processes=processes, check_paths=False)
+
+
+def two_processes(*args, devices: int = 4) -> list[str]:
+  """`python -m ARGS... COORDINATOR PROCESS_ID` on two processes of `devices` CPU devices each: their outputs."""
+  from tests import test_multihost as mh
+  port = mh.portpicker.pick_unused_port()
+  procs = [subprocess.Popen([sys.executable, "-m", *args, f"127.0.0.1:{port}", str(i)], env=mh.env(devices),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=600)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out[-3000:]
+  return outs
+
+
+def test_the_push_on_two_processes_copies_each_shard_on_its_own_host():
+  outs = two_processes("tests.train.split_push_worker")
+  results = [json.loads(next(line for line in out.splitlines() if line.startswith("{"))) for out in outs]
+  for process, r in enumerate(results):
+    assert r["layout"] is None
+    # Each process's first 2 devices train, its last 2 sample.
+    assert [p for _, p in r["trainer"]] == [p for _, p in r["rollout"]] == [0, 0, 1, 1]
+    assert r["pushed_on"] == sorted(i for i, _ in r["rollout"])
+    assert r["local"] == [i for i, p in r["rollout"] if p == process]
+    assert r["reads"] == [] and r["shards_equal"]  # device to device, every shard right
+    # Every rollout device's bytes (both processes'): half of w (tensor 2) and the whole norm on each of 4.
+    assert r["row"]["weights/pushes"] == 1 and r["row"]["weights/push_bytes"] == 4 * (32 + 8) * 4
+    # jax's own device_put refuses this reshard (different device sets across processes).
+    assert "cross-host reshard" in r["device_put"]
+
+
+@pytest.mark.slow  # two runs of three steps, one on two processes
+def test_a_split_run_on_two_processes_trains_as_one_process(tmp_path):
+  from tests import test_multihost as mh
+  extra = ["--config.mesh.tensor=2", "--config.rollout.devices=4", "--config.rollout.mode=one_step_off",
+           "--config.rollout.max_staleness=1", "--config.algorithm=grpo", "--config.rollout.tis_imp_ratio_cap=2.0",
+           "--config.steps=3", "--config.eval_every=2", "--config.data.synthetic_val_size=8"]
+  one, two = tmp_path / "one", tmp_path / "two"
+  mh.run_one(one, *extra, devices=8)  # trainer on devices 0-3, rollout on 4-7
+  outs = mh.run_two(two, *extra, devices=4)  # on each process: trainer on its first 2, rollout on its last 2
+  assert "devices    4 x cpu (mesh data=1 fsdp=2 tensor=2)" in outs[0]
+  for a, b in zip(mh.final_params(str(one), 3), mh.final_params(str(two), 3), strict=True):
+    np.testing.assert_array_equal(a, b)
+  rows_one, rows_two = mh.metrics(one), mh.metrics(two)
+  assert [r["step"] for r in rows_two] == [0, 1, 2, 3]  # step 0: the validation before training
+  assert [r["rollout/staleness_max"] for r in rows_two[1:]] == [0, 1, 1]
+  for a, b in zip(rows_one, rows_two, strict=True):
+    same = sorted(k for k in a if not k.startswith(TIMING))
+    assert sorted(k for k in b if not k.startswith(TIMING)) == same
+    for k in same:
+      assert a[k] == b[k], (a["step"], k, a[k], b[k])  # bitwise: the same floats
+  for a, b in zip(rows_one[1:], rows_two[1:]):  # a push is counted in the next step's row
+    for k in ("weights/pushes", "weights/push_bytes"):
+      assert a[k] == b[k], (a["step"], k)
+    assert (b["weights/push_s"] > 0) == (b["weights/pushes"] > 0)
+  assert any(k.startswith("val/") for k in rows_two[0]) and any(k.startswith("val/") for k in rows_two[2])
+  # One push per rollout (3) and per validation (steps 0 and 2), on each process.
+  assert sum(r["weights/pushes"] for r in rows_two[1:]) == 5.0 and rows_two[1]["weights/push_bytes"] > 0
