@@ -143,3 +143,26 @@ def test_config():
   grpo = config_lib.default_config()
   grpo.algorithm, grpo.rollout.tis_imp_ratio_cap = "grpo", 2.0
   assert registry.of(grpo).tis_level(grpo) == "token"  # GRPO's default is unchanged (verl's TIS)
+
+
+def test_grpo_at_the_sequence_level_weighs_each_token_by_its_responses_weight():
+  """verl applies a sequence weight to each of the response's tokens (expand_as): GRPO with rollout.tis_level
+  "sequence" is its clipped loss with verl's [B, R] weights."""
+  from pacs_jax.algos import grpo
+  logprobs, _, mask, rewards = make_batch(seed=8)
+  old = np.where(mask > 0, logprobs + 0.05, 0.0).astype(np.float32)
+  behaviour = behaviour_of(old, mask, seed=9)
+  cfg = config_lib.default_config()
+  cfg.algorithm, cfg.rollout.n, cfg.rollout.tis_imp_ratio_cap, cfg.rollout.tis_level = "grpo", GROUP_SIZE, 2.0, "sequence"
+  config_lib.validate(cfg, num_devices=1, check_paths=False)
+  micro = {"response_mask": jnp.asarray(mask), "rewards": jnp.asarray(rewards), "old_logprobs": jnp.asarray(old),
+           "behaviour_logprobs": jnp.asarray(behaviour)}
+  loss = registry.of(cfg).loss(cfg, jnp.asarray(logprobs), None, micro)[0]
+  weights = verl_sequence_weights(torch.tensor(old) - torch.tensor(behaviour), torch.tensor(mask), 2.0).numpy()
+  want = grpo.grpo_loss(jnp.asarray(logprobs), jnp.asarray(old), None, jnp.asarray(mask), jnp.asarray(rewards),
+                        group_size=GROUP_SIZE, micro_batch_rows=cfg.train.verl_micro_batch_rows,
+                        is_weights=jnp.asarray(weights))[0]
+  np.testing.assert_allclose(float(loss), float(want), rtol=0, atol=1e-6)
+  token = config_lib.default_config()
+  token.algorithm, token.rollout.n, token.rollout.tis_imp_ratio_cap = "grpo", GROUP_SIZE, 2.0
+  assert abs(float(registry.of(token).loss(token, jnp.asarray(logprobs), None, micro)[0]) - float(loss)) > 1e-4
