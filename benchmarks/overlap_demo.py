@@ -5,8 +5,9 @@ of 0.9 in `sync`, `one_step_off` (staleness 1) and `async` (staleness 2), issue 
                                    [--pacs_reference=rollout]
 
 Exits 1 if an off-policy mode needs more than `slack` times sync's steps (or never gets there), if a loss or reward
-is not finite, or if more than `max_dropped` of the responses were dropped as too stale (a drop storm). GRPO's
-off-policy runs apply the rollout correction (`rollout.tis_imp_ratio_cap` = `--tis_cap`); PACS's keep the demo's
+is not finite, or if more than `max_dropped` of the responses were dropped as too stale (a drop storm). The
+off-policy runs apply the rollout correction (`rollout.tis_imp_ratio_cap` = `--tis_cap`) at each objective's own
+level: GRPO's a weight per token, PACS's a weight per response (algos/correction.py); sync runs keep the demo's
 settings. Trains in process on one CPU device, without checkpoints or validation; the seeds are the demo's, so a
 mode's run is the same each time (async's rollouts take their weights when they start, which is fixed by the step
 they start at).
@@ -40,7 +41,7 @@ _WINDOW = flags.DEFINE_integer("window", 10, "Steps the running mean covers.")
 _TARGET = flags.DEFINE_float("target", 0.9, "The running mean to reach.")
 _SLACK = flags.DEFINE_float("slack", 1.25, "An off-policy mode may take at most this many times sync's steps.")
 _MAX_DROPPED = flags.DEFINE_float("max_dropped", 0.05, "The largest share of responses dropped as too stale.")
-_TIS_CAP = flags.DEFINE_float("tis_cap", 2.0, "GRPO's rollout correction cap in the off-policy modes.")
+_TIS_CAP = flags.DEFINE_float("tis_cap", 2.0, "The rollout correction's cap in the off-policy modes (<= 0: off).")
 _PACS_REFERENCE = flags.DEFINE_string("pacs_reference", "", "pacs.reference_policy (frozen | rollout); '': the demo's.")
 
 

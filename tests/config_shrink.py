@@ -21,7 +21,7 @@ KEEP = (
     "seed", "algorithm", "model.param_dtype", "model.dtype", "model.remat", "model.remat_policy",
     "data.skip_bad_rows", "data.val_max_examples",
     "rollout.n", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.val_max_new_tokens",
-    "rollout.stop_tokens", "rollout.tis_imp_ratio_cap", "rollout.mode", "rollout.max_staleness", "rollout.devices",
+    "rollout.stop_tokens", "rollout.tis_imp_ratio_cap", "rollout.tis_level", "rollout.mode", "rollout.max_staleness", "rollout.devices",
     "rollout_data_dir",
     "validation_data_dir",
     "train.lr", "train.schedule", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.b1",

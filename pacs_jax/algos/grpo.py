@@ -86,7 +86,7 @@ def clipped_policy_loss(old_logprobs: jax.Array, logprobs: jax.Array, advantages
     ρ = exp(clip(logp − old, −20, 20))
     ℓ₁ = max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high))
     ℓ = min(ℓ₁, −A·c) where A < 0 (dual clip: a negative advantage cannot push by more than c), else ℓ₁
-    ℓ ← w·ℓ with `is_weights` w [B, R] (the rollout correction, `correction.tis_weights`), when given
+    ℓ ← w·ℓ with `is_weights` w [B, R] or [B, 1] (the rollout correction, `correction`), when given
   `advantages` may be [B] (one per response) or [B, R]. Returns (agg_loss(ℓ), metrics).
   The released verl clamps nothing; the ±20 clamp of log ρ keeps exp finite (a 0 · inf would make the step NaN
   and skipped) and changes gradients by at most A·e⁻²⁰: beyond +20 the clip (A > 0) or dual clip (A < 0) holds ℓ
@@ -208,11 +208,14 @@ class ClippedRatio(registry.Algorithm):
   supports_rollout_correction = True
 
   def is_weights(self, cfg, micro) -> jax.Array | None:
-    """The rollout correction's truncated importance weights [..., R] (`correction.tis_weights`), or None without
-    it (`rollout.tis_imp_ratio_cap` <= 0)."""
+    """The rollout correction's truncated importance weights [..., R] (token level, `correction.tis_weights`) or
+    [..., 1] (sequence level), or None without it (`rollout.tis_imp_ratio_cap` <= 0)."""
     cap = self.tis_cap(cfg)
     if cap is None:
       return None
+    if self.tis_level(cfg) == "sequence":  # one weight per response on each of its tokens, as verl broadcasts it
+      return correction.sequence_tis_weights(micro["old_logprobs"], micro["behaviour_logprobs"],
+                                             micro["response_mask"], cap)[..., None]
     return correction.tis_weights(micro["old_logprobs"], micro["behaviour_logprobs"], cap)
 
   def loss_agg_mode(self, cfg) -> str:

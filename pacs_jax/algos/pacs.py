@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from pacs_jax.algos import batch as batch_lib, groups as groups_lib, registry
+from pacs_jax.algos import batch as batch_lib, correction, groups as groups_lib, registry
 from pacs_jax.algos.masked import masked_sum
 from pacs_jax.algos.settings import Settings, choice, setting
 
@@ -107,11 +107,14 @@ def bce_with_logits(logits: jax.Array, labels: jax.Array) -> jax.Array:
 def pacs_loss(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: jax.Array, rewards: jax.Array, *,
               group_size: int, beta: float = 1.0, reward_method: str = "1", adv_estimator: str = "rloo",
               norm_adv_by_std: bool = True, use_weight: bool = True, weight_mode: str = "question",
-              sum_mask: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+              sum_mask: jax.Array | None = None, is_weights: jax.Array | None = None
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """loss = (1/B) Σ_i w_i · BCEWithLogits(ψ_i, R_i)  (mean over the B responses, not divided by Σ w).
 
   logprobs, ref_logprobs, response_mask: [B, R]; rewards: [B] in {0, 1}. ref_logprobs carries no gradient.
   `sum_mask`: the positions r̂ sums (see `reward_proxy`). ∇loss = −(1/B) Σ_i w_i (R_i − σ(ψ_i)) ∇ψ_i.
+  `is_weights` ρ [B]: the rollout correction's per-response weights (`correction.sequence_tis_weights`), no
+  gradient; given, w_i becomes w_i · ρ_i (a response sampled by an older policy μ counts as π_old would sample it).
   Returns (loss, metrics).
   """
   logprobs = logprobs.astype(jnp.float32)
@@ -122,6 +125,8 @@ def pacs_loss(logprobs: jax.Array, ref_logprobs: jax.Array, response_mask: jax.A
   psi = score(r_hat, group_size=group_size, adv_estimator=adv_estimator, norm_adv_by_std=norm_adv_by_std)  # [B]
   weights = class_weights(rewards, group_size=group_size, use_weight=use_weight, weight_mode=weight_mode)  # [B]
   per_response = bce_with_logits(psi, rewards)  # [B]
+  if is_weights is not None:
+    weights = weights * jax.lax.stop_gradient(is_weights.astype(jnp.float32))
   loss = jnp.mean(weights * per_response)
 
   sg = jax.lax.stop_gradient
@@ -207,9 +212,15 @@ class Pacs(registry.Algorithm):
 
   min_group_size = 2
   settings_class = PacsSettings
+  # Each BCE term is a whole response's: one importance weight per response (correction.sequence_tis_weights).
+  supports_rollout_correction = True
+  rollout_correction_level = "sequence"
 
   def validate(self, cfg, check, num_processes):
     t = cfg.train
+    check(self.tis_cap(cfg) is None or self.tis_level(cfg) == "sequence", "rollout.tis_level",
+          "PACS's loss has one term per response, so its rollout correction weighs responses: \"sequence\" "
+          f"(or \"\"), got {self.tis_level(cfg)!r}")
     if self.settings(cfg).exact_padding_replication:
       local_rows = t.batch_prompts * cfg.rollout.n // max(num_processes, 1)
       check(local_rows % t.verl_micro_batch_rows == 0, "train.verl_micro_batch_rows",
@@ -218,6 +229,9 @@ class Pacs(registry.Algorithm):
 
   def reference(self, cfg):
     return registry.Reference(self.settings(cfg).reference_policy)  # "frozen" | "rollout"
+
+  def needs_old_logprobs(self, cfg):  # the rollout reference, or π_old of the rollout correction
+    return super().needs_old_logprobs(cfg) or self.tis_cap(cfg) is not None
 
   def extra_fields(self, cfg):
     if not self.settings(cfg).exact_padding_replication:
@@ -240,7 +254,16 @@ class Pacs(registry.Algorithm):
     return pacs_loss(logprobs, micro["ref_logprobs"], micro["response_mask"], micro["rewards"],
                      group_size=cfg.rollout.n, beta=p.beta, reward_method=p.reward_method,
                      adv_estimator=p.adv_estimator, norm_adv_by_std=p.norm_adv_by_std, use_weight=p.use_weight,
-                     weight_mode=p.weight_mode, sum_mask=micro.get("proxy_mask"))
+                     weight_mode=p.weight_mode, sum_mask=micro.get("proxy_mask"),
+                     is_weights=self.is_weights(cfg, micro))
+
+  def is_weights(self, cfg, micro) -> jax.Array | None:
+    """The rollout correction's per-response weights [m], or None without it (`rollout.tis_imp_ratio_cap` <= 0)."""
+    cap = self.tis_cap(cfg)
+    if cap is None:
+      return None
+    return correction.sequence_tis_weights(micro["old_logprobs"], micro["behaviour_logprobs"],
+                                           micro["response_mask"], cap)
 
 
 registry.register("pacs", Pacs())

@@ -68,14 +68,22 @@ class Algorithm:
     return self.reference(cfg) is Reference.ROLLOUT
 
   # Whether the loss applies the rollout correction (truncated importance weights between the behaviour policy and
-  # π_old, `tis_cap`): the objectives whose parity with verl's TIS is tested (GRPO, PPO).
+  # π_old, `tis_cap`): the objectives whose parity with verl's TIS is tested (GRPO, PPO, PACS).
   supports_rollout_correction = False
+  # The correction's level when `rollout.tis_level` is "" (`correction.LEVELS`): "token" for a per-token loss,
+  # "sequence" for one whose terms are whole responses.
+  rollout_correction_level = "token"
 
   def tis_cap(self, cfg: ml_collections.ConfigDict) -> float | None:
     """The cap C of the truncated importance weights min(π_old / μ, C) (`rollout.tis_imp_ratio_cap` > 0), or None
     without the correction."""
     cap = cfg.rollout.get("tis_imp_ratio_cap", -1.0)
     return float(cap) if cap > 0 else None
+
+  def tis_level(self, cfg: ml_collections.ConfigDict) -> str:
+    """"token" | "sequence": one importance weight per token or per response (`rollout.tis_level`, "" = the
+    objective's own `rollout_correction_level`)."""
+    return cfg.rollout.get("tis_level", "") or self.rollout_correction_level
 
   def batch_fields(self, cfg: ml_collections.ConfigDict) -> tuple[batch_lib.Field, ...]:
     """Every field of this algorithm's mini-batches under `cfg` (a `batch.BatchLayout`'s): the rollout's, the

@@ -8,7 +8,7 @@ import os
 import ml_collections
 
 from pacs_jax import paths
-from pacs_jax.algos import registry as algo_registry
+from pacs_jax.algos import correction, registry as algo_registry
 from pacs_jax.config.defaults import default_config
 from pacs_jax.config.files import get_field
 from pacs_jax.data import prompts
@@ -36,6 +36,11 @@ class ConfigError(ValueError):
 def _check(ok: bool, field: str, msg: str):
   if not ok:
     raise ConfigError(f"config.{field}: {msg}")
+
+
+def _corrected() -> list[str]:
+  """The objectives that apply the rollout correction."""
+  return [n for n in algo_registry.names() if algo_registry.get(n).supports_rollout_correction]
 
 
 def _check_enum(value, choices: tuple, field: str) -> None:
@@ -133,7 +138,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(name not in (get_field(c, section) if section else c), field, f"was removed: {why}")
   _check(c.rollout.page_size >= 1, "rollout.page_size", f"must be >= 1, got {c.rollout.page_size}")
   _check(c.rollout.tis_imp_ratio_cap <= 0 or algo.supports_rollout_correction, "rollout.tis_imp_ratio_cap",
-         f"the rollout correction is for grpo and ppo, not {c.algorithm!r}: set it <= 0 (off)")
+         f"the rollout correction is for {', '.join(_corrected())}, not {c.algorithm!r}: set it <= 0 (off)")
+  _check_enum(c.rollout.tis_level, ("",) + correction.LEVELS, "rollout.tis_level")
   _check_enum(c.rollout.mode, ROLLOUT_MODES, "rollout.mode")
   if c.rollout.mode == "one_step_off":
     _check(c.rollout.max_staleness in (0, 1), "rollout.max_staleness",

@@ -57,8 +57,11 @@ def default_config() -> ml_collections.ConfigDict:
   # The decode KV cache is paged: pages of page_size rows, taken as rows grow and returned when they finish;
   # decode reads each slot's live pages.
   # Rollout correction (verl's TIS): each token's policy loss weighted by min(π_old / π_rollout, cap), π_rollout the
-  # engine's log-probs as sampled; > 0 turns it on (GRPO, PPO), <= 0 (the default) leaves the loss as released.
+  # engine's log-probs as sampled; > 0 turns it on (GRPO, PPO, PACS), <= 0 (the default) leaves the loss as released.
   c.rollout.tis_imp_ratio_cap = -1.0
+  # The correction's level: "token" (a weight per token, GRPO's and PPO's default) or "sequence" (a weight per response,
+  # the product of its tokens' ratios, PACS's); "" = the objective's own (algos/correction.py).
+  c.rollout.tis_level = ""
   # "sync": each step samples, then updates; "one_step_off": the next step's rollout runs on a background thread
   # while this step updates (trainer/overlap.py), its responses up to `max_staleness` (0 or 1) policy versions old;
   # "async": the next `max_staleness` steps' rollouts run ahead (responses older than that are dropped, counted).

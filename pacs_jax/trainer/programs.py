@@ -245,8 +245,10 @@ def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, opt
 
 
 def _importance_stats(cfg: ml_collections.ConfigDict) -> Callable | None:
-  cap = registry.of(cfg).tis_cap(cfg)
-  return None if cap is None else jax.jit(functools.partial(correction.importance_stats, cap=cap))
+  algo = registry.of(cfg)
+  cap = algo.tis_cap(cfg)
+  return None if cap is None else jax.jit(functools.partial(correction.importance_stats, cap=cap,
+                                                            level=algo.tis_level(cfg)))
 
 
 def _step_inputs(cfg: ml_collections.ConfigDict, layout: batch_lib.BatchLayout) -> Callable | None:

@@ -35,8 +35,9 @@ def make_batch(seed=0, T=10, beta=1.0):
 
 
 def torch_pacs_loss(logprobs, ref_logprobs, mask, rewards, *, n, beta, reward_method, adv_estimator,
-                    norm_adv_by_std, use_weight, weight_mode):
-  """docs/algorithm.md written out in float64 torch; returns (loss, grad w.r.t. logprobs)."""
+                    norm_adv_by_std, use_weight, weight_mode, is_weights=None):
+  """docs/algorithm.md written out in float64 torch; returns (loss, grad w.r.t. logprobs). `is_weights` [N]:
+  per-response importance weights that multiply the class weights (the rollout correction)."""
   logp = torch.tensor(logprobs, dtype=torch.float64, requires_grad=True)
   ref = torch.tensor(ref_logprobs, dtype=torch.float64)
   m = torch.tensor(mask, dtype=torch.float64)
@@ -69,6 +70,8 @@ def torch_pacs_loss(logprobs, ref_logprobs, mask, rewards, *, n, beta, reward_me
       counts = {float(c): float((group == c).sum()) for c in classes}
       rows.append(torch.tensor([n / (len(classes) * counts[float(y)]) for y in group], dtype=torch.float64))
     w = torch.cat(rows)
+  if is_weights is not None:
+    w = w * torch.as_tensor(is_weights, dtype=torch.float64)
   loss = torch.nn.BCEWithLogitsLoss(weight=w)(psi, R)  # reduction "mean": mean over N of w·bce
   loss.backward()
   return loss.item(), logp.grad.numpy()

@@ -207,6 +207,6 @@ def test_off_by_default_and_only_where_tested():
     assert batch_lib.BEHAVIOUR_LOGPROBS not in registry.of(cfg).batch_fields(cfg)
   cfg = config("grpo", 2.0, "token-mean")
   assert batch_lib.BEHAVIOUR_LOGPROBS in registry.of(cfg).batch_fields(cfg)
-  cfg.algorithm = "pacs"
+  cfg.algorithm = "dapo"
   with pytest.raises(config_lib.ConfigError, match="config.rollout.tis_imp_ratio_cap"):
     config_lib.validate(cfg, num_devices=1, check_paths=False)

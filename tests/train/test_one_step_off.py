@@ -94,6 +94,21 @@ def test_pacs_with_the_rollout_reference_takes_stale_responses_behaviour_log_pro
   assert all(np.isfinite(r["loss"]) for r in logged)
 
 
+def test_pacs_with_the_frozen_reference_weighs_stale_responses(tmp_path):
+  # The sequence-level rollout correction: π_old comes from a log-prob pass (the frozen reference has none of its
+  # own), each response's weight is its tokens' ratio π_old / μ; at step 1 (fresh) it is 1 up to rounding, one
+  # update apart it is not, and the weights reach the rows and TensorBoard.
+  trainer, logged = run(tmp_path, eval_every=0, **{"rollout.mode": "one_step_off", "rollout.tis_imp_ratio_cap": 2.0})
+  assert trainer.cfg.pacs.reference_policy == "frozen"
+  assert [r["rollout/staleness_max"] for r in logged] == [0.0, 1.0, 1.0]
+  assert abs(logged[0]["rollout_corr/is_weight_mean"] - 1.0) < 1e-3
+  assert max(abs(r["rollout_corr/is_weight_mean"] - 1.0) for r in logged[1:]) > 1e-3
+  for r in logged:
+    assert np.isfinite(r["loss"]) and np.isfinite(r["rollout_corr/is_weight_max"])
+  tags = tensorboard_tags(tmp_path)
+  assert "rollout_corr/is_weight_mean" in tags and "rollout_corr/tis_truncated_frac" in tags
+
+
 class Finished:
   """A rollout in flight that has finished (a future's `result`)."""
 
