@@ -120,9 +120,16 @@ class TopP(SamplingMethod):
     scaled = logits.astype(jnp.float32) / self.temperature
     B, V = scaled.shape
     keys = key if _is_key_batch(key) else jax.random.split(key, B)  # a row's noise from its own key
-    draw = lambda x, k: x + jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(k)  # noise for the rows drawn only
+    draw = lambda x, k: x + _gumbel_rows(k, V)  # noise for the rows drawn only
     token, logit, m, s = truncation.nucleus(scaled, keys, draw, self.p)
     return token, logit - (jnp.log(s) + m)  # `models.token_logprobs`'s ops, on the normaliser the draw used
+
+
+def _gumbel_rows(keys: jax.Array, V: int) -> jax.Array:
+  """Gumbel noise [..., V] from one key per row (keys [...], or raw uint32 keys [..., 2])."""
+  lead = keys.shape if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys.shape[:-1]
+  flat = keys.reshape(-1, *keys.shape[len(lead):])
+  return jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(flat).reshape(*lead, V)
 
 
 def nucleus_argmax(scaled: jax.Array, z: jax.Array, p: float, sizes: tuple[int, int] | None = None) -> jax.Array:

@@ -107,58 +107,86 @@ def _subset_round(x, src, draw, rows: Rows, p: float, size: int) -> Rows:
   """A round on the first `size` rows still out (the others as they are)."""
   order = jnp.argsort(rows.done, stable=True)[:size]  # [S]: rows still out first
   x_rows = x[order]
-  new = _round(x_rows, draw(x_rows, src[order]), Rows(*(a[order] for a in rows)), p, first=False)
+  new = _round(x_rows, draw(x_rows, jax.tree.map(lambda a: a[order], src)), Rows(*(a[order] for a in rows)), p,
+               first=False)
   return Rows(*(a.at[order].set(n) for a, n in zip(rows, new)))
 
 
-def _later_rounds(x, src, draw, rows: Rows, p: float, sizes: tuple[int, int]):
-  """The rounds after the first, on one batch shard's rows: its first S1 rows still out are gathered once (a
-  buffer), take a round, then rounds S2 at a time until all are in (a loop of no fixed count, on the buffer
-  only); rows past S1 (rare) take the first algorithm's rounds on the whole shard (`overflow`, a cond).
-  Returns (rows, the loop's round count)."""
-  order = jnp.argsort(rows.done, stable=True)[:sizes[0]]
-  x_buf, src_buf = x[order], src[order]
-  buf = _round(x_buf, draw(x_buf, src_buf), Rows(*(a[order] for a in rows)), p, first=False)
+def _rows_by_matmul(x, order, ok):
+  """x[order] for x [b, V] and order [S] by a one-hot matmul, exact where `ok` (finite rows away from float32's
+  smallest magnitudes; the other rows read as 0): the TPU keeps the logits batch-minor, where a row gather is a
+  relayout of the whole array; the matrix unit reads them in place."""
+  onehot = (order[:, None] == jnp.arange(x.shape[0])).astype(x.dtype)
+  return jnp.einsum("sb,bv->sv", onehot, jnp.where(ok[:, None], x, 0.0), precision=lax.Precision.HIGHEST)
+
+
+def _buffer_rounds(x, z, src, draw, rows: Rows, ok, p: float, sizes: tuple[int, int], regenerate: bool):
+  """The rounds after the first on one batch shard's rows [b]: its first S1 rows still out whose logits are
+  `ok` are gathered once (a buffer), take a round, then rounds on S2 of them at a time until all are in (a loop of
+  no fixed count, on the buffer only). Returns (rows, the loop's round count)."""
+  order = jnp.argsort(rows.done | ~ok, stable=True)[:sizes[0]]  # [S1]: rows to take first
+  taken = ~rows.done[order] & ok[order]
+  src_buf = src[order]
+  if regenerate:
+    x_buf = _rows_by_matmul(x, order, ok)
+    z_buf = lambda x_rows, src_rows: draw(x_rows, src_rows)
+  else:  # z as round 1 made it: its rows gathered, not drawn again
+    x_buf, src_buf = x[order], (src_buf, z[order])
+    z_buf = lambda x_rows, src_rows: src_rows[1]
+  buf = Rows(*(a[order] for a in rows))
+  buf = _round(x_buf, z_buf(x_buf, src_buf), buf._replace(done=~taken), p, first=False)
   buf, rounds = lax.while_loop(lambda c: ~jnp.all(c[0].done),
-                               lambda c: (_subset_round(x_buf, src_buf, draw, c[0], p, sizes[1]), c[1] + 1),
+                               lambda c: (_subset_round(x_buf, src_buf, z_buf, c[0], p, sizes[1]), c[1] + 1),
                                (buf, jnp.int32(0)))
-  rows = Rows(*(a.at[order].set(n) for a, n in zip(rows, buf)))
+  return Rows(*(a.at[order].set(jnp.where(taken, n, a[order])) for a, n in zip(rows, buf))), rounds
+
+
+def _later_rounds(x, z, src, draw, rows: Rows, p: float, sizes: tuple[int, int], regenerate: bool):
+  """The rounds after the first: each batch shard's buffer (`_buffer_rounds`), then the rows no buffer took
+  (past S1, or with logits not finite or below 2^-100 in magnitude) in a cond: round 1's way on the whole batch.
+  `regenerate`: the later rounds draw their rows' noise again and gather rows by a matmul (what the TPU's
+  batch-minor logits want), else they gather z (the CPU's cheaper way). Both give the same draws."""
+  B, V = x.shape
+  groups = batch_groups(B)
+  ok = jnp.all(jnp.isfinite(x) & ((x == 0) | (jnp.abs(x) >= 2.0 ** -100)), axis=-1)
+  split = lambda a: a.reshape(groups, B // groups, *a.shape[1:])
+  later = jax.vmap(lambda *a: _buffer_rounds(*a[:3], draw, *a[3:], p, sizes, regenerate))
+  rows, rounds = later(split(x), split(z), split(src), Rows(*map(split, rows)), split(ok))
+  rows = Rows(*(a.reshape(B) for a in rows))
   with jax.named_scope(OVERFLOW):
-    everyone = lambda r: lax.while_loop(lambda r: ~jnp.all(r.done), lambda r: _round(x, draw(x, src), r, p, False), r)
+    z_all = (lambda: draw(x, src)) if regenerate else (lambda: z)
+    everyone = lambda r: lax.while_loop(lambda r: ~jnp.all(r.done), lambda r: _round(x, z_all(), r, p, False), r)
     rows = lax.cond(jnp.all(rows.done), lambda r: r, everyone, rows)
-  return rows, rounds
+  return rows, jnp.max(rounds)
 
 
-# The name of the branch that takes rows past S1 (`_later_rounds`): the cost report weighs it by how often it runs.
+# The name of the branch that takes the rows the buffer did not (`nucleus`): the cost report weighs it by how
+# often it runs.
 OVERFLOW = "nucleus_overflow"
 
 
 def nucleus(scaled: jax.Array, src: jax.Array, draw, p: float, sizes: tuple[int, int] | None = None,
-            with_rounds: bool = False):
-  """Top-p draw of each row: (token [B] int32, its logit [B], m [B], s [B]) (`normaliser`), plus the last loop's
-  round count with `with_rounds`. scaled: logits / temperature [B, V] fp32; `draw(x, src)`: the Gumbel-perturbed
-  logits z of rows whose logits are x [S, V] and whose rows of `src` [B, ...] are src [S, ...] (a key per row, or
-  z itself), so that a later round makes the noise of its rows only; sizes: (S1, S2) instead of `retry_sizes`.
-  Later rounds run on each batch shard of the current mesh (`jax.shard_map` over the batch axes): they gather
-  rows, which the partitioner would otherwise gather across devices."""
-  B, _ = scaled.shape
-  groups = batch_groups(B)
-  sizes = sizes or retry_sizes(B // groups, p)
+            with_rounds: bool = False, regenerate: bool | None = None):
+  """Top-p draw of each row: (token [B] int32, its logit [B], m [B], s [B]) (`normaliser`), plus the buffer
+  loop's round count with `with_rounds`. scaled: logits / temperature [B, V] fp32; `draw(x, src)`: the
+  Gumbel-perturbed logits z of rows whose logits are x [..., V] and whose rows of `src` [B, ...] are src [..., ...]
+  (a key per row, or z itself); sizes: (S1, S2) instead of `retry_sizes`; regenerate: `_later_rounds`'s choice
+  (None: on a CPU no, elsewhere yes)."""
+  B, V = scaled.shape
+  sizes = sizes or retry_sizes(B // batch_groups(B), p)
   m, s = normaliser(scaled)
   zeros = jnp.zeros((B,), jnp.int32)
   rows = Rows(token=zeros, logit=jnp.zeros((B,)), done=jnp.zeros((B,), bool), floor=jnp.full((B,), jnp.inf),
               floor_id=zeros, m=m, s=s)
-  rows = _round(scaled, draw(scaled, src), rows, p, first=True)
-  later = lambda x, src, rows: _later_rounds(x, src, draw, rows, p, sizes)
-  if groups > 1:
-    axes = tuple(a for a in sharding.BATCH_AXES if _mesh_size((a,)) > 1)
-    batch = jax.sharding.PartitionSpec(axes)
-    later = jax.shard_map(lambda *args, run=later: (lambda r, n: (r, n[None]))(*run(*args)),
-                          in_specs=(batch, batch, batch), out_specs=(batch, batch), axis_names=set(axes),
-                          check_vma=False)
-  rows, rounds = later(scaled, src, rows)
+  z = draw(scaled, src)
+  rows = _round(scaled, z, rows, p, first=True)
+  later = lambda regen: lambda *a: _later_rounds(*a[:3], draw, a[3], p, sizes, regen)
+  if regenerate is None:
+    rows, rounds = lax.platform_dependent(scaled, z, src, rows, cpu=later(False), default=later(True))
+  else:
+    rows, rounds = later(regenerate)(scaled, z, src, rows)
   out = (rows.token, rows.logit, rows.m, rows.s)
-  return (*out, jnp.max(rounds)) if with_rounds else out
+  return (*out, rounds) if with_rounds else out
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -24,17 +24,18 @@ def sorted_nucleus_argmax(scaled, z, p):
 def logits_and_noise(rows, vocab, scale, seed=0):
   rng = np.random.default_rng(seed)
   scaled = (rng.normal(size=(rows, vocab)) * scale).astype(jnp.bfloat16).astype(np.float32)  # ties, as bf16 gives
-  scaled[:, ::7] = -np.inf  # masked tokens
+  scaled[::2, ::7] = -np.inf  # masked tokens in every other row (rows the buffer leaves to the overflow branch)
   return scaled, scaled + rng.gumbel(size=(rows, vocab)).astype(np.float32)
 
 
-@pytest.mark.parametrize("p,sizes", [(0.5, (4, 1)), (0.9, (2, 1)), (0.95, None), (0.99, (1, 1))])
-def test_every_path_draws_the_sorted_nucleus_argmax(p, sizes):
+@pytest.mark.parametrize("regenerate", [True, False])
+@pytest.mark.parametrize("p,sizes", [(0.5, (8, 1)), (0.9, (2, 1)), (0.95, None), (0.99, (1, 1))])
+def test_every_path_draws_the_sorted_nucleus_argmax(p, sizes, regenerate):
   """Small buffers force rows through the buffer's loop and the overflow branch; each row's draw is still the
   argmax over the sort's nucleus (a token within float round-off of the cut aside), and the same as with a buffer
   of every row."""
   scaled, z = logits_and_noise(64, 3000, 0.5)
-  run = jax.jit(lambda s, z, sizes: truncation.nucleus(s, z, lambda x, z_rows: z_rows, p, sizes, True),
+  run = jax.jit(lambda s, z, sizes: truncation.nucleus(s, z, lambda x, z_rows: z_rows, p, sizes, True, regenerate),
                 static_argnums=2)
   got, _, _, _, rounds = run(jnp.asarray(scaled), jnp.asarray(z), sizes)
   full = run(jnp.asarray(scaled), jnp.asarray(z), (64, 64))[0]
@@ -101,6 +102,11 @@ def test_the_same_draws_under_a_mesh():
       got = jax.jit(method.sample_with_logprobs)(jax.device_put(logits, shard), keys)
       np.testing.assert_array_equal(got[0], tokens)
       np.testing.assert_allclose(got[1], logprobs, atol=1e-6)
+    # The TPU's way (noise drawn again, rows gathered by a matmul) on the shards, against one device's CPU way.
+    scaled = logits / 0.6
+    z = scaled + jax.vmap(lambda k: jax.random.gumbel(k, (8192,)))(keys)
+    tpu_way = jax.jit(lambda s, z: truncation.nucleus(s, z, lambda x, z_rows: z_rows, 0.9, (2, 1), regenerate=True))
+    np.testing.assert_array_equal(tpu_way(jax.device_put(scaled, shard), z)[0], alone[sampling.TopP(0.9, 0.6)][0])
 
 
 def test_round_counts_are_bounded_by_the_model():
