@@ -6,10 +6,11 @@
        32 tokens (5 problems x 16) and evaluate's other defaults (bfloat16, 1,024-token prompts). Exits 1 when
        top_p 0.95 takes more than --max_ratio (1.3) times as long.
   tpu  the rollout's decode chunk (16 steps) compiled for a v5p host by `--compile_only`'s machinery (libtpu, no
-       TPU): the compiler's estimated cycles (and optimal time, bytes accessed) with each sampling method, for the same tiny model (or
-       a config's model on its own target, --tpu_config), every loop's trip count applied: top-p's last loop, the
-       one of no fixed count, at its mean count when every round misses with probability 1 - p (the most it can),
-       its 99.9th percentile beside. Exits 1 when top_p 0.95 or top_k 20 costs more than --max_ratio times plain.
+       TPU): the compiler's estimated cycles (and optimal time, bytes accessed) with each sampling method, for the
+       same tiny model (or a config's model on its own target, --tpu_config), every loop's trip count applied:
+       top-p's two loops of no fixed count (its buffer's, and the overflow branch's, weighted by how often it is
+       taken) at their means when every round misses with probability 1 - p (the most it can), a slow step beside.
+       Exits 1 when top_p 0.95 or top_k 20 takes more than --max_ratio times plain sampling's cycles.
 
   python benchmarks/sampling_cost.py [--part cpu|tpu|both]
 """

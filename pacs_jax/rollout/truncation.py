@@ -10,8 +10,9 @@ masked sum. If not, it and every token after it are ruled out and the next argma
     mass, and a round's candidates are the nucleus and part of the tail, whose argmax is independent of the
     rounds before (the candidates and the ruled-out tokens are disjoint sets of independent Gumbels).
   - Later rounds run on a fixed number of rows per batch shard (`retry_sizes`), gathered: first one round on
-    the first S1 rows still out, then a loop of rounds on S2 rows at a time until every row is in. Which rows a
-    round takes changes nothing of a row's draw: its rounds depend on its own logits and noise only.
+    the first S1 rows still out, then a loop of rounds on S2 rows at a time until every row is in; rows past S1
+    (rare) take round 1's way on the whole batch in a cond. Which rows a round takes changes nothing of a row's
+    draw: its rounds depend on its own logits and noise only.
 
 Top-k (`top_k`): the k largest logits lie in the k blocks of the vocabulary with the largest maxima (any token of
 another block has k block maxima, k distinct tokens, before it), so `lax.top_k` runs on the blocks' maxima and
@@ -24,8 +25,8 @@ import math
 from typing import NamedTuple
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pacs_jax import sharding
