@@ -105,8 +105,10 @@ def compiled_module_cost(compiled) -> dict:
   return {k: v for k, v in cost.items() if "seconds" not in k}
 
 
-def measure(report: ProgramReport, lower: Callable[[], Any], resident: Callable[[Any], float]) -> Any:
-  """Compiles one program and fills `report`; returns the compiled executable (None if it failed)."""
+def measure(report: ProgramReport, lower: Callable[[], Any], resident: Callable[[Any], float],
+            unknown_trips: float = 1, rare: dict[str, tuple[float, float]] | None = None) -> Any:
+  """Compiles one program and fills `report`; returns the compiled executable (None if it failed). A loop of no
+  fixed trip count is counted `unknown_trips` times, a `rare` conditional as `hlo_cost.analyse` says."""
   start = time.perf_counter()
   try:
     compiled = lower().compile()
@@ -122,7 +124,8 @@ def measure(report: ProgramReport, lower: Callable[[], Any], resident: Callable[
   report.resident = resident(compiled)
   cost = _cost(compiled)
   text = compiled.as_text()
-  loops = hlo_cost.analyse(text, compiler_rates(compiled) if cost.get("optimal_seconds") else None)
+  loops = hlo_cost.analyse(text, compiler_rates(compiled) if cost.get("optimal_seconds") else None, unknown_trips,
+                           rare)
   report.custom_calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
   report.loops = loops.loops
   report.raw_flops, report.raw_bytes = cost.get("flops"), cost.get("bytes accessed")

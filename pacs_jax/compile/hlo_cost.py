@@ -337,13 +337,13 @@ def own_costs(computations: dict[str, Computation], rates: tuple[float, float] |
 class Loop:
   computation: str  # the while's body
   trip_count: int | None  # None: unknown (counted once)
-  multiplier: int  # iterations of the body per program call (the enclosing loops' counts included)
+  multiplier: float  # iterations of the body per program call (the enclosing loops' counts included)
 
 
 @dataclasses.dataclass
 class LoopCosts:
   loops: list[Loop]
-  multipliers: dict[str, int]  # computation -> times it runs per call (fusion bodies: their caller's)
+  multipliers: dict[str, float]  # computation -> times it runs per call (fusion bodies: their caller's)
   own: dict[str, Own]
   top_level: set[str]  # computations whose instructions are scheduled (not fusion / reducer bodies)
 
@@ -358,14 +358,18 @@ class LoopCosts:
     return sum(loop.trip_count is None for loop in self.loops)
 
 
-def analyse(hlo_text: str, rates: tuple[float, float] | None = None) -> LoopCosts:
-  """Loop-aware costs of a compiled program; `rates` (FLOP/s, bytes/s per chip) adds the roofline."""
+def analyse(hlo_text: str, rates: tuple[float, float] | None = None, unknown_trips: float = 1,
+            rare: dict[str, tuple[float, float]] | None = None) -> LoopCosts:
+  """Loop-aware costs of a compiled program; `rates` (FLOP/s, bytes/s per chip) adds the roofline. A loop whose
+  trip count is not in the program (it depends on the data) is counted `unknown_trips` times (once unless the
+  caller knows its expected count); a conditional whose op_name holds a key of `rare`, {key: (weight, trips)}, has
+  its branches counted `weight` times and the loops of unknown count in them `trips` times (else: every branch once)."""
   computations, entry = parse(hlo_text)
-  multipliers: dict[str, int] = {}
+  multipliers: dict[str, float] = {}
   top_level: set[str] = set()
   loops: list[Loop] = []
 
-  def visit(name: str, mult: int, scheduled: bool):
+  def visit(name: str, mult: float, scheduled: bool, unknown: float):
     comp = computations.get(name)
     if comp is None:
       return
@@ -377,16 +381,18 @@ def analyse(hlo_text: str, rates: tuple[float, float] | None = None) -> LoopCost
       if instr.opcode == "while":
         n = trip_count(computations, comp, instr)
         body = dict(called)
-        loops.append(Loop(body.get("body", ""), n, mult * (n if n is not None else 1)))
-        visit(body.get("body", ""), mult * (n if n is not None else 1), True)
-        visit(body.get("condition", ""), mult * (n if n is not None else 1), True)
+        loops.append(Loop(body.get("body", ""), n, mult * (n if n is not None else unknown)))
+        for part in ("body", "condition"):
+          visit(body.get(part, ""), mult * (n if n is not None else unknown), True, unknown)
       elif instr.opcode in ("call", "conditional", "async-start", "call-start"):
+        weight, inner = next((w for key, w in (rare or {}).items() if instr.opcode == "conditional"
+                              and f"{key}/" in instr.attrs), (1, unknown))
         for _, c in called:
-          visit(c, mult, True)
+          visit(c, mult * weight, True, inner)
       elif instr.opcode == "fusion":
         for _, c in called:
-          visit(c, mult, False)  # dots inside fusions count as flops; traffic is the fusion's own
+          visit(c, mult, False, unknown)  # dots inside fusions count as flops; traffic is the fusion's own
       # Reducers / comparators (to_apply) are per-element scalar functions: no dots, no traffic of their own.
 
-  visit(entry, 1, True)
+  visit(entry, 1, True, unknown_trips)
   return LoopCosts(loops=loops, multipliers=multipliers, own=own_costs(computations, rates), top_level=top_level)

@@ -10,9 +10,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pacs_jax.models.token_logprobs import token_logprobs
+from pacs_jax.rollout import truncation
 
 # Logit given to tokens outside the top-k / top-p support; finite so a row never becomes all-NaN.
 _EXCLUDED = -1e30
@@ -74,7 +74,8 @@ class Temperature(SamplingMethod):
 
 @dataclasses.dataclass(frozen=True)
 class TopK(SamplingMethod):
-  """Sample among the k largest logits, renormalised, at `temperature`."""
+  """Sample among the k largest logits, renormalised, at `temperature` (the lower id first among equal logits,
+  as `lax.top_k` orders them; found without a `lax.top_k` over the whole vocabulary: `truncation.top_k`)."""
   k: int
   temperature: float = 1.0
 
@@ -83,10 +84,14 @@ class TopK(SamplingMethod):
     if self.k < 1:
       raise ValueError(f"top-k needs k >= 1, got {self.k}")
 
-  def _sample(self, logits, key):
-    k = min(self.k, logits.shape[-1])
-    top_logits, top_index = jax.lax.top_k(logits, k)  # [B, k]
-    choice = jax.random.categorical(key, top_logits / self.temperature, axis=-1)  # [B]
+  def sample(self, logits, key):
+    logits = logits.astype(jnp.float32)
+    top_logits, top_index = truncation.top_k(logits, min(self.k, logits.shape[-1]))  # [B, k]
+    scaled = top_logits / self.temperature
+    if _is_key_batch(key):  # each row's draw from its own key, as `SamplingMethod.sample` gives it
+      choice = jax.vmap(lambda row, k: jax.random.categorical(k, row[None], axis=-1)[0])(scaled, key)
+    else:
+      choice = jax.random.categorical(key, scaled, axis=-1)  # [B]
     return jnp.take_along_axis(top_index, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
@@ -94,7 +99,8 @@ class TopK(SamplingMethod):
 class TopP(SamplingMethod):
   """Nucleus sampling at `temperature`: the smallest set of most likely tokens whose probability
   reaches p (the token that crosses p is kept, as in transformers / vLLM; among equal logits the lower id
-  comes first, as a stable sort orders them). Drawn without sorting the vocabulary (`nucleus_argmax`)."""
+  comes first, as a stable sort orders them). Drawn without sorting the vocabulary (`truncation.nucleus`), its
+  log-prob from the same normaliser."""
   p: float
   temperature: float = 1.0
 
@@ -104,46 +110,34 @@ class TopP(SamplingMethod):
       raise ValueError(f"top-p needs 0 < p <= 1, got {self.p}")
 
   def sample(self, logits, key):
-    scaled = logits.astype(jnp.float32) / self.temperature
     if self.p >= 1.0:  # the full distribution (no float round-off in the masses)
-      return Temperature(1.0).sample(scaled, key)
+      return Temperature(1.0).sample(logits.astype(jnp.float32) / self.temperature, key)
+    return self.sample_with_logprobs(logits, key)[0]
+
+  def sample_with_logprobs(self, logits, key):
+    if self.p >= 1.0:
+      return super().sample_with_logprobs(logits, key)
+    scaled = logits.astype(jnp.float32) / self.temperature
     B, V = scaled.shape
-    if _is_key_batch(key):
-      noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(key)
-    else:
-      noise = jax.random.gumbel(key, (B, V))
-    return nucleus_argmax(scaled, scaled + noise, self.p)
+    keys = key if _is_key_batch(key) else jax.random.split(key, B)  # a row's noise from its own key
+    draw = lambda x, k: x + _gumbel_rows(k, V)  # noise for the rows drawn only
+    token, logit, m, s = truncation.nucleus(scaled, keys, draw, self.p)
+    return token, logit - (jnp.log(s) + m)  # `models.token_logprobs`'s ops, on the normaliser the draw used
 
 
-def nucleus_argmax(scaled: jax.Array, z: jax.Array, p: float) -> jax.Array:
+def _gumbel_rows(keys: jax.Array, V: int) -> jax.Array:
+  """Gumbel noise [..., V] from one key per row (keys [...], or raw uint32 keys [..., 2])."""
+  lead = keys.shape if jnp.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys.shape[:-1]
+  flat = keys.reshape(-1, *keys.shape[len(lead):])
+  return jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(flat).reshape(*lead, V)
+
+
+def nucleus_argmax(scaled: jax.Array, z: jax.Array, p: float, sizes: tuple[int, int] | None = None) -> jax.Array:
   """argmax of `z` [B, V] over each row's top-p support of logits `scaled` [B, V] (what a stable sort by
   descending logit keeps while the probability before a token is < p), without sorting (O(V log V) per row,
   more than the model's decode step at V = 151,936) or finding the support: with z = scaled + Gumbel noise, a
-  draw from the nucleus renormalised (Gumbel-max).
-
-  The argmax over the tokens not yet ruled out is in the nucleus iff the probability of the tokens before it
-  (higher logit, or equal and lower id) is < p: one masked sum. If not, it and every token after it are ruled
-  out and the next argmax is tried. The first token is always in the nucleus, so this ends; the argmax falls
-  outside with probability about 1 - p per round (a batch of 128 rows: about 3 rounds of 2 passes over the
-  vocabulary, against a sort's O(V log V) per row)."""
-  probs = jax.nn.softmax(scaled, axis=-1)
-  ids = jnp.arange(scaled.shape[-1])
-
-  def before(logit, token):  # [B, V]: the tokens ordered before (logit, token) [B] by (logit desc, id asc)
-    return (scaled > logit[:, None]) | ((scaled == logit[:, None]) & (ids < token[:, None]))
-
-  def round_(state):
-    floor, floor_id, token, done = state  # candidates: the tokens before (floor, floor_id)
-    j = jnp.argmax(jnp.where(before(floor, floor_id), z, -jnp.inf), axis=-1).astype(jnp.int32)
-    logit = jnp.take_along_axis(scaled, j[:, None], axis=-1)[:, 0]
-    inside = jnp.sum(jnp.where(before(logit, j), probs, 0.0), axis=-1) < p
-    token = jnp.where(done, token, j)
-    floor, floor_id = jnp.where(done | inside, floor, logit), jnp.where(done | inside, floor_id, j)
-    return floor, floor_id, token, done | inside
-
-  B, V = scaled.shape
-  start = (jnp.full((B,), -jnp.inf), jnp.full((B,), V, jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool))
-  return lax.while_loop(lambda s: ~jnp.all(s[3]), round_, start)[2]
+  draw from the nucleus renormalised (Gumbel-max). `truncation.nucleus` says how; `sizes` its (S1, S2)."""
+  return truncation.nucleus(scaled, z, lambda x, z_rows: z_rows, p, sizes)[0]
 
 
 def from_config(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> SamplingMethod:
