@@ -21,6 +21,7 @@ from absl import app, flags
 
 from pacs_jax.rewards import math as rewards_lib
 from pacs_jax.trainer import loop
+from pacs_jax.trainer import runtime
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, also when loaded by path
 from demo_runs import demo_config  # noqa: E402
@@ -76,6 +77,7 @@ def run(algorithms: list[str], max_steps: int, window: int, target: float) -> No
 
 def main(argv):
   del argv
+  runtime.prefer_cpu_without_accelerators()  # (else libtpu and the CUDA plugin print their failures first)
   run(_ALGORITHMS.value, _MAX_STEPS.value, _WINDOW.value, _TARGET.value)
 
 

@@ -29,6 +29,7 @@ from absl import app, flags
 from pacs_jax.algos import registry
 from pacs_jax.rewards import math as rewards_lib
 from pacs_jax.trainer import loop
+from pacs_jax.trainer import runtime
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, also when loaded by path
 from demo_runs import demo_config  # noqa: E402
@@ -87,6 +88,7 @@ def run(name: str, mode: str, seed: int, workdir: str) -> dict:
 
 def main(argv):
   del argv
+  runtime.prefer_cpu_without_accelerators()  # (else libtpu and the CUDA plugin print their failures first)
   seeds = [int(x) for x in _SEEDS.value]
   print(f"{'objective':<10} {'mode':<13} {'seed':>4} {'steps to ' + str(_TARGET.value):>12} {'vs sync':>8} "
         f"{'staleness':>9} {'dropped':>8} {'finite':>6} {'seconds':>8}", flush=True)
