@@ -34,9 +34,12 @@ def tis_weights(old_logprobs: jax.Array, behaviour_logprobs: jax.Array, cap: flo
   return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_ratio), cap))
 
 
-def sequence_log_ratio(old_logprobs: jax.Array, behaviour_logprobs: jax.Array, response_mask: jax.Array) -> jax.Array:
-  """[B] Σ_t mask_t · (log π_old − log μ): the log of a response's probability ratio π_old(y) / μ(y)."""
-  return masked_sum(old_logprobs.astype(jnp.float32) - behaviour_logprobs.astype(jnp.float32), response_mask, axis=-1)
+def sequence_ratio(old_logprobs: jax.Array, behaviour_logprobs: jax.Array, response_mask: jax.Array) -> jax.Array:
+  """[B] ρ = exp(clip(Σ_t mask_t · (log π_old − log μ), ±20)): a response's probability ratio π_old(y) / μ(y),
+  before truncation."""
+  log_ratio = masked_sum(old_logprobs.astype(jnp.float32) - behaviour_logprobs.astype(jnp.float32), response_mask,
+                         axis=-1)
+  return jnp.exp(jnp.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
 
 
 def sequence_tis_weights(old_logprobs: jax.Array, behaviour_logprobs: jax.Array, response_mask: jax.Array,
@@ -46,9 +49,7 @@ def sequence_tis_weights(old_logprobs: jax.Array, behaviour_logprobs: jax.Array,
   The unbiased importance weight of a whole response, truncated (verl's sequence-level TIS). Where μ = π_old on
   every token the sum is exactly 0 and w exactly 1.
   """
-  log_ratio = jnp.clip(sequence_log_ratio(old_logprobs, behaviour_logprobs, response_mask), -SAFETY_BOUND,
-                       SAFETY_BOUND)
-  return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_ratio), cap))
+  return jax.lax.stop_gradient(jnp.minimum(sequence_ratio(old_logprobs, behaviour_logprobs, response_mask), cap))
 
 
 def importance_stats(old_logprobs: jax.Array, behaviour_logprobs: jax.Array, response_mask: jax.Array,
@@ -57,8 +58,7 @@ def importance_stats(old_logprobs: jax.Array, behaviour_logprobs: jax.Array, res
   cap truncates (ρ > C). "token": ρ = exp(log π_old − log μ) over the response tokens; "sequence": ρ = the
   response's ratio exp(clip(Σ_t (log π_old − log μ), ±20)) over the responses."""
   if level == "sequence":
-    ratio = jnp.exp(jnp.clip(sequence_log_ratio(old_logprobs, behaviour_logprobs, response_mask), -SAFETY_BOUND,
-                             SAFETY_BOUND))
+    ratio = sequence_ratio(old_logprobs, behaviour_logprobs, response_mask)
     mask = jnp.any(response_mask > 0, axis=-1).astype(jnp.float32)  # responses with a token
   else:
     ratio = jnp.exp(old_logprobs.astype(jnp.float32) - behaviour_logprobs.astype(jnp.float32))
