@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The GPU check on a GPU machine without a package registry (benchmarks/gpu_check.py says what it runs):
+# installs the wheels brought in .whl/ (python benchmarks/gpu_wheels.py, run where pip reaches a registry) into
+# a folder of their own, then runs the check. Arguments go to gpu_check.py (--dry: the CPU dry mode).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  site="${PACS_WHEELS_SITE:-$(mktemp -d)/site}"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    || { echo "gpu_check: installing .whl/ failed"; exit 2; }
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  echo "gpu_check: $(ls .whl/*.whl | wc -l) wheels from .whl/ in $site"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec "$PY" benchmarks/gpu_check.py "$@"
