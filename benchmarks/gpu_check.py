@@ -33,6 +33,7 @@ CONFIG = "configs/qwen1p5b_1gpu.py"
 FAST_TESTS = ("tests/models/test_flash_attention.py", "tests/models/test_qwen2_hf.py", "tests/models/test_paged.py",
               "tests/models/test_chunked_logprobs.py", "tests/algos/test_pacs.py", "tests/algos/test_grpo.py",
               "tests/rollout/test_sampling.py")
+MODEL_PARTS = ("update_cudnn", "rollout", "rollout_short", "update_xla")  # "model": all four
 VERSIONS = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint", "grain",
             "transformers", "torch", "numpy", "math-verify")
 
@@ -156,6 +157,8 @@ def main():
                       help="comma-separated parts to run")
   parser.add_argument("--budget_s", type=float, default=480.0, help="all parts together (each has its own limit)")
   parser.add_argument("--demo_steps", type=int, default=300)
+  parser.add_argument("--bandwidth_gbps", type=float, default=None,
+                      help="the decode roofline's bandwidth when the ceilings part does not run")
   parser.add_argument("--mini_batch_prompts", type=int, default=8,
                       help="the 1.5B train step's prompts a call (the recipe's 32 make a call of ~20 s)")
   args = parser.parse_args()
@@ -179,11 +182,11 @@ def main():
   # The suite under this machine's jax, on its CPU, in the background while the GPU works (GPU machine only).
   suite = None
   if "cpu_suite" in parts and not args.dry:
-    workers = max(2, (os.cpu_count() or 8) // 2)
+    workers = max(2, (os.cpu_count() or 8) * 5 // 8)
     suite_log = open(os.path.join(args.out, "cpu_suite.log"), "w")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     suite = subprocess.Popen(["timeout", str(int(args.budget_s - 30)), sys.executable, "-m", "pytest", "-n",
-                              str(workers), "-q", "-rf", "-p", "no:cacheprovider", "tests"], cwd=ROOT, env=env,
+                              str(workers), "-v", "-rf", "-p", "no:cacheprovider", "tests"], cwd=ROOT, env=env,
                              stdout=suite_log, stderr=subprocess.STDOUT)
     log(f"cpu_suite: the suite on {workers} CPU workers in the background (cpu_suite.log)")
   # --compile_only's plan for the 1.5B recipe (the config's H100 target, compiled on this host's CPU).
@@ -204,14 +207,19 @@ def main():
         f"{result['parts']['ceilings'].get('copy_gbps', '-')} GB/s")
     save()
 
-  if "model" in parts:
-    bandwidth = result["parts"].get("ceilings", {}).get("copy_gbps")
+  model_parts = [name for name in MODEL_PARTS if name in parts or "model" in parts]
+  if model_parts:
+    bandwidth = result["parts"].get("ceilings", {}).get("copy_gbps") or args.bandwidth_gbps
     tiny = ["--tiny"] if args.dry else []
     mini = [] if args.dry else ["--mini_batch_prompts", str(args.mini_batch_prompts)]
-    runs = [("update_cudnn", ["--phase", "update", "--attention", "xla" if args.dry else "cudnn", *mini], 200),
-            ("rollout", ["--phase", "rollout"] + (["--bandwidth_gbps", str(bandwidth)] if bandwidth else []), 150),
-            ("update_xla", ["--phase", "update", "--attention", "xla", "--repeats", "1", *mini], 150)]
-    for name, extra, limit in runs:
+    roofline = ["--bandwidth_gbps", str(bandwidth)] if bandwidth else []
+    runs = {"update_cudnn": (["--phase", "update", "--attention", "xla" if args.dry else "cudnn", *mini], 200),
+            "rollout": (["--phase", "rollout", *roofline], 150),
+            # Short rows: the weights dominate each step's bytes (what the decode does apart from its attention).
+            "rollout_short": (["--phase", "rollout", "--prompt_len", "64", "--new_tokens", "192", *roofline], 100),
+            "update_xla": (["--phase", "update", "--attention", "xla", "--repeats", "1", *mini], 150)}
+    for name in model_parts:
+      extra, limit = runs[name]
       if left() < 30:
         result["parts"][name] = {"skipped": f"{left():.0f} s left of the budget"}
         continue
@@ -220,7 +228,7 @@ def main():
               min(limit, left() - 10), platform_env, os.path.join(args.out, f"{name}.log"))
       result["parts"][name] = {**r, **(last_json(r["tail"]) or {})}
       keep = ("train_step_s", "train_step_mfu", "logprobs_s", "decode_tokens_per_s", "decode_of_roofline",
-              "measured_peak_gb", "planned_peak_gb", "rc")
+              "measured_peak_gb", "planned_peak_gb", "compiled_gb_per_step_at_top", "roofline_gb_per_step_at_top", "rc")
       log(f"  {json.dumps({k: v for k, v in result['parts'][name].items() if k in keep})}")
       save()
 
@@ -230,7 +238,8 @@ def main():
   if "tests" in parts:
     def tests():
       selection = ["-m", "gpu"] if args.dry else []
-      r = run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *selection, *FAST_TESTS],
+      r = run([sys.executable, "-m", "pytest", "-v", "-rf", "--durations=10", "-p", "no:cacheprovider", *selection,
+               *FAST_TESTS],
               min(150, left()), small_env, os.path.join(args.out, "tests.log"))
       g = run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-m", "gpu", "tests"],
               min(90, left()), small_env, os.path.join(args.out, "tests_gpu.log"))
@@ -333,6 +342,16 @@ def summary(result: dict) -> str:
               "GB", ""]
   elif r:
     lines += [f"rollout: failed (rc {r.get('rc')})", ""]
+  for name in ("rollout", "rollout_short"):
+    r = p.get(name, {})
+    if name == "rollout_short" and r.get("decode_tokens_per_s"):
+      lines += [f"rollout, short rows ({r['prompt_len']} + {r['new_tokens']}): decode {_fmt(r['decode_tokens_per_s'])} "
+                f"tokens/s ({_fmt(r['decode_step_ms'])} ms a step; weights {_fmt(r['weights_gb'])} GB + KV read "
+                f"{_fmt(r['kv_read_per_step_gb'])} GB), {_fmt(r.get('decode_of_roofline'), '.1%')} of its roofline", ""]
+    if r.get("compiled_gb_per_step_at_top"):
+      lines += [f"{name}: the compiled decode call at its top page budget ({r['top_page_budget']}) moves "
+                f"{_fmt(r['compiled_gb_per_step_at_top'])} GB a step (the compiler's bytes, loops applied) where the "
+                f"roofline counts {_fmt(r['roofline_gb_per_step_at_top'])} GB", ""]
   pl = p.get("plan", {})
   if pl:
     lines += [f"--compile_only plan ({CONFIG}, H100 target, compiled on the CPU): rollout phase "

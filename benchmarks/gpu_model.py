@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from pacs_jax import config as config_lib  # noqa: E402
 from pacs_jax import sharding  # noqa: E402
 from pacs_jax.compile import aot  # noqa: E402
+from pacs_jax.compile import aot_measure  # noqa: E402
 from pacs_jax.compile.aot_measure import per_chip_bytes  # noqa: E402
 from pacs_jax.config import files as config_files  # noqa: E402
 from pacs_jax.rollout import sampling as sampling_lib  # noqa: E402
@@ -43,7 +44,7 @@ GB = 1e9
 BF16_PEAK = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA H100": 989e12}
 
 
-def load_config(path: str, attention: str, tiny: bool, mini_batch_prompts: int = 0):
+def load_config(path: str, attention: str, tiny: bool, mini_batch_prompts: int = 0, prompt_len: int = 0):
   """The config at `path` for this machine's first device; `tiny`: the dry mode's shapes (tiny model, short rows, a
   few slots); `mini_batch_prompts` > 0: fewer micro-batches a train step call (the same micro-batch, so the same
   temporaries and FLOPs per token: a shorter call to time)."""
@@ -51,6 +52,8 @@ def load_config(path: str, attention: str, tiny: bool, mini_batch_prompts: int =
   if mini_batch_prompts:
     cfg.train.mini_batch_prompts = mini_batch_prompts
     cfg.train.batch_prompts = 4 * mini_batch_prompts
+  if prompt_len:
+    cfg.data.max_prompt_length = prompt_len
   cfg.hardware.gpu_target = cfg.hardware.gpu_topology = cfg.hardware.tpu_topology = ""
   cfg.hardware.hbm_gb = 0.0
   cfg.hardware.num_devices = 1
@@ -224,13 +227,27 @@ def rollout_phase(cfg, repeats: int, new_tokens: int, bandwidth_gbps: float | No
   kv_bytes = shard_bytes(decode_state.cache.pages)
   kv_rows = decode_state.cache.pages.shape[1] * decode_state.cache.pages.shape[2]
   decode(decode_state)  # compiles every page budget
+  del decode_state  # donated; each pass below holds one decode state at a time, as a run does
   best, steps, rows_read = math.inf, 1, 0
   for _ in range(repeats):
+    decode_state = None
     decode_state = fill()
     start = time.perf_counter()
     decode_state, steps, rows_read = decode(decode_state)
     best = min(best, (time.perf_counter() - start) / steps)
   kv_step = kv_bytes * rows_read / steps / kv_rows
+  del decode_state
+  out["measured_peak_gb"] = (peak_bytes() or 0) / GB
+  # What the compiled decode call moves (loops applied) at the top page budget, against the roofline's bytes there.
+  top = engine.page_budgets[-1]
+  report = aot_measure.ProgramReport(f"decode[pages={top}]", "rollout", 1, 0.0)
+  abstract_state = engine.abstract_decode_state()
+  with jax.set_mesh(mesh):
+    aot_measure.measure(report, lambda: engine.lower_decode(params, abstract_state, top, method), lambda c: 0.0)
+  if report.bytes_accessed:
+    top_kv = kv_bytes * engine.policy.rows_read(top) / kv_rows
+    out.update(top_page_budget=top, compiled_gb_per_step_at_top=report.bytes_accessed / engine.steps_per_call / GB,
+               roofline_gb_per_step_at_top=(weight_bytes + top_kv) / GB)
   out.update(decode_step_ms=best * 1e3, decode_tokens_per_s=B / best, weights_gb=weight_bytes / GB,
              kv_cache_gb=kv_bytes / GB, kv_read_per_step_gb=kv_step / GB, decode_steps=steps,
              resident_gb=(resident + weight_bytes + kv_bytes) / GB)
@@ -238,7 +255,6 @@ def rollout_phase(cfg, repeats: int, new_tokens: int, bandwidth_gbps: float | No
     roofline_s = (weight_bytes + kv_step) / (bandwidth_gbps * 1e9)
     out.update(bandwidth_gbps=bandwidth_gbps, roofline_step_ms=roofline_s * 1e3,
                roofline_tokens_per_s=B / roofline_s, decode_of_roofline=roofline_s / best)
-  out["measured_peak_gb"] = (peak_bytes() or 0) / GB
   return out
 
 
@@ -252,9 +268,10 @@ def main():
   parser.add_argument("--mini_batch_prompts", type=int, default=0, help="update: prompts a train step call takes "
                       "(0: the config's)")
   parser.add_argument("--new_tokens", type=int, default=1024, help="rollout: tokens each slot decodes (timed)")
+  parser.add_argument("--prompt_len", type=int, default=0, help="rollout: prompt length (0: the config's maximum)")
   parser.add_argument("--bandwidth_gbps", type=float, default=None, help="rollout: the roofline's HBM bandwidth")
   args = parser.parse_args()
-  cfg = load_config(args.config, args.attention, args.tiny, args.mini_batch_prompts)
+  cfg = load_config(args.config, args.attention, args.tiny, args.mini_batch_prompts, args.prompt_len)
   config_lib.validate(cfg, num_processes=1, devices=jax.devices()[:1], check_paths=False)
   if args.phase == "update":
     out = update_phase(cfg, args.repeats)

@@ -106,7 +106,9 @@ def _finish_tasks(loop: asyncio.AbstractEventLoop) -> None:
       task.exception()
 
 
-if asyncio_utils._run_sync_via_new_loop is not _run_sync_draining:  # pylint: disable=protected-access
+# An older orbax-checkpoint (0.12.4, the one beside jax 0.11.2 on the GPU machine) has no such function: its
+# run_sync goes through asyncio.run, whose teardown cancels and awaits the tasks left over.
+if getattr(asyncio_utils, "_run_sync_via_new_loop", _run_sync_draining) is not _run_sync_draining:  # pylint: disable=protected-access
   asyncio_utils._run_sync_via_new_loop = _run_sync_draining  # pylint: disable=protected-access
 
 
