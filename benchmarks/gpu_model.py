@@ -37,6 +37,7 @@ from pacs_jax.config import files as config_files  # noqa: E402
 from pacs_jax.rollout import sampling as sampling_lib  # noqa: E402
 from pacs_jax.rollout import scheduler  # noqa: E402
 from pacs_jax.trainer import programs as programs_lib  # noqa: E402
+from pacs_jax.trainer import state as state_lib  # noqa: E402
 
 GB = 1e9
 # Dense bf16 matrix peak of one device (datasheet, FLOP/s): MFU's denominator. H100 and H200 SXM share the H100's
@@ -60,7 +61,6 @@ def load_config(path: str, attention: str, tiny: bool, mini_batch_prompts: int =
   cfg.model.attention_impl = attention
   if tiny:
     cfg.model.preset, cfg.model.hf_path = "tiny", ""
-    cfg.model.param_dtype, cfg.model.dtype = "float32", "float32"
     cfg.train.batch_prompts, cfg.train.mini_batch_prompts, cfg.train.micro_batch_prompts = 4, 2, 1
     cfg.data.max_prompt_length, cfg.rollout.max_new_tokens, cfg.rollout.slots = 32, 32, 8
   return cfg
@@ -123,13 +123,19 @@ def temp_bytes(compiled) -> float:
 
 
 def setup(cfg):
+  """The run's abstract state and programs on this machine's first device, the state made concrete: random weights,
+  the optimizer's own initial state (its hyperparameters, moments at 0), step 0."""
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   state, policy, engine, progs = aot.abstract_run(cfg, mesh)
+  optimizer, critic_optimizer = programs_lib.make_optimizers(cfg)
   key = jax.random.key(0)
   with jax.set_mesh(mesh):
     params = materialize(state.params, key, random=True)
-    rest = materialize(state.replace(params=None), key, random=False)
-  state = rest.replace(params=params)
+    rest = materialize(state.replace(params=None, opt_state=None, critic_opt_state=None), key, random=False)
+    opt_state = state_lib.init_opt_state(optimizer, params, mesh)
+    critic_opt = (state_lib.init_opt_state(critic_optimizer, rest.critic_params, mesh)
+                  if rest.critic_params is not None else None)
+  state = rest.replace(params=params, opt_state=opt_state, critic_opt_state=critic_opt)
   return mesh, state, policy, engine, progs
 
 
