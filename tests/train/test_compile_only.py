@@ -70,16 +70,35 @@ def test_every_program_compiles_with_positive_consistent_figures(report):
   assert decode.alias >= report.resident["rollout"]["decode state (KV cache)"] * 0.99
 
 
+def _compiler() -> dict:
+  from importlib import metadata
+  return {name: metadata.version(name) for name in ("jaxlib", "libtpu")}
+
+
 def test_the_programs_are_the_ones_compiled_before_the_issue_30_refactor(report):
   """Every program's memory and cost figures equal those recorded when they were first compiled (c79c4a7): a
   change meant to keep behaviour (a refactor, a rename) keeps the compiled programs identical. A change that means
-  to alter a program updates tests/fixtures/compiled_tiny_tpu_pacs.json with the new figures, saying why."""
+  to alter a program updates tests/fixtures/compiled_tiny_tpu_pacs.json with the new figures, saying why.
+
+  Exact on the compiler that recorded them (the fixture's `compiler`); under another jaxlib or libtpu, whose
+  fusion and layout choices move temporaries and byte counts, the programs' structure: the same programs, the same
+  argument, output and donated bytes (shapes and shardings), FLOPs within 5% and temporaries and bytes within 2x."""
   report, _ = report
   with open(os.path.join(ROOT, "tests", "fixtures", "compiled_tiny_tpu_pacs.json")) as f:
-    recorded = json.load(f)["programs"]
+    fixture = json.load(f)
+  recorded = fixture["programs"]
   got = {p.name: {"arg": p.argument, "out": p.output, "alias": p.alias, "temp": p.temp, "flops": p.flops,
                   "bytes": p.bytes_accessed} for p in report.programs}
-  assert got == recorded
+  if _compiler() == fixture["compiler"]:
+    assert got == recorded
+    return
+  assert got.keys() == recorded.keys()
+  for name, want in recorded.items():
+    have = got[name]
+    assert {k: have[k] for k in ("arg", "out", "alias")} == {k: want[k] for k in ("arg", "out", "alias")}, name
+    assert have["flops"] == pytest.approx(want["flops"], rel=0.05), name
+    for key in ("temp", "bytes"):
+      assert want[key] / 2 <= have[key] <= 2 * want[key] + 1e6, (name, key, have[key], want[key])
 
 
 def test_loop_trip_counts_come_from_the_compiled_programs(report):
