@@ -24,6 +24,7 @@ from pacs_jax.models import hf, registry
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import export as export_lib
 from pacs_jax.storage import resume
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lines jax's CUDA plugin prints at import where it finds no driver: not the program's output.
@@ -31,7 +32,7 @@ PLATFORM_NOISE = ("All log messages before absl::InitializeLog() is called", "cu
 
 
 def env(**extra):
-  return {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+  return {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT),
           "PACS_JAX_COMPILATION_CACHE": os.path.join(ROOT, ".jax_cache", "trainer"), **extra}
 
 

@@ -16,6 +16,7 @@ from pacs_jax.models import hf
 from pacs_jax.storage import lock as workdir_lock
 from pacs_jax.trainer import health
 from pacs_jax.trainer import loop
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
@@ -97,7 +98,7 @@ def test_invalid_utf8_names_file_and_line_and_is_skipped_when_asked(tmp_path):
 
 def cli(module, *args, cwd):
   return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300, cwd=cwd,
-                        env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+                        env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT)})
 
 
 def assert_one_clean_message(result, expected):

@@ -22,6 +22,7 @@ from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import export as export_lib
 from pacs_jax.trainer import loop
 from pacs_jax.trainer.metrics import read_rows
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
@@ -39,7 +40,7 @@ def tiny(**overrides):
 
 
 def env(**extra):
-  return {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+  return {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT),
           "PACS_JAX_COMPILATION_CACHE": os.path.join(ROOT, ".jax_cache", "trainer"), **extra}
 
 

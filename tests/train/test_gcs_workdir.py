@@ -10,6 +10,7 @@ import sys
 import transformers
 
 from pacs_jax import paths
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN = ["--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--config.train.batch_prompts=8",
@@ -39,7 +40,7 @@ def test_train_resume_export_evaluate_on_gs(local_gcs, tmp_path):
   workdir = f"gs://{local_gcs.bucket}/runs/{tmp_path.name}"
   cwd = tmp_path / "cwd"
   cwd.mkdir()
-  env = {**os.environ, **local_gcs.env, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+  env = {**os.environ, **local_gcs.env, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT),
          "PACS_JAX_COMPILATION_CACHE": os.path.join(ROOT, ".jax_cache", "trainer")}
 
   run("pacs_jax.train", *RUN, "--workdir", workdir, "--config.steps=4", env=env, cwd=cwd)

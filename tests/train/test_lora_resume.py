@@ -16,6 +16,7 @@ from pacs_jax.storage import export as export_lib
 from pacs_jax.trainer import programs as programs_lib
 from pacs_jax.trainer.metrics import read_rows
 from tests import kill_loop
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
@@ -32,7 +33,7 @@ def trainer_cmd(workdir):
 
 
 def env():
-  return {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT,
+  return {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": child_env.pythonpath(ROOT),
           "PACS_JAX_COMPILATION_CACHE": os.path.join(ROOT, ".jax_cache", "trainer")}
 
 

@@ -20,6 +20,7 @@ from pacs_jax.models import registry as model_registry
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.trainer import batching, loop, stages
 from pacs_jax.trainer import state as state_lib
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
@@ -208,7 +209,7 @@ def test_a_full_runs_checkpoint_is_not_resumed_as_lora_in_one_line(tmp_path):
   workdir = tmp_path / "run"
   trainer(workdir, steps=1).run()
   before = sorted(os.listdir(workdir / "checkpoints"))
-  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT)}
   args = [f"--config.{k}={v}" for k, v in {**RUN, "steps": 3, "lora.rank": 8}.items()]
   result = subprocess.run([sys.executable, "-m", "pacs_jax.train", "--config", TINY, "--workdir", str(workdir),
                            *args], capture_output=True, text=True, timeout=300, env=env)

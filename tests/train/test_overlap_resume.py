@@ -23,6 +23,7 @@ from pacs_jax import config as config_lib
 from pacs_jax.trainer import loop
 from pacs_jax.trainer import metrics as metrics_lib
 from tests import kill_loop
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
@@ -53,7 +54,7 @@ def trainer_cmd(workdir, mode):
 
 
 def env():
-  return {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT,
+  return {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": child_env.pythonpath(ROOT),
           "PACS_JAX_COMPILATION_CACHE": os.path.join(ROOT, ".jax_cache", "trainer")}
 
 
