@@ -11,7 +11,7 @@ from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.rollout import dense_figures, jetstream, sampling, scheduler
+from pacs_jax.rollout import dense_figures, sampling, scheduler
 
 PREFILL, DECODE, PAGE = 16, 16, 8  # 32 cache rows: 4 pages of 8 per slot
 
@@ -163,6 +163,7 @@ def test_config_names_a_bad_kv_cache_field(field, value, message):
 
 
 def test_jetstream_needs_a_pool_that_never_runs_out(model):
+  jetstream = pytest.importorskip("pacs_jax.rollout.jetstream")  # the `jetstream` extra; the others need none
   engine = engine_lib.Engine(model, max_concurrent_decodes=2, max_prefill_length=16, max_decode_length=16,
                              page_size=PAGE, kv_pages=5)
   with pytest.raises(ValueError, match="rollout.kv_pages must be 0"):

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as Spec
 from pacs_jax import sharding
 from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
-from pacs_jax.rollout import jetstream, sampling, scheduler
+from pacs_jax.rollout import sampling, scheduler
 from pacs_jax.rollout.single import SingleRequest
 from pacs_jax.rollout import state as state_lib
 from pacs_jax.rollout.state import DecodeState, field_shardings
@@ -78,6 +78,8 @@ def test_decode_state_carries_its_declared_shardings(setup):
   _check(state, mesh)
   state, _ = SingleRequest(engine).step(params, state)
   _check(state, mesh)
-  # JetStream's prefix destination: the same declarations for one prompt (a batch of 1 is not split).
+  # JetStream's prefix destination (the `jetstream` extra): the same declarations for one prompt (a batch of 1 is
+  # not split).
+  jetstream = pytest.importorskip("pacs_jax.rollout.jetstream")
   prefix = jetstream.JetStreamEngine(engine).get_prefix_destination_sharding()
   assert prefix.cache.k.spec == Spec(None, None, "tensor", None, None) and prefix.keys.spec == Spec(None, None)
