@@ -23,7 +23,7 @@ def _lookup(name: str) -> tuple[Callable | None, str | None]:
   if fn is None:
     return None, f"module {module_name!r} has no {attribute!r}"
   if not callable(fn):
-    return None, f"{name!r} is a {type(fn).__name__}, not a function"
+    return None, f"{name!r} is not callable (a value of type {type(fn).__name__})"
   return fn, None
 
 
