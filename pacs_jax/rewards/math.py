@@ -18,7 +18,7 @@ _PRED_TARGETS = (ExprExtractionConfig(), LatexExtractionConfig())
 
 
 class _TimeoutDisabledFilter(logging.Filter):
-  """Drops math-verify's "Timeout is disabled" warning: timeouts are enforced here, by RewardScorer."""
+  """Drops math-verify's "Timeout is disabled" warning: timeouts are enforced by RewardScorer (rewards/pool.py)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Timeout is disabled")
