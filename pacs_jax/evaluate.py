@@ -44,8 +44,9 @@ CONFIG_FLAGS = {
                     'released inference.py with vLLM), "chat" (also <|im_end|>, <|endoftext|>), or ids.'),
     "tensor_parallel": ("mesh.tensor", "Devices per model replica; the slots are split over the replicas (all "
                         "local devices)."),
-    "reward_workers": ("reward_workers", "math-verify worker processes."),
+    "reward_workers": ("reward_workers", "Reward worker processes."),
     "reward_timeout_s": ("reward_timeout_s", "Per-response verification timeout (then scores 0)."),
+    "reward_fn": ("reward.fn", "The reward, package.module:function (default: math-verify)."),
 }
 
 
@@ -101,7 +102,8 @@ def main(argv):
     mesh = sharding.make_mesh(data=-1, fsdp=1, tensor=cfg.mesh.tensor)
   # An expected failure (a missing file, a checkpoint that does not restore, bad data) ends in one line.
   metrics = runner.evaluate(_MODEL.value, data, settings, out_dir=_OUT.value, step=_STEP.value, mesh=mesh,
-                            reward_workers=cfg.reward_workers, reward_timeout_s=cfg.reward_timeout_s)
+                            reward_workers=cfg.reward_workers, reward_timeout_s=cfg.reward_timeout_s,
+                            reward_fn=cfg.reward.fn)
   print(runner.summary_table(metrics))
   print(f"wrote {results.ROLLOUT_FILE}, {results.METRICS_FILE} and {results.SUMMARY_FILE} in {metrics['out_dir']}")
 

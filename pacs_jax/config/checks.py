@@ -12,6 +12,7 @@ from pacs_jax.algos import correction, registry as algo_registry
 from pacs_jax.config.defaults import default_config
 from pacs_jax.config.files import get_field
 from pacs_jax.data import prompts
+from pacs_jax.rewards import named as reward_named
 
 DTYPE_NAMES = ("float32", "bfloat16")  # model.dtype, model.param_dtype, evaluate --dtype, export --dtype
 LR_SCHEDULES = ("constant", "cosine")
@@ -214,7 +215,7 @@ def _trainer_share(c: ml_collections.ConfigDict, num_devices, devices, num_proce
 
 
 def _check_sampling(c: ml_collections.ConfigDict) -> None:
-  """The fields training and evaluation share: sampling, lengths, dtype, seed, reward workers."""
+  """The fields training and evaluation share: sampling, lengths, dtype, seed, the reward and its workers."""
   from pacs_jax.rollout import stop_tokens
   _check(0 < c.rollout.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {c.rollout.top_p}")
   _check(c.rollout.max_new_tokens > 0, "rollout.max_new_tokens", "must be positive")
@@ -226,6 +227,9 @@ def _check_sampling(c: ml_collections.ConfigDict) -> None:
   _check(isinstance(c.seed, int) and 0 <= c.seed < 2**31, "seed", f"must be an integer in [0, 2**31), got {c.seed!r}")
   _check(c.reward_workers >= 1, "reward_workers", f"must be >= 1 (math-verify worker processes), got {c.reward_workers}")
   _check(c.reward_timeout_s > 0, "reward_timeout_s", f"must be positive (seconds), got {c.reward_timeout_s}")
+  # The built-in is known to be one (importing it to check would cost math-verify's 0.4 s import in every check).
+  why = None if c.reward.fn == reward_named.BUILTIN else reward_named.problem(c.reward.fn)
+  _check(why is None, "reward.fn", why)
 
 
 def lora_spec(c: ml_collections.ConfigDict):

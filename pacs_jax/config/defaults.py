@@ -8,6 +8,7 @@ import ml_collections
 
 from pacs_jax.algos import registry as algo_registry
 from pacs_jax.data import prompts
+from pacs_jax.rewards import named as reward_named
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -174,6 +175,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.log_every = 1
   c.reward_workers = 2
   c.reward_timeout_s = 10.0
+  # The reward, named "package.module:function": fn(data_source, response, answer) -> a score, or (score, error or
+  # None), run in `reward_workers` processes (docs/design.md, "Adding a reward"). The built-in is math-verify, with
+  # the synthetic tasks' verifier for theirs (rewards/math.py:checked_score_for).
+  c.reward = ml_collections.ConfigDict()
+  c.reward.fn = reward_named.BUILTIN
 
   # Weights & Biases logging beside TensorBoard and metrics.jsonl (pip install wandb), process 0 only: the same rows
   # and the config. The run id is kept in the workdir (wandb_run_id), so a resumed run continues the same wandb

@@ -17,38 +17,41 @@ from pacs_jax.eval import problems as problems_lib
 from pacs_jax.eval import results
 from pacs_jax.eval.settings import EvalSettings
 from pacs_jax.eval.results import ROLLOUT_FILE
+from pacs_jax.rewards import named as reward_named
 
 logger = logging.getLogger(__name__)
 
 
 def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, out_dir: str | None = None,
              data_dir: str | None = None, step: int | None = None, mesh=None, scorer=None, reward_workers: int = 2,
-             reward_timeout_s: float = 10.0, progress: bool = True) -> dict[str, Any]:
+             reward_timeout_s: float = 10.0, reward_fn: str = reward_named.BUILTIN,
+             progress: bool = True) -> dict[str, Any]:
   """Samples, scores and writes what is missing from `out_dir` (default: beside the evaluated weights; for a
   training workdir, which is never written, `<workdir>-eval_step_<S>`); returns the summary written to
   `eval_summary.json` (settings, and per data source pass@k and counts over this evaluation's problems) and
   `out_dir`.
 
   `scorer`: anything with `score_batch(responses, answers, data_sources) -> (scores, stats)`
-  (default: a math-verify `RewardScorer` with `reward_workers` processes).
+  (default: a `RewardScorer` of the reward `reward_fn` names, "package.module:function", in `reward_workers`
+  processes).
   """
   from pacs_jax.storage import export as storage_export
   with storage_export.model_to_evaluate(model, step) as (model_dir, default_out, name):
     out_dir = out_dir or default_out
     summary = _evaluate(model_dir, name, data, settings, out_dir, data_dir, mesh, scorer, reward_workers,
-                        reward_timeout_s, progress)
+                        reward_timeout_s, reward_fn, progress)
   return summary | {"out_dir": paths.normalize(out_dir)}
 
 
 def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: str, data_dir, mesh, scorer,
-              reward_workers: int, reward_timeout_s: float, progress: bool) -> dict[str, Any]:
+              reward_workers: int, reward_timeout_s: float, reward_fn: str, progress: bool) -> dict[str, Any]:
   """`evaluate` of the Hugging Face directory `model_dir`, recorded as `name`."""
   import jax
   from flax import nnx
 
   from pacs_jax.data import tokenizers
   from pacs_jax.models import hf
-  from pacs_jax.rewards import math as rewards_lib
+  from pacs_jax.rewards import pool as reward_pool
   from pacs_jax.rollout import interface
   from pacs_jax.rollout import local as local_rollout
   from pacs_jax.rollout import sampling as sampling_lib
@@ -101,7 +104,7 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
   del policy
   own_scorer = scorer is None
   if own_scorer:
-    scorer = rewards_lib.RewardScorer(num_workers=reward_workers, timeout_s=reward_timeout_s)
+    scorer = reward_pool.RewardScorer(num_workers=reward_workers, timeout_s=reward_timeout_s, score_fn=reward_fn)
   # A bar over the token budget (responses x max_new_tokens): it moves with every decode call, so its rate and
   # estimate are the decoding's (a response that stops early fills the rest of its budget as it ends).
   budget = n * settings.max_new_tokens

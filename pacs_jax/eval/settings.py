@@ -8,6 +8,7 @@ import dataclasses
 import ml_collections
 
 from pacs_jax import config as config_lib
+from pacs_jax.rewards import named as reward_named
 
 
 def eval_config() -> ml_collections.ConfigDict:
@@ -30,6 +31,8 @@ def eval_config() -> ml_collections.ConfigDict:
   c.mesh.tensor = 1  # devices per model replica
   c.reward_workers = 4
   c.reward_timeout_s = 10.0
+  c.reward = ml_collections.ConfigDict()
+  c.reward.fn = reward_named.BUILTIN  # "package.module:function", as training's
   return c
 
 

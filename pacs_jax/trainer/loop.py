@@ -22,7 +22,7 @@ from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import prompts as prompts_lib
 from pacs_jax.data import sources, tokenizers
 from pacs_jax.models import hf
-from pacs_jax.rewards import math as rewards_lib
+from pacs_jax.rewards import pool as reward_pool
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import stop_tokens
 from pacs_jax.trainer import batching
@@ -356,7 +356,7 @@ class Trainer:
     save_due = False  # a periodic save put off while the run looked dead
     no_signal = signal_lib.EqualRewardsWatch(cfg.algorithm)
     last = {}
-    with rewards_lib.RewardScorer(num_workers=cfg.reward_workers, timeout_s=cfg.reward_timeout_s) as scorer:
+    with reward_pool.RewardScorer(cfg.reward_workers, cfg.reward_timeout_s, score_fn=cfg.reward.fn) as scorer:
       if restored is None and cfg.eval_every and self.val_records:  # no empty step-0 row without validation
         writer.write(0, self.validate(scorer))
       for step in range(held.step_in_progress + 1, cfg.steps + 1):

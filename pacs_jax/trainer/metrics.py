@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
-from tensorboardX import record_writer
 
 from pacs_jax import paths
 from pacs_jax.trainer import multihost
@@ -60,8 +59,7 @@ class MetricsWriter:
     first_step = 0 if resume_step is None else resume_step + 1
     paths.makedirs(workdir)
     repair(self.path, first_step)
-    from tensorboardX import SummaryWriter
-    self.tb = SummaryWriter(paths.join(workdir, TENSORBOARD_DIR), purge_step=first_step)
+    self.tb = _summary_writer(paths.join(workdir, TENSORBOARD_DIR), purge_step=first_step)
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     if not self.active:
@@ -182,9 +180,13 @@ class _ObjectRecordWriterFactory:
     pass  # object stores have no directories
 
 
-# tensorboardX's own gs:// writer is a second GCS client (google-cloud-storage, own credentials); this one
-# writes through the same path layer as everything else.
-record_writer.register_writer_factory("gs", _ObjectRecordWriterFactory())
+def _summary_writer(logdir: str, purge_step: int):
+  """tensorboardX's SummaryWriter, imported only here: tensorboardX imports torch (3 s of every process start that
+  imports the trainer). Its own gs:// writer is a second GCS client (google-cloud-storage, own credentials); a
+  gs:// log dir is written through the same path layer as everything else instead."""
+  from tensorboardX import SummaryWriter, record_writer
+  record_writer.register_writer_factory("gs", _ObjectRecordWriterFactory())
+  return SummaryWriter(logdir, purge_step=purge_step)
 
 
 def warn_skipped_updates(step: int, skipped_total: float, skipped_before: int, updates: int) -> int:
