@@ -24,13 +24,23 @@ from pacs_jax.rollout import sampling as sampling_lib
 @dataclasses.dataclass
 class Completion:
   """One sampled response: its tokens (EOS included when it stopped there), their behaviour log-probs (the
-  sampling policy's), and the version of the policy that made it (`Rollout.set_weights`'s)."""
+  sampling policy's), the version of the policy that made it (`Rollout.set_weights`'s), and its loss mask.
+
+  `loss_mask` [len(tokens)]: 1 on a token the model sampled, 0 on one inserted into the response (a tool's output,
+  a template token between turns): inserted tokens are attended to but get no loss and no place in any objective's
+  sums. None (the default) means every token is the model's (an all-ones mask is filled in).
+  """
   prompt_index: int
   sample_index: int
   tokens: list[int]
   logprobs: np.ndarray  # [len(tokens)] fp32, log_softmax(logits / temperature) at each token
   finish_reason: str  # "eos" | "length"
   policy_version: int = 0
+  loss_mask: np.ndarray | None = None  # [len(tokens)] float32, 1 = the model's token, 0 = inserted
+
+  def __post_init__(self):
+    if self.loss_mask is None:
+      self.loss_mask = np.ones(len(self.tokens), np.float32)
 
 
 class Progress:
