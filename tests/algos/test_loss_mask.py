@@ -19,8 +19,8 @@ LOGPROB_FIELDS = ("old_logprobs", "ref_logprobs", "behaviour_logprobs")
 
 CASES = [("pacs", {}), ("pacs", {"pacs.reference_policy": "rollout"}), ("pacs", {"pacs.reward_method": "2"}),
          ("pacs", {"pacs.exact_padding_replication": True, "train.verl_micro_batch_rows": ROWS}),
-         ("grpo", {"grpo.use_kl_loss": True, "grpo.kl_coef": 0.1, "grpo.entropy_coeff": 0.01}), ("ppo", {}), ("dapo", {}),
-         ("drgrpo", {}), ("gspo", {})]
+         ("grpo", {"grpo.use_kl_loss": True, "grpo.kl_coef": 0.1, "grpo.entropy_coeff": 0.01}), ("ppo", {}),
+         ("dapo", {}), ("drgrpo", {}), ("gspo", {})]
 CORRECTED = [(name, {**o, "rollout.tis_imp_ratio_cap": 2.0, "rollout.tis_level": level})
              for name, o, level in [("pacs", {}, "sequence"), ("grpo", {}, "token"), ("grpo", {}, "sequence"),
                                     ("ppo", {}, "token")]]
