@@ -61,9 +61,11 @@ def per_response(name: str, dtype, source: str) -> Field:
 
 INPUT_IDS = Field("input_ids", jnp.int32, ("L",), HOST)  # prompt then response tokens, padded with pad_id
 ATTENTION_MASK = Field("attention_mask", jnp.int32, ("L",), HOST)  # 1 on real tokens
-RESPONSE_MASK = per_response("response_mask", jnp.float32, HOST)  # 1 up to and including the first EOS
+# What every objective's sums run over: 1 on the model's response tokens (up to and including the first EOS), 0 on
+# padding and on tokens the rollout inserted (`Completion.loss_mask`; those stay in the attention mask).
+LOSS_MASK = per_response("loss_mask", jnp.float32, HOST)
 REWARDS = Field("rewards", jnp.float32, (), HOST)  # the verifier's outcome reward of each response
-ROLLOUT_FIELDS = (INPUT_IDS, ATTENTION_MASK, RESPONSE_MASK, REWARDS)
+ROLLOUT_FIELDS = (INPUT_IDS, ATTENTION_MASK, LOSS_MASK, REWARDS)
 # The rollout engine's log-probs of the sampled tokens, as sampled (0 past a response's end): the behaviour policy of
 # the rollout correction (`rollout.tis_imp_ratio_cap`, algos/correction.py).
 BEHAVIOUR_LOGPROBS = per_response("behaviour_logprobs", jnp.float32, HOST)

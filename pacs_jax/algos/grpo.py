@@ -215,7 +215,7 @@ class ClippedRatio(registry.Algorithm):
       return None
     if self.tis_level(cfg) == "sequence":  # one weight per response on each of its tokens, as verl broadcasts it
       return correction.sequence_tis_weights(micro["old_logprobs"], micro["behaviour_logprobs"],
-                                             micro["response_mask"], cap)[..., None]
+                                             micro["loss_mask"], cap)[..., None]
     return correction.tis_weights(micro["old_logprobs"], micro["behaviour_logprobs"], cap)
 
   def loss_agg_mode(self, cfg) -> str:
@@ -236,7 +236,7 @@ class ClippedRatio(registry.Algorithm):
 
   def normaliser(self, cfg, micro, mask=None):
     if self.loss_agg_mode(cfg) == "token-mean":
-      return jnp.sum((micro["response_mask"] if mask is None else mask).astype(jnp.float32))
+      return jnp.sum((micro["loss_mask"] if mask is None else mask).astype(jnp.float32))
     return super().normaliser(cfg, micro, mask)
 
 
@@ -259,7 +259,7 @@ class Grpo(ClippedRatio):
 
   def loss(self, cfg, logprobs, entropy, micro):
     g = self.settings(cfg)
-    return grpo_loss(logprobs, micro["old_logprobs"], micro.get("ref_logprobs"), micro["response_mask"],
+    return grpo_loss(logprobs, micro["old_logprobs"], micro.get("ref_logprobs"), micro["loss_mask"],
                      micro["rewards"], group_size=cfg.rollout.n, norm_adv_by_std=self.norm_adv_by_std(cfg),
                      clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
                      clip_ratio_c=g.clip_ratio_c, loss_agg_mode=self.loss_agg_mode(cfg),

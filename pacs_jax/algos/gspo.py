@@ -86,7 +86,7 @@ class Gspo(GrpoFamily):
 
   def loss(self, cfg, logprobs, entropy, micro):
     s = self.settings(cfg)
-    return gspo_loss(logprobs, micro["old_logprobs"], micro["response_mask"], micro["rewards"],
+    return gspo_loss(logprobs, micro["old_logprobs"], micro["loss_mask"], micro["rewards"],
                      group_size=cfg.rollout.n, clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
                      entropy=entropy, entropy_coeff=s.entropy_coeff)
 

@@ -251,10 +251,14 @@ class Pacs(registry.Algorithm):
 
   def loss(self, cfg, logprobs, entropy, micro):
     p = self.settings(cfg)
-    return pacs_loss(logprobs, micro["ref_logprobs"], micro["response_mask"], micro["rewards"],
+    sum_mask = micro.get("proxy_mask")
+    if sum_mask is not None:  # less the inserted tokens: in the attention mask, out of the loss mask
+      R = micro["loss_mask"].shape[-1]
+      sum_mask = sum_mask - (micro["attention_mask"][:, -R:].astype(jnp.float32) - micro["loss_mask"])
+    return pacs_loss(logprobs, micro["ref_logprobs"], micro["loss_mask"], micro["rewards"],
                      group_size=cfg.rollout.n, beta=p.beta, reward_method=p.reward_method,
                      adv_estimator=p.adv_estimator, norm_adv_by_std=p.norm_adv_by_std, use_weight=p.use_weight,
-                     weight_mode=p.weight_mode, sum_mask=micro.get("proxy_mask"),
+                     weight_mode=p.weight_mode, sum_mask=sum_mask,
                      is_weights=self.is_weights(cfg, micro))
 
   def is_weights(self, cfg, micro) -> jax.Array | None:
@@ -263,7 +267,7 @@ class Pacs(registry.Algorithm):
     if cap is None:
       return None
     return correction.sequence_tis_weights(micro["old_logprobs"], micro["behaviour_logprobs"],
-                                           micro["response_mask"], cap)
+                                           micro["loss_mask"], cap)
 
 
 registry.register("pacs", Pacs())

@@ -127,13 +127,13 @@ def clipped_value_loss(values_pred: jax.Array, returns: jax.Array, old_values: j
 
 def step_advantages(minibatches: list[dict], *, gamma: float, lam: float) -> list[dict[str, jax.Array]]:
   """GAE advantages (whitened over the whole step's batch, as verl) and returns, per mini-batch [k, m, R]."""
-  mask = jnp.concatenate([mb["response_mask"].reshape(-1, mb["response_mask"].shape[-1]) for mb in minibatches])
+  mask = jnp.concatenate([mb["loss_mask"].reshape(-1, mb["loss_mask"].shape[-1]) for mb in minibatches])
   rewards = jnp.concatenate([mb["rewards"].reshape(-1) for mb in minibatches])  # [rows]
   values = jnp.concatenate([mb["old_values"].reshape(-1, mask.shape[-1]) for mb in minibatches])  # [rows, R]
   advantages, returns = gae_advantages(outcome_token_rewards(rewards, mask), values, mask, gamma=gamma, lam=lam)
   out, start = [], 0
   for mb in minibatches:
-    shape = mb["response_mask"].shape
+    shape = mb["loss_mask"].shape
     rows = shape[0] * shape[1]
     out.append({"advantages": advantages[start:start + rows].reshape(shape),
                 "returns": returns[start:start + rows].reshape(shape)})
@@ -175,7 +175,7 @@ class Ppo(ClippedRatio):
 
   def loss(self, cfg, logprobs, entropy, micro):
     g = self.settings(cfg)
-    return policy_loss(micro["old_logprobs"], logprobs, micro["advantages"], micro["response_mask"],
+    return policy_loss(micro["old_logprobs"], logprobs, micro["advantages"], micro["loss_mask"],
                        clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
                        clip_ratio_c=g.clip_ratio_c, loss_agg_mode=self.loss_agg_mode(cfg),
                        micro_batch_rows=self.micro_batch_rows(cfg), is_weights=self.is_weights(cfg, micro))
@@ -187,7 +187,7 @@ class Ppo(ClippedRatio):
     return self.settings(cfg).critic_lr
 
   def critic_mask(self, micro):
-    return critic_mask(micro["attention_mask"], micro["response_mask"].shape[-1])
+    return critic_mask(micro["attention_mask"], micro["loss_mask"].shape[-1])
 
   def critic_loss(self, cfg, values, micro):
     # The released critic (dp_critic.py update_critic): mask attention_mask[:, -R-1:-1], the actor's agg mode.

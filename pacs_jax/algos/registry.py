@@ -33,8 +33,9 @@ class Algorithm:
   reference-free policy loss averaged over rows.
 
   A micro-batch (`batch.Batch`) is [m, ...] of each of the run's `batch_fields` (m rows = whole prompt groups):
-  input_ids / attention_mask [m, L], response_mask [m, R], rewards [m], plus what the algorithm asks for
-  (old_logprobs, ref_logprobs, old_values, its `extra_fields`).
+  input_ids / attention_mask [m, L], loss_mask [m, R], rewards [m], plus what the algorithm asks for
+  (old_logprobs, ref_logprobs, old_values, its `extra_fields`). Every sum over response positions (the loss, the
+  advantages, the log-ratios) runs over `loss_mask`: the model's tokens, never tokens a rollout inserted.
   """
 
   name: str = ""
@@ -145,7 +146,7 @@ class Algorithm:
     raise NotImplementedError
 
   def normaliser(self, cfg: ml_collections.ConfigDict, micro: Batch, mask: jax.Array | None = None) -> jax.Array:
-    """What the loss over `mask` (default: the response mask) is a mean over: the micro-batch's accumulation
+    """What the loss over `mask` (default: the loss mask) is a mean over: the micro-batch's accumulation
     weight, so that k micro-batches give the unsplit mini-batch's gradient. Default: rows."""
     return jnp.asarray(micro["rewards"].shape[0], jnp.float32)
 
@@ -164,7 +165,7 @@ class Algorithm:
 
   def critic_mask(self, micro: Batch) -> jax.Array:
     """[m, R] positions the value loss averages over (its accumulation weight's mask)."""
-    return micro["response_mask"]
+    return micro["loss_mask"]
 
 
 def register(name: str, algorithm: Algorithm) -> Algorithm:

@@ -218,7 +218,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   batch_bytes = updates * per_chip_bytes(minibatch)
   if group != "rollout":
     mb_tokens = mb_rows * (P + R)
-    logprob_in = {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")}
+    logprob_in = {k: minibatch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
     passes = logprob_passes if not base else int(programs_lib.needs_old_logprobs(cfg))
     run(ProgramReport("logprobs", "update", updates * passes, 2.0 * n_params * mb_tokens),
         lambda: progs.logprob_fn.lower(state.params, minibatch, *base),

@@ -142,6 +142,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
          f"the rollout correction is for {', '.join(_corrected())}, not {c.algorithm!r}: set it <= 0 (off)")
   _check_enum(c.rollout.tis_level, ("",) + correction.LEVELS, "rollout.tis_level")
   _check_enum(c.rollout.mode, ROLLOUT_MODES, "rollout.mode")
+  from pacs_jax.rollout import interface as rollout_interface
+  why = rollout_interface.engine_problem(c.rollout.engine)
+  _check(why is None, "rollout.engine", why)
   if c.rollout.mode == "one_step_off":
     _check(c.rollout.max_staleness in (0, 1), "rollout.max_staleness",
            f"one_step_off runs one rollout ahead: 0 or 1, got {c.rollout.max_staleness!r} (async takes more)")

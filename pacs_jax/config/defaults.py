@@ -67,6 +67,10 @@ def default_config() -> ml_collections.ConfigDict:
   # while this step updates (trainer/overlap.py), its responses up to `max_staleness` (0 or 1) policy versions old;
   # "async": the next `max_staleness` steps' rollouts run ahead (responses older than that are dropped, counted).
   c.rollout.mode = "sync"
+  # Which implementation of the rollout interface (rollout/interface.py) samples: "local", the in-process engine, or
+  # "package.module:factory", called with the keyword arguments trainer/programs.py's make_rollout gives the local
+  # one, returning an `interface.Rollout` (docs/design.md, "Adding a rollout engine").
+  c.rollout.engine = "local"
   c.rollout.max_staleness = 1
   # Split devices: > 0 runs the rollout on the last `devices` devices (its own mesh: slots over them, weights split
   # over mesh.tensor as the trainer's) and the trainer on the rest; each weight push is a device-to-device copy,

@@ -11,6 +11,7 @@ Shapes: B slots.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -24,13 +25,23 @@ from pacs_jax.rollout import sampling as sampling_lib
 @dataclasses.dataclass
 class Completion:
   """One sampled response: its tokens (EOS included when it stopped there), their behaviour log-probs (the
-  sampling policy's), and the version of the policy that made it (`Rollout.set_weights`'s)."""
+  sampling policy's), the version of the policy that made it (`Rollout.set_weights`'s), and its loss mask.
+
+  `loss_mask` [len(tokens)]: 1 on a token the model sampled, 0 on one inserted into the response (a tool's output,
+  a template token between turns): inserted tokens are attended to but get no loss and no place in any objective's
+  sums. None (the default) means every token is the model's (an all-ones mask is filled in).
+  """
   prompt_index: int
   sample_index: int
   tokens: list[int]
   logprobs: np.ndarray  # [len(tokens)] fp32, log_softmax(logits / temperature) at each token
   finish_reason: str  # "eos" | "length"
   policy_version: int = 0
+  loss_mask: np.ndarray | None = None  # [len(tokens)] float32, 1 = the model's token, 0 = inserted
+
+  def __post_init__(self):
+    if self.loss_mask is None:
+      self.loss_mask = np.ones(len(self.tokens), np.float32)
 
 
 class Progress:
@@ -101,6 +112,14 @@ class Rollout(Protocol):
   engine's sleep: the synchronous trainer frees them for the update, as verl's hybrid engine offloads its
   rollout weights). `weight_shardings`: the layout `set_weights` takes weights in without moving them (None:
   any); `eos_ids`: the ids a response stops at (kept, with their log-prob).
+
+  `fork()`: another rollout with weights and a version of its own (sharing what it can: an in-process engine's
+  compiled programs): the overlapped modes' background worker samples one policy while the trainer's validation
+  samples another. `ahead_of_time()`: the in-process engine's sizes and lowering hooks (`AheadOfTime`), or None for
+  an engine that has none (an external server): `--compile_only` and split devices need one.
+
+  `rollout.engine` names the run's implementation: "local" (`local.LocalRollout`) or "package.module:factory",
+  a factory taking `programs.make_rollout`'s keyword arguments (`engine_factory`).
   """
   version: int
   eos_ids: tuple[int, ...]
@@ -111,6 +130,10 @@ class Rollout(Protocol):
   def set_weights(self, params: Any, version: int) -> None: ...
 
   def release(self) -> None: ...
+
+  def fork(self) -> Rollout: ...
+
+  def ahead_of_time(self) -> AheadOfTime | None: ...
 
   def generate(self, prompts: Sequence[Sequence[int]], *, n: int = 1,
                max_new_tokens: int | Sequence[int] | None = None,
@@ -150,3 +173,34 @@ class AheadOfTime(Protocol):
 
   def lower_decode(self, params, state, page_budget: int | None = None, sampling=None,
                    num_steps: int | None = None) -> Any: ...
+
+
+LOCAL_ENGINE = "local"  # rollout.engine's default: the in-process engine (`local.LocalRollout`)
+
+
+def _lookup_engine(name: str) -> tuple[Callable | None, str | None]:
+  """(the factory `name` ("package.module:factory") names, None), or (None, why it names none)."""
+  module_name, colon, attribute = name.partition(":") if isinstance(name, str) else ("", "", "")
+  if not colon or not module_name or not attribute:
+    return None, f'must be "{LOCAL_ENGINE}" or "package.module:factory", got {name!r}'
+  try:
+    module = importlib.import_module(module_name)
+  except Exception as e:  # noqa: BLE001 -- a module that raises on import names no engine either
+    return None, f"cannot import {module_name!r} ({type(e).__name__}: {e})"
+  factory = getattr(module, attribute, None)
+  if not callable(factory):
+    return None, f"module {module_name!r} has no callable {attribute!r}"
+  return factory, None
+
+
+def engine_problem(name: str) -> str | None:
+  """Why `name` names no rollout engine, or None when it does ("local", or an importable callable)."""
+  return None if name == LOCAL_ENGINE else _lookup_engine(name)[1]
+
+
+def engine_factory(name: str) -> Callable[..., Rollout]:
+  """The factory "package.module:factory" names; ValueError saying why when there is none."""
+  factory, why = _lookup_engine(name)
+  if factory is None:
+    raise ValueError(f"rollout.engine {name!r}: {why}")
+  return factory

@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from pacs_jax import sharding
-from pacs_jax.rollout import local
+from pacs_jax.rollout import interface
 
 MULTI_PROCESS = ("with several processes every process needs devices in both groups (the weight push copies each "
                  "shard from the trainer's devices of its own host: jax's device_put refuses a cross-host reshard "
@@ -176,25 +176,31 @@ def push(params, target_shardings, stats: PushStats | None = None):
 
 
 class SplitRollout:
-  """`interface.Rollout` over the in-process engine on the rollout group's mesh, fed from the trainer's mesh.
+  """`interface.Rollout` over an in-process engine on the rollout group's mesh, fed from the trainer's mesh.
 
-  `inner`: a `LocalRollout` on `rollout_mesh(...)`; `trainer_mesh`: the trainer's. `stats` counts every push by
-  this rollout and its forks. Refuses (ValueError) a layout whose push would go through the host.
+  `inner`: a rollout (e.g. `LocalRollout`) on `rollout_mesh(...)`, used through the interface only; it needs an
+  `ahead_of_time()` (its abstract weights) and `weight_shardings`. `trainer_mesh`: the trainer's. `stats` counts
+  every push by this rollout and its forks. Refuses (ValueError) a layout whose push would go through the host.
   """
 
-  def __init__(self, inner: local.LocalRollout, trainer_mesh: jax.sharding.Mesh, stats: PushStats | None = None):
+  def __init__(self, inner: interface.Rollout, trainer_mesh: jax.sharding.Mesh, stats: PushStats | None = None):
     self._inner = inner
     self.eos_ids = inner.eos_ids
     self.trainer_mesh = trainer_mesh
     self.stats = PushStats() if stats is None else stats
     self._staging = jax.tree.map(lambda s: NamedSharding(trainer_mesh, s.spec), inner.weight_shardings)
     if stats is None:  # a fork shares the checked layout
-      shapes = inner.ahead_of_time().abstract_params()
+      engine = inner.ahead_of_time()
+      if engine is None or inner.weight_shardings is None:
+        raise ValueError(f"split devices (rollout.devices) push weights into an in-process engine's layout; "
+                         f"{type(inner).__name__} has no ahead_of_time() or weight_shardings")
+      shapes = engine.abstract_params()
       bad = [jax.tree_util.keystr(path) for (path, x), src, dst in zip(
           jax.tree_util.tree_flatten_with_path(shapes)[0], jax.tree.leaves(self._staging),
           jax.tree.leaves(inner.weight_shardings)) if not device_to_device(src, dst, x.shape)]
       if bad:
-        raise ValueError(f"the rollout mesh {dict(inner.ahead_of_time().mesh.shape)} splits weights unlike the "
+        rollout_mesh_shape = dict(jax.tree.leaves(inner.weight_shardings)[0].mesh.shape)
+        raise ValueError(f"the rollout mesh {rollout_mesh_shape} splits weights unlike the "
                          f"trainer's {dict(trainer_mesh.shape)}: pushing {bad[:3]} would go through the host")
 
   @property

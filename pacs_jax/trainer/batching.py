@@ -22,7 +22,7 @@ class PackedRollout:
   sample), before `to_minibatches` splits them into the run's `Batch`es."""
   input_ids: np.ndarray  # [rows, P + R] int32
   attention_mask: np.ndarray  # [rows, P + R] int32
-  response_mask: np.ndarray  # [rows, R] float32
+  response_mask: np.ndarray  # [rows, R] float32: each response's extent (up to its first EOS); lengths, shaping
   rewards: np.ndarray  # [rows] float32
   data_sources: list[str]
   finish_reasons: list[str]
@@ -37,6 +37,13 @@ class PackedRollout:
   # [rows] bool: responses sampled by an older policy than the one the update starts from (the overlapped modes);
   # with the sampling policy as reference their reference is their behaviour log-probs. None: all fresh.
   stale_rows: np.ndarray | None = None
+  # [rows, R] float32: the positions every objective's sums run over (`loss_mask`): the response mask with the
+  # tokens a rollout inserted (`Completion.loss_mask` 0) taken out. None: nothing inserted, the response mask.
+  loss_mask: np.ndarray | None = None
+
+  def __post_init__(self):
+    if self.loss_mask is None:
+      self.loss_mask = self.response_mask
 
 
 def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
@@ -53,7 +60,8 @@ def pack_rows(prompts: list[list[int]], completions: list[rollout_interface.Comp
   """Prompt left-padded to P, response right-padded to R with `pad_id`: (input_ids, attention_mask, response_mask).
 
   As verl's vLLM rollout: the response mask (and the response part of the attention mask) runs up to and
-  including the first of `mask_eos_ids` in the padded response, or to R without one.
+  including the first of `mask_eos_ids` in the padded response, or to R without one. Inserted tokens are part
+  of both (attended to); `loss_mask` takes them out of the loss.
   """
   rows = len(completions)
   input_ids = np.full((rows, P + R), pad_id, np.int32)
@@ -67,6 +75,17 @@ def pack_rows(prompts: list[list[int]], completions: list[rollout_interface.Comp
   mask = response_mask(input_ids[:, P:], mask_eos_ids)  # [rows, R]
   attention_mask[:, P:] = mask.astype(np.int32)
   return input_ids, attention_mask, mask
+
+
+def loss_mask(completions: list[rollout_interface.Completion], response_mask: np.ndarray) -> np.ndarray:
+  """[rows, R] float32: `response_mask` times each response's `Completion.loss_mask` (1 past its tokens), so an
+  inserted token (0) gets no loss while the extent stays the response mask's; all ones leave it exactly as is."""
+  out = response_mask.copy()
+  R = response_mask.shape[1]
+  for row, comp in enumerate(completions):
+    mask = np.asarray(comp.loss_mask, np.float32)[:R]
+    out[row, :len(mask)] *= mask
+  return out
 
 
 def behaviour_logprobs(completions: list[rollout_interface.Completion], R: int) -> np.ndarray:
@@ -84,7 +103,7 @@ def to_minibatches(rollout: PackedRollout, layout: batch_lib.BatchLayout, mesh,
   arrays over (data, fsdp)."""
   behaviour = {} if rollout.behaviour_logprobs is None else {"behaviour_logprobs": rollout.behaviour_logprobs}
   arrays = layout.host_rows({"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
-                             "response_mask": rollout.response_mask, "rewards": rollout.rewards, **rollout.extra,
+                             "loss_mask": rollout.loss_mask, "rewards": rollout.rewards, **rollout.extra,
                              **behaviour})
   return split_rows(arrays, layout.k, mesh, num_minibatches)
 

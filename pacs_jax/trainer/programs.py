@@ -28,6 +28,7 @@ from pacs_jax import sharding
 from pacs_jax.algos import batch as batch_lib, correction, registry
 from pacs_jax.models import decoder, lora
 from pacs_jax.models import registry as model_registry
+from pacs_jax.rollout import interface as rollout_interface
 from pacs_jax.rollout import local as local_rollout
 from pacs_jax.trainer import adapters as adapters_lib
 from pacs_jax.trainer import state as state_lib
@@ -189,13 +190,23 @@ def abstract_base(cfg: ml_collections.ConfigDict, mesh) -> tuple[adapters_lib.Fr
   return frozen, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), base, frozen.shardings)
 
 
-def make_rollout(cfg: ml_collections.ConfigDict, model: decoder.CausalLM, mesh, eos_ids) -> local_rollout.LocalRollout:
-  """The run's rollout (`interface.Rollout`): the in-process engine on `mesh` (`model` may be abstract: only its
-  structure is kept)."""
+def make_rollout(cfg: ml_collections.ConfigDict, model: decoder.CausalLM, mesh, eos_ids) -> rollout_interface.Rollout:
+  """The run's rollout (`interface.Rollout`) by `rollout.engine`: "local", the in-process engine on `mesh` (`model`
+  may be abstract: only its structure is kept), or what the named factory returns given the same keyword
+  arguments."""
   slots = cfg.rollout.slots or (cfg.train.batch_prompts * cfg.rollout.n)
-  return local_rollout.LocalRollout(model, slots=slots, max_prompt_length=cfg.data.max_prompt_length,
-                                    max_new_tokens=cfg.rollout.max_new_tokens, mesh=mesh, eos_ids=eos_ids,
-                                    page_size=cfg.rollout.page_size, kv_pages=cfg.rollout.kv_pages)
+  kwargs = dict(model=model, slots=slots, max_prompt_length=cfg.data.max_prompt_length,
+                max_new_tokens=cfg.rollout.max_new_tokens, mesh=mesh, eos_ids=eos_ids,
+                page_size=cfg.rollout.page_size, kv_pages=cfg.rollout.kv_pages)
+  engine = cfg.rollout.engine
+  if engine == rollout_interface.LOCAL_ENGINE:
+    return local_rollout.LocalRollout(**kwargs)
+  rollout = rollout_interface.engine_factory(engine)(**kwargs)
+  if not isinstance(rollout, rollout_interface.Rollout):
+    raise TypeError(f"rollout.engine {engine!r} made a {type(rollout).__name__}, which lacks members of "
+                    "interface.Rollout (set_weights, release, fork, ahead_of_time, generate, version, eos_ids, "
+                    "weight_shardings)")
+  return rollout
 
 
 @dataclasses.dataclass

@@ -69,7 +69,8 @@ def pack(prompt_ids: list[list[int]], completions: list[Completion], scored: Sco
          version: int | None = None) -> batching.PackedRollout:
   """The responses as host rows (prompt left-padded to P, response right-padded to R), checked to be grouped
   prompt-major; `host_inputs(input_ids, attention_mask)`: the algorithm's extra host fields;
-  `shape_rewards(scores, response_mask)`: the rewards the loss sees (default: the verifier's scores); `version`:
+  `shape_rewards(scores, response_mask)`: the rewards the loss sees (default: the verifier's scores); the loss
+  mask is the response mask less each completion's inserted tokens (`batching.loss_mask`); `version`:
   the policy the update starts from, which marks the rows sampled by an older one (`stale_rows`; None: untracked)."""
   input_ids, attention_mask, resp_mask = batching.pack_rows(prompt_ids, completions, P, R, pad_id, mask_eos_ids)
   batching.check_groups(input_ids, attention_mask, P, n)
@@ -79,7 +80,8 @@ def pack(prompt_ids: list[list[int]], completions: list[Completion], scored: Sco
                                [c.finish_reason for c in completions], extra=host_inputs(input_ids, attention_mask),
                                scores=scores, behaviour_logprobs=batching.behaviour_logprobs(completions, R),
                                stale_rows=None if version is None else np.asarray(
-                                   [c.policy_version < version for c in completions], bool))
+                                   [c.policy_version < version for c in completions], bool),
+                               loss_mask=batching.loss_mask(completions, resp_mask))
 
 
 def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_params, packed: batching.PackedRollout,
@@ -106,7 +108,7 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
       if ref in passes:  # a frozen copy (or base), or the policy that sampled this step (e.g. PACS "rollout")
         mb[ref] = programs.ref_logprob_fn(ref_params, mb) if ref_params is not None else mb[old]
         if behaviour is not None:
-          mb[ref] = _stale_reference(mb[old], behaviour[j]["behaviour"], behaviour[j]["stale"], mb["response_mask"])
+          mb[ref] = _stale_reference(mb[old], behaviour[j]["behaviour"], behaviour[j]["stale"], mb["loss_mask"])
       if values in passes:
         mb[values] = programs.value_fn(state.critic_params, mb, *frozen)
     if programs.step_inputs is not None:
@@ -116,7 +118,7 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
       if sorted(mb) != sorted(layout.names()):
         raise ValueError(f"mini-batch fields {sorted(mb)}, expected {sorted(layout.names())}")
     corrected = batch_lib.BEHAVIOUR_LOGPROBS.name in layout.names()
-    stats = [programs.importance_stats(mb[old], mb[batch_lib.BEHAVIOUR_LOGPROBS.name], mb["response_mask"])
+    stats = [programs.importance_stats(mb[old], mb[batch_lib.BEHAVIOUR_LOGPROBS.name], mb["loss_mask"])
              for mb in minibatches] if corrected else [{} for _ in minibatches]
     per_minibatch = []
     for j, mb in enumerate(minibatches):
@@ -126,9 +128,9 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
 
 
 @jax.jit
-def _stale_reference(old_logprobs, behaviour_logprobs, stale, response_mask):
+def _stale_reference(old_logprobs, behaviour_logprobs, stale, loss_mask):
   """[k, m, R]: the behaviour log-probs over the responses of the stale rows [k, m], π_old elsewhere."""
-  take = stale[..., None] & (response_mask > 0)
+  take = stale[..., None] & (loss_mask > 0)
   return jnp.where(take, behaviour_logprobs.astype(old_logprobs.dtype), old_logprobs)
 
 

@@ -79,7 +79,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
 
     def micro_loss(params, micro):
       model = adapters_lib.merge(graphdef, params, base)
-      R = micro["response_mask"].shape[-1]
+      R = micro["loss_mask"].shape[-1]
       logp, entropy = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
                                         with_entropy=True, targets=algo.logprob_targets(cfg, micro),
                                         logits_chunk=cfg.train.logits_chunk, keep_logits=cfg.train.keep_logits)
@@ -87,12 +87,12 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
       loss, metrics = algo.loss(cfg, logp, entropy if algo.entropy_has_grad(cfg) else jax.lax.stop_gradient(entropy),
                                 micro)
       metrics = dict(metrics)
-      metrics["entropy"] = masked_mean(jax.lax.stop_gradient(entropy), micro["response_mask"])
+      metrics["entropy"] = masked_mean(jax.lax.stop_gradient(entropy), micro["loss_mask"])
       return loss, metrics
 
     def critic_loss(critic_params, micro):
       critic = adapters_lib.merge(critic_graphdef, critic_params, None if base is None else adapters_lib.critic_base(base))
-      R = micro["response_mask"].shape[-1]
+      R = micro["loss_mask"].shape[-1]
       return algo.critic_loss(cfg, response_values(critic, micro["input_ids"], micro["attention_mask"], R), micro)
 
     return micro_loss, critic_loss
@@ -163,14 +163,14 @@ def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = chunked_lo
   `response_logprobs`). `frozen` (a LoRA run): (adapters, minibatch, base)."""
 
   def logprobs(params, minibatch, base):
-    R = minibatch["response_mask"].shape[-1]
+    R = minibatch["loss_mask"].shape[-1]
 
     def one(micro):  # merged inside the mapped function's trace, so no module crosses a trace boundary
       model = adapters_lib.merge(graphdef, params, base)
       return response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
                                targets=micro.get("targets"), logits_chunk=logits_chunk)
 
-    mapped = {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")}
+    mapped = {k: minibatch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
     tokens = targets(minibatch) if targets is not None else None
     if tokens is not None:
       mapped["targets"] = tokens
@@ -192,14 +192,14 @@ def make_value_fn(critic_graphdef, critic_mask: Callable[[Batch], jax.Array], fr
   run): (critic params, minibatch, base), the critic's backbone the base's."""
 
   def values_of(critic_params, minibatch, base):
-    R = minibatch["response_mask"].shape[-1]
+    R = minibatch["loss_mask"].shape[-1]
 
     def one(micro):
       critic = adapters_lib.merge(critic_graphdef, critic_params, base)
       values = response_values(critic, micro["input_ids"], micro["attention_mask"], R)
       return values * critic_mask(micro).astype(values.dtype)
 
-    return jax.lax.map(one, {k: minibatch[k] for k in ("input_ids", "attention_mask", "response_mask")})
+    return jax.lax.map(one, {k: minibatch[k] for k in ("input_ids", "attention_mask", "loss_mask")})
 
   if frozen:
     def fn(critic_params, minibatch, base):

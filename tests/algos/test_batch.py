@@ -10,7 +10,7 @@ from pacs_jax import config as config_lib
 from pacs_jax.algos import batch as batch_lib, registry
 
 K, M, P, R = 2, 4, 5, 3
-SHARED = ["input_ids", "attention_mask", "response_mask", "rewards"]
+SHARED = ["input_ids", "attention_mask", "loss_mask", "rewards"]
 
 
 def layout(algorithm, **overrides):
@@ -43,7 +43,7 @@ def test_abstract_shapes_follow_the_per_row_axes():
   b = layout("pacs", pacs__exact_padding_replication=True)
   shapes = b.abstract(lambda ndim: jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   want = {"input_ids": ((K, M, P + R), jnp.int32), "attention_mask": ((K, M, P + R), jnp.int32),
-          "response_mask": ((K, M, R), jnp.float32), "rewards": ((K, M), jnp.float32),
+          "loss_mask": ((K, M, R), jnp.float32), "rewards": ((K, M), jnp.float32),
           "ref_logprobs": ((K, M, R), jnp.float32), "logprob_targets": ((K, M, R), jnp.int32),
           "proxy_mask": ((K, M, R), jnp.float32)}
   assert {name: (s.shape, s.dtype) for name, s in shapes.items()} == want
@@ -53,15 +53,15 @@ def test_host_rows_are_the_tables_fields_in_their_dtypes():
   b = layout("grpo")
   rows = 8
   arrays = {"input_ids": np.ones((rows, P + R), np.int64), "attention_mask": np.ones((rows, P + R), np.int32),
-            "response_mask": np.ones((rows, R), np.float32), "rewards": np.zeros(rows, np.float64),
+            "loss_mask": np.ones((rows, R), np.float32), "rewards": np.zeros(rows, np.float64),
             "unused": np.zeros(rows)}
   out = b.host_rows(arrays)
   assert list(out) == SHARED
   assert out["input_ids"].dtype == np.int32 and out["rewards"].dtype == np.float32
-  with pytest.raises(ValueError, match="'response_mask' is missing"):
-    b.host_rows({k: v for k, v in arrays.items() if k != "response_mask"})
-  with pytest.raises(ValueError, match=r"'response_mask': rows of shape \(4,\), expected \(3,\)"):
-    b.host_rows(dict(arrays, response_mask=np.ones((rows, R + 1), np.float32)))
+  with pytest.raises(ValueError, match="'loss_mask' is missing"):
+    b.host_rows({k: v for k, v in arrays.items() if k != "loss_mask"})
+  with pytest.raises(ValueError, match=r"'loss_mask': rows of shape \(4,\), expected \(3,\)"):
+    b.host_rows(dict(arrays, loss_mask=np.ones((rows, R + 1), np.float32)))
 
 
 def test_a_field_is_named_once_and_declared_in_the_tables_terms():

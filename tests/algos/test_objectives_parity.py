@@ -234,7 +234,8 @@ def our_update(name, batch, micro_rows, entropy_coeff=0.0):
   B = batch["rewards"].shape[0]
   losses, grads, weights, metrics = [], [], [], []
   for start in range(0, B, micro_rows):
-    micro = {k: jnp.asarray(v[start:start + micro_rows]) for k, v in batch.items() if k not in ("logprobs", "entropy")}
+    micro = {("loss_mask" if k == "response_mask" else k): jnp.asarray(v[start:start + micro_rows])
+             for k, v in batch.items() if k not in ("logprobs", "entropy")}
     entropy = jnp.asarray(batch["entropy"][start:start + micro_rows])
     fn = lambda logp: algo.loss(cfg, logp, entropy, micro)  # noqa: E731
     (loss, m), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(batch["logprobs"][start:start + micro_rows]))
@@ -272,7 +273,7 @@ def test_clip_higher_lets_a_positive_advantage_ratio_grow_to_1_28():
   """One token, A > 0, ratio 1.25: GRPO's symmetric 0.2 clip holds its loss (no gradient); DAPO's 0.28 does not."""
   cfg = config_lib.default_config()
   cfg.rollout.n = 2
-  micro = {"old_logprobs": jnp.zeros((2, 1)), "response_mask": jnp.ones((2, 1)), "rewards": jnp.asarray([1.0, 0.0])}
+  micro = {"old_logprobs": jnp.zeros((2, 1)), "loss_mask": jnp.ones((2, 1)), "rewards": jnp.asarray([1.0, 0.0])}
   logp = jnp.log(jnp.asarray([[1.25], [1.0]], jnp.float32))
   grads = {}
   for name in ("grpo", "dapo"):

@@ -81,7 +81,7 @@ def test_pacs_loss_with_the_correction_matches_torch(cap, estimator):
   behaviour = behaviour_of(old, mask, seed=4)
   cfg = pacs_config(cap)
   cfg.pacs.adv_estimator = estimator
-  micro = {"ref_logprobs": jnp.asarray(ref), "response_mask": jnp.asarray(mask), "rewards": jnp.asarray(rewards),
+  micro = {"ref_logprobs": jnp.asarray(ref), "loss_mask": jnp.asarray(mask), "rewards": jnp.asarray(rewards),
            "old_logprobs": jnp.asarray(old), "behaviour_logprobs": jnp.asarray(behaviour)}
   fn = lambda lp: registry.of(cfg).loss(cfg, lp, None, micro)  # noqa: E731
   (loss, _), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(logprobs))
@@ -99,7 +99,7 @@ def test_pacs_loss_with_the_correction_matches_torch(cap, estimator):
 def test_inert_when_off_and_when_behaviour_is_pi_old():
   logprobs, ref, mask, rewards = make_batch(seed=5)
   old = np.where(mask > 0, logprobs - 0.1, 0.0).astype(np.float32)
-  micro = {"ref_logprobs": jnp.asarray(ref), "response_mask": jnp.asarray(mask), "rewards": jnp.asarray(rewards),
+  micro = {"ref_logprobs": jnp.asarray(ref), "loss_mask": jnp.asarray(mask), "rewards": jnp.asarray(rewards),
            "old_logprobs": jnp.asarray(old), "behaviour_logprobs": jnp.asarray(old)}
 
   def loss_and_grad(cfg, micro):
@@ -111,7 +111,7 @@ def test_inert_when_off_and_when_behaviour_is_pi_old():
   for a, b in zip(plain, corrected):
     assert np.array_equal(a, b)
   assert np.all(np.asarray(correction.sequence_tis_weights(micro["old_logprobs"], micro["behaviour_logprobs"],
-                                                           micro["response_mask"], 2.0)) == 1.0)
+                                                           micro["loss_mask"], 2.0)) == 1.0)
   off = pacs_config(-1.0)
   assert registry.of(off).is_weights(off, micro) is None
   names = [f.name for f in registry.of(off).batch_fields(off)]
@@ -155,7 +155,7 @@ def test_grpo_at_the_sequence_level_weighs_each_token_by_its_responses_weight():
   cfg = config_lib.default_config()
   cfg.algorithm, cfg.rollout.n, cfg.rollout.tis_imp_ratio_cap, cfg.rollout.tis_level = "grpo", GROUP_SIZE, 2.0, "sequence"
   config_lib.validate(cfg, num_devices=1, check_paths=False)
-  micro = {"response_mask": jnp.asarray(mask), "rewards": jnp.asarray(rewards), "old_logprobs": jnp.asarray(old),
+  micro = {"loss_mask": jnp.asarray(mask), "rewards": jnp.asarray(rewards), "old_logprobs": jnp.asarray(old),
            "behaviour_logprobs": jnp.asarray(behaviour)}
   loss = registry.of(cfg).loss(cfg, jnp.asarray(logprobs), None, micro)[0]
   weights = verl_sequence_weights(torch.tensor(old) - torch.tensor(behaviour), torch.tensor(mask), 2.0).numpy()

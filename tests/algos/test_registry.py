@@ -34,8 +34,8 @@ class ToyReinforce(registry.Algorithm):
     self.traced += 1
     rewards = groups.split_groups(micro["rewards"], cfg.rollout.n)  # [U, n]
     advantages = groups.mean_std_normalise(rewards, norm_by_std=False).reshape(-1)  # [B]
-    loss = -jnp.mean(advantages * masked_sum(logprobs, micro["response_mask"], axis=-1))
-    loss = loss - 0.01 * masked_mean(entropy, micro["response_mask"])  # a gradient even when all rewards agree
+    loss = -jnp.mean(advantages * masked_sum(logprobs, micro["loss_mask"], axis=-1))
+    loss = loss - 0.01 * masked_mean(entropy, micro["loss_mask"])  # a gradient even when all rewards agree
     return loss, {"toy/advantage_abs_mean": jnp.mean(jnp.abs(advantages))}
 
 

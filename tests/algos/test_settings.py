@@ -45,7 +45,7 @@ class ToyScaled(registry.Algorithm):
     s = self.settings(cfg)
     rewards = groups.split_groups(micro["rewards"], cfg.rollout.n)  # [U, n]
     advantages = rewards - jnp.mean(rewards, -1, keepdims=True) if s.baseline == "mean" else rewards
-    loss = -s.scale * jnp.mean(advantages.reshape(-1) * masked_sum(logprobs, micro["response_mask"], axis=-1))
+    loss = -s.scale * jnp.mean(advantages.reshape(-1) * masked_sum(logprobs, micro["loss_mask"], axis=-1))
     return loss, {"toy/scale": jnp.float32(s.scale)}
 
 

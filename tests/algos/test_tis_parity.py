@@ -163,7 +163,7 @@ def config(name: str, cap: float, mode: str):
 def our_loss(name: str, batch, cap: float, mode: str) -> tuple[float, np.ndarray]:
   cfg = config(name, cap, mode)
   algo = registry.of(cfg)
-  micro = {k: jnp.asarray(v) for k, v in batch.items() if k != "logprobs"}
+  micro = {("loss_mask" if k == "response_mask" else k): jnp.asarray(v) for k, v in batch.items() if k != "logprobs"}
   fn = lambda logp: algo.loss(cfg, logp, jnp.zeros((B, R)), micro)[0]  # noqa: E731
   loss, grad = jax.value_and_grad(fn)(jnp.asarray(batch["logprobs"]))
   return float(loss), np.asarray(grad)

@@ -49,7 +49,7 @@ def minibatch(k=2):
     length = rng.integers(1, R + 1)
     resp[r, length:] = 0
     attn[r, P + length:] = 0
-  batch = dict(input_ids=ids, attention_mask=attn, response_mask=resp,
+  batch = dict(input_ids=ids, attention_mask=attn, loss_mask=resp,
                rewards=rng.integers(0, 2, rows).astype(np.float32),
                ref_logprobs=rng.normal(-2, 0.3, (rows, R)).astype(np.float32),
                old_logprobs=rng.normal(-2, 0.3, (rows, R)).astype(np.float32),

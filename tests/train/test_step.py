@@ -47,7 +47,7 @@ def make_batch(seed=0):
     attn[r, P + length:] = 0
   rewards = rng.integers(0, 2, rows).astype(np.float32)
   rewards[:N] = 1.0  # one group with all labels equal
-  batch = dict(input_ids=ids, attention_mask=attn, response_mask=resp, rewards=rewards,
+  batch = dict(input_ids=ids, attention_mask=attn, loss_mask=resp, rewards=rewards,
                ref_logprobs=rng.normal(-2, 0.3, (rows, R)).astype(np.float32),
                old_logprobs=rng.normal(-2, 0.3, (rows, R)).astype(np.float32),
                advantages=rng.normal(0, 1, (rows, R)).astype(np.float32),

@@ -195,7 +195,7 @@ def test_update_equals_verl_micro_batch_accumulation(tmp_path, algorithm):
   k = N_GROUPS  # our memory split: 4 micro-batches of one group (verl: 2 of 2 groups)
   split = lambda x: jnp.asarray(x).reshape((k, x.shape[0] // k) + x.shape[1:])
   mb = {"input_ids": split(ids.astype(np.int32)), "attention_mask": split(attn.astype(np.int32)),
-        "response_mask": split(attn[:, P:].astype(np.float32)), "rewards": split(rewards)}
+        "loss_mask": split(attn[:, P:].astype(np.float32)), "rewards": split(rewards)}
   tb = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(attn), "responses": torch.tensor(ids[:, P:])}
   response_mask = tb["attention_mask"][:, -R:].float()
 
