@@ -11,13 +11,13 @@ Shapes: B slots.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from pacs_jax import plugins
 from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import sampling as sampling_lib
 
@@ -180,17 +180,7 @@ LOCAL_ENGINE = "local"  # rollout.engine's default: the in-process engine (`loca
 
 def _lookup_engine(name: str) -> tuple[Callable | None, str | None]:
   """(the factory `name` ("package.module:factory") names, None), or (None, why it names none)."""
-  module_name, colon, attribute = name.partition(":") if isinstance(name, str) else ("", "", "")
-  if not colon or not module_name or not attribute:
-    return None, f'must be "{LOCAL_ENGINE}" or "package.module:factory", got {name!r}'
-  try:
-    module = importlib.import_module(module_name)
-  except Exception as e:  # noqa: BLE001 -- a module that raises on import names no engine either
-    return None, f"cannot import {module_name!r} ({type(e).__name__}: {e})"
-  factory = getattr(module, attribute, None)
-  if not callable(factory):
-    return None, f"module {module_name!r} has no callable {attribute!r}"
-  return factory, None
+  return plugins.lookup(name, f'"{LOCAL_ENGINE}" or "package.module:factory"')
 
 
 def engine_problem(name: str) -> str | None:
