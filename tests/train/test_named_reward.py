@@ -10,15 +10,9 @@ import pytest
 from pacs_jax import config as config_lib
 from pacs_jax.trainer import loop
 from pacs_jax.trainer.metrics import METRICS_FILE, read_rows
+from tests import tiny_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
-
-
-def tiny(**overrides):
-  base = {"steps": 2, "eval_every": 0, "train.batch_prompts": 8, "train.mini_batch_prompts": 4,
-          "checkpoint.async_save": False, "reward_workers": 1}
-  return config_lib.load_config_file(TINY, {**base, **overrides})
+tiny = tiny_config.two_steps
 
 
 def test_a_reward_named_in_the_config_scores_the_run(tmp_path):
