@@ -72,7 +72,7 @@ class Dapo(GrpoFamily):
     check(buffer_len <= cfg.rollout.max_new_tokens, f"{self.name}.overlong_buffer_len",
           f"must be at most rollout.max_new_tokens={cfg.rollout.max_new_tokens}, got {buffer_len}")
 
-  def norm_adv_by_std(self, cfg):
+  def norm_adv_by_std(self, settings):
     return True
 
   def shape_rewards(self, cfg, scores, response_mask):

@@ -37,10 +37,10 @@ class DrGrpo(GrpoFamily):
 
   settings_class = DrGrpoSettings
 
-  def norm_adv_by_std(self, cfg):
+  def norm_adv_by_std(self, settings):
     return False
 
-  def loss_agg_mode(self, cfg):
+  def loss_agg_mode(self, settings):
     return LOSS_AGG_MODE
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pacs_jax.algos import correction, groups as groups_lib, registry
+from pacs_jax.algos import advantages as advantages_lib, correction, registry
 from pacs_jax.algos.masked import masked_mean, masked_sum
 from pacs_jax.algos.settings import Settings, setting
 
@@ -19,14 +19,14 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 
 def group_advantages(rewards: jax.Array, *, group_size: int, norm_adv_by_std: bool = True,
-                     eps: float = groups_lib.GRPO_EPS) -> jax.Array:
+                     estimator: str | None = None) -> jax.Array:
   """A_i [B] = (R_i − mean_j R_j) / (std_j R_j + eps) over the j of i's group (std unbiased, ddof=1), or
-  R_i − mean_j R_j without std.
+  R_i − mean_j R_j without std: the registered estimator "grpo" or "drgrpo" (`advantages`), or `estimator`.
 
   A constant: rewards carry no gradient. (verl gives a single-response group mean 0, std 1; here n >= 2.)
   """
-  groups = groups_lib.split_groups(jax.lax.stop_gradient(rewards.astype(jnp.float32)), group_size)  # [U, n]
-  return groups_lib.mean_std_normalise(groups, norm_adv_by_std, eps).reshape(-1)
+  estimator = estimator or ("grpo" if norm_adv_by_std else "drgrpo")
+  return advantages_lib.get(estimator)(jax.lax.stop_gradient(rewards.astype(jnp.float32)), group_size)
 
 
 def agg_loss(loss_mat: jax.Array, loss_mask: jax.Array, loss_agg_mode: str = "token-mean",
@@ -138,16 +138,18 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, ref_logprobs: jax.Ar
               clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
               loss_agg_mode: str = "seq-mean-token-sum-norm", kl_loss_coef: float = 0.0,
               kl_loss_type: str = "low_var_kl", entropy: jax.Array | None = None,
-              entropy_coeff: float = 0.0, micro_batch_rows: int = 1,
-              is_weights: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+              entropy_coeff: float = 0.0, micro_batch_rows: int = 1, is_weights: jax.Array | None = None,
+              adv_estimator: str | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """GRPO actor loss: pg_loss(A = group_advantages(R)) + kl_coef · agg(KL(π_θ‖π_ref)) − ent_coef · agg(H).
 
   logprobs, old_logprobs, ref_logprobs, response_mask, entropy: [B, R]; rewards: [B]. The KL term is used when
   kl_loss_coef > 0 (needs ref_logprobs), the entropy bonus when entropy_coeff != 0 (needs entropy). Defaults
   are the paper's baseline: clip 0.2, seq-mean-token-sum-norm, no KL, no entropy; `micro_batch_rows`: see agg_loss;
-  `is_weights` [B, R]: the rollout correction's weights on the policy loss (see clipped_policy_loss).
+  `is_weights` [B, R]: the rollout correction's weights on the policy loss (see clipped_policy_loss);
+  `adv_estimator`: a registered estimator in place of the one `norm_adv_by_std` names (see group_advantages).
   """
-  advantages = group_advantages(rewards, group_size=group_size, norm_adv_by_std=norm_adv_by_std)  # [B]
+  advantages = group_advantages(rewards, group_size=group_size, norm_adv_by_std=norm_adv_by_std,
+                                estimator=adv_estimator)  # [B]
   loss, metrics = clipped_policy_loss(old_logprobs, logprobs, advantages, response_mask,
                                       clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
                                       clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
@@ -207,37 +209,37 @@ class ClippedRatio(registry.Algorithm):
   settings_class = ClippedRatioSettings
   supports_rollout_correction = True
 
-  def is_weights(self, cfg, micro) -> jax.Array | None:
+  def is_weights(self, objective, micro) -> jax.Array | None:
     """The rollout correction's truncated importance weights [..., R] (token level, `correction.tis_weights`) or
     [..., 1] (sequence level), or None without it (`rollout.tis_imp_ratio_cap` <= 0)."""
-    cap = self.tis_cap(cfg)
+    cap = objective.tis_cap
     if cap is None:
       return None
-    if self.tis_level(cfg) == "sequence":  # one weight per response on each of its tokens, as verl broadcasts it
+    if objective.tis_level == "sequence":  # one weight per response on each of its tokens, as verl broadcasts it
       return correction.sequence_tis_weights(micro["old_logprobs"], micro["behaviour_logprobs"],
                                              micro["loss_mask"], cap)[..., None]
     return correction.tis_weights(micro["old_logprobs"], micro["behaviour_logprobs"], cap)
 
-  def loss_agg_mode(self, cfg) -> str:
+  def loss_agg_mode(self, settings) -> str:
     """How the loss aggregates its per-token terms: the settings' mode, or a preset's fixed one."""
-    return self.settings(cfg).loss_agg_mode
+    return settings.loss_agg_mode
 
-  def micro_batch_rows(self, cfg) -> int:
+  def micro_batch_rows(self, objective) -> int:
     """The rows verl's seq-mean-token-sum-norm sums per micro-batch (`agg_loss`): the released PACS recipe's
     ppo_micro_batch_size_per_gpu (GRPO, PPO); an objective ported from today's verl, which normalises over the
     global mini-batch, says 1."""
-    return cfg.train.verl_micro_batch_rows
+    return objective.verl_micro_batch_rows
 
   def needs_old_logprobs(self, cfg):
     return True
 
-  def entropy_has_grad(self, cfg):
-    return self.settings(cfg).entropy_coeff != 0
+  def entropy_has_grad(self, objective):
+    return objective.settings.entropy_coeff != 0
 
-  def normaliser(self, cfg, micro, mask=None):
-    if self.loss_agg_mode(cfg) == "token-mean":
+  def normaliser(self, objective, micro, mask=None):
+    if self.loss_agg_mode(objective.settings) == "token-mean":
       return jnp.sum((micro["loss_mask"] if mask is None else mask).astype(jnp.float32))
-    return super().normaliser(cfg, micro, mask)
+    return super().normaliser(objective, micro, mask)
 
 
 class Grpo(ClippedRatio):
@@ -246,26 +248,28 @@ class Grpo(ClippedRatio):
   min_group_size = 2
   settings_class = GrpoSettings
 
-  def norm_adv_by_std(self, cfg) -> bool:
-    return self.settings(cfg).norm_adv_by_std
+  def norm_adv_by_std(self, settings) -> bool:
+    return settings.norm_adv_by_std
 
-  def kl_loss_coef(self, cfg) -> float | None:
+  def advantage_estimator(self, settings):
+    return "grpo" if self.norm_adv_by_std(settings) else "drgrpo"
+
+  def kl_loss_coef(self, settings) -> float | None:
     """The KL loss's coefficient, None without a KL loss (and so without a frozen reference)."""
-    s = self.settings(cfg)
-    return s.kl_coef if s.use_kl_loss else None
+    return settings.kl_coef if settings.use_kl_loss else None
 
   def reference(self, cfg):
-    return registry.Reference.NONE if self.kl_loss_coef(cfg) is None else registry.Reference.FROZEN
+    return registry.Reference.NONE if self.kl_loss_coef(self.settings(cfg)) is None else registry.Reference.FROZEN
 
-  def loss(self, cfg, logprobs, entropy, micro):
-    g = self.settings(cfg)
+  def loss(self, objective, logprobs, entropy, micro):
+    g = objective.settings
     return grpo_loss(logprobs, micro["old_logprobs"], micro.get("ref_logprobs"), micro["loss_mask"],
-                     micro["rewards"], group_size=cfg.rollout.n, norm_adv_by_std=self.norm_adv_by_std(cfg),
+                     micro["rewards"], group_size=objective.group_size, adv_estimator=objective.advantage_estimator,
                      clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
-                     clip_ratio_c=g.clip_ratio_c, loss_agg_mode=self.loss_agg_mode(cfg),
-                     kl_loss_coef=self.kl_loss_coef(cfg) or 0.0, entropy=entropy,
-                     entropy_coeff=g.entropy_coeff, micro_batch_rows=self.micro_batch_rows(cfg),
-                     is_weights=self.is_weights(cfg, micro))
+                     clip_ratio_c=g.clip_ratio_c, loss_agg_mode=self.loss_agg_mode(g),
+                     kl_loss_coef=self.kl_loss_coef(g) or 0.0, entropy=entropy,
+                     entropy_coeff=g.entropy_coeff, micro_batch_rows=self.micro_batch_rows(objective),
+                     is_weights=self.is_weights(objective, micro))
 
 
 class GrpoFamily(Grpo):
@@ -275,10 +279,10 @@ class GrpoFamily(Grpo):
 
   supports_rollout_correction = False
 
-  def kl_loss_coef(self, cfg):
+  def kl_loss_coef(self, settings):
     return None
 
-  def micro_batch_rows(self, cfg):
+  def micro_batch_rows(self, objective):
     return 1
 
 

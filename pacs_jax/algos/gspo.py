@@ -55,11 +55,12 @@ def sequence_ratio_loss(old_logprobs: jax.Array, logprobs: jax.Array, advantages
 
 def gspo_loss(logprobs: jax.Array, old_logprobs: jax.Array, response_mask: jax.Array, rewards: jax.Array, *,
               group_size: int, clip_ratio_low: float = 3e-4, clip_ratio_high: float = 4e-4,
-              entropy: jax.Array | None = None, entropy_coeff: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+              entropy: jax.Array | None = None, entropy_coeff: float = 0.0, adv_estimator: str = "grpo"
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """GSPO actor loss: sequence_ratio_loss(A = group_advantages(R), std-normalised) − ent_coef · agg(H).
 
-  logprobs, old_logprobs, response_mask, entropy: [B, R]; rewards: [B]."""
-  advantages = group_advantages(rewards, group_size=group_size)  # [B]
+  logprobs, old_logprobs, response_mask, entropy: [B, R]; rewards: [B]; `adv_estimator` the registered one."""
+  advantages = group_advantages(rewards, group_size=group_size, estimator=adv_estimator)  # [B]
   loss, metrics = sequence_ratio_loss(old_logprobs, logprobs, advantages, response_mask,
                                       clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high)
   loss = entropy_bonus(loss, metrics, entropy, response_mask, entropy_coeff=entropy_coeff,
@@ -81,14 +82,18 @@ class Gspo(GrpoFamily):
 
   settings_class = GspoSettings
 
-  def loss_agg_mode(self, cfg):
+  def norm_adv_by_std(self, settings):
+    return True
+
+  def loss_agg_mode(self, settings):
     return LOSS_AGG_MODE
 
-  def loss(self, cfg, logprobs, entropy, micro):
-    s = self.settings(cfg)
+  def loss(self, objective, logprobs, entropy, micro):
+    s = objective.settings
     return gspo_loss(logprobs, micro["old_logprobs"], micro["loss_mask"], micro["rewards"],
-                     group_size=cfg.rollout.n, clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
-                     entropy=entropy, entropy_coeff=s.entropy_coeff)
+                     group_size=objective.group_size, clip_ratio_low=s.clip_ratio_low,
+                     clip_ratio_high=s.clip_ratio_high, entropy=entropy, entropy_coeff=s.entropy_coeff,
+                     adv_estimator=objective.advantage_estimator)
 
 
 registry.register("gspo", Gspo())

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from pacs_jax.algos import batch as batch_lib, correction, groups as groups_lib, registry
+from pacs_jax.algos import advantages as advantages_lib, batch as batch_lib, correction, groups as groups_lib, registry
 from pacs_jax.algos.masked import masked_sum
 from pacs_jax.algos.settings import Settings, choice, setting
 
-ADV_ESTIMATORS = ("rloo", "grpo", "naive")
+ADV_ESTIMATORS = ("rloo", "grpo", "naive")  # the built-in ones; any registered estimator (`advantages`) is one too
 WEIGHT_MODES = ("question", "only_positive", "only_negative")
 REWARD_METHODS = ("1", "2")  # "1": β Σ (log π − log π_ref); "2": β Σ log π / |o|
 REFERENCE_POLICIES = (registry.Reference.FROZEN.value, registry.Reference.ROLLOUT.value)
@@ -54,17 +54,19 @@ def grpo_advantage(groups: jax.Array, norm_adv_by_std: bool = True, eps: float =
   return groups_lib.mean_std_normalise(groups, norm_adv_by_std, eps)
 
 
+def estimator_name(adv_estimator: str, norm_adv_by_std: bool = True) -> str:
+  """The registered estimator (`advantages`) of the settings: "grpo" without std is "drgrpo"."""
+  return "drgrpo" if adv_estimator == "grpo" and not norm_adv_by_std else adv_estimator
+
+
 def score(reward_proxy_values: jax.Array, *, group_size: int, adv_estimator: str = "rloo",
           norm_adv_by_std: bool = True) -> jax.Array:
-  """ψ [B] from r̂ [B]: "rloo" | "grpo" (± std) | "naive" (ψ = r̂). Gradients flow through the baselines."""
-  if adv_estimator == "naive":
-    return reward_proxy_values
-  groups = groups_lib.split_groups(reward_proxy_values, group_size)  # [U, n]
-  if adv_estimator == "rloo":
-    return rloo_advantage(groups).reshape(-1)
-  if adv_estimator == "grpo":
-    return grpo_advantage(groups, norm_adv_by_std).reshape(-1)
-  raise ValueError(f"adv_estimator must be one of {ADV_ESTIMATORS}, got {adv_estimator!r}")
+  """ψ [B] from r̂ [B]: "rloo" | "grpo" (± std) | "naive" (ψ = r̂), or another registered estimator
+  (`advantages`). Gradients flow through the baselines."""
+  name = estimator_name(adv_estimator, norm_adv_by_std)
+  if name not in advantages_lib.names():
+    raise ValueError(f"adv_estimator must be one of {advantages_lib.names()}, got {adv_estimator!r}")
+  return advantages_lib.get(name)(reward_proxy_values, group_size)
 
 
 def class_weights(rewards: jax.Array, *, group_size: int, use_weight: bool = True,
@@ -201,7 +203,7 @@ class PacsSettings(Settings):
 
   def check(self, check):
     check(self.reward_method in REWARD_METHODS, "reward_method", f'"1" | "2", got {self.reward_method!r}')
-    choice(check, self.adv_estimator, ADV_ESTIMATORS, "adv_estimator")
+    choice(check, self.adv_estimator, advantages_lib.names(), "adv_estimator")
     choice(check, self.weight_mode, WEIGHT_MODES, "weight_mode")
     choice(check, self.reference_policy, REFERENCE_POLICIES, "reference_policy")
     check(math.isfinite(self.beta), "beta", f"must be finite, got {self.beta}")
@@ -246,24 +248,26 @@ class Pacs(registry.Algorithm):
                                                      cfg.train.verl_micro_batch_rows)
     return {"logprob_targets": targets, "proxy_mask": proxy_mask}
 
-  def logprob_targets(self, cfg, batch):
-    return batch["logprob_targets"] if self.settings(cfg).exact_padding_replication else None
+  def advantage_estimator(self, settings):
+    return estimator_name(settings.adv_estimator, settings.norm_adv_by_std)
 
-  def loss(self, cfg, logprobs, entropy, micro):
-    p = self.settings(cfg)
+  def logprob_targets(self, objective, batch):
+    return batch["logprob_targets"] if objective.settings.exact_padding_replication else None
+
+  def loss(self, objective, logprobs, entropy, micro):
+    p = objective.settings
     sum_mask = micro.get("proxy_mask")
     if sum_mask is not None:  # less the inserted tokens: in the attention mask, out of the loss mask
       R = micro["loss_mask"].shape[-1]
       sum_mask = sum_mask - (micro["attention_mask"][:, -R:].astype(jnp.float32) - micro["loss_mask"])
     return pacs_loss(logprobs, micro["ref_logprobs"], micro["loss_mask"], micro["rewards"],
-                     group_size=cfg.rollout.n, beta=p.beta, reward_method=p.reward_method,
-                     adv_estimator=p.adv_estimator, norm_adv_by_std=p.norm_adv_by_std, use_weight=p.use_weight,
-                     weight_mode=p.weight_mode, sum_mask=sum_mask,
-                     is_weights=self.is_weights(cfg, micro))
+                     group_size=objective.group_size, beta=p.beta, reward_method=p.reward_method,
+                     adv_estimator=objective.advantage_estimator, use_weight=p.use_weight,
+                     weight_mode=p.weight_mode, sum_mask=sum_mask, is_weights=self.is_weights(objective, micro))
 
-  def is_weights(self, cfg, micro) -> jax.Array | None:
+  def is_weights(self, objective, micro) -> jax.Array | None:
     """The rollout correction's per-response weights [m], or None without it (`rollout.tis_imp_ratio_cap` <= 0)."""
-    cap = self.tis_cap(cfg)
+    cap = objective.tis_cap
     if cap is None:
       return None
     return correction.sequence_tis_weights(micro["old_logprobs"], micro["behaviour_logprobs"],

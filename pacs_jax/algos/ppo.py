@@ -169,16 +169,17 @@ class Ppo(ClippedRatio):
     return (batch_lib.per_response("advantages", jnp.float32, batch_lib.STEP),
             batch_lib.per_response("returns", jnp.float32, batch_lib.STEP))
 
-  def step_inputs(self, cfg, minibatches):
-    s = self.settings(cfg)
+  def step_inputs(self, objective, minibatches):
+    s = objective.settings
     return step_advantages(minibatches, gamma=s.gamma, lam=s.lam)
 
-  def loss(self, cfg, logprobs, entropy, micro):
-    g = self.settings(cfg)
+  def loss(self, objective, logprobs, entropy, micro):
+    g = objective.settings
     return policy_loss(micro["old_logprobs"], logprobs, micro["advantages"], micro["loss_mask"],
                        clip_ratio_low=g.clip_ratio_low, clip_ratio_high=g.clip_ratio_high,
-                       clip_ratio_c=g.clip_ratio_c, loss_agg_mode=self.loss_agg_mode(cfg),
-                       micro_batch_rows=self.micro_batch_rows(cfg), is_weights=self.is_weights(cfg, micro))
+                       clip_ratio_c=g.clip_ratio_c, loss_agg_mode=self.loss_agg_mode(g),
+                       micro_batch_rows=self.micro_batch_rows(objective),
+                       is_weights=self.is_weights(objective, micro))
 
   def make_critic(self, model_config, rngs):
     return Critic(model_config, rngs=rngs)
@@ -189,12 +190,12 @@ class Ppo(ClippedRatio):
   def critic_mask(self, micro):
     return critic_mask(micro["attention_mask"], micro["loss_mask"].shape[-1])
 
-  def critic_loss(self, cfg, values, micro):
+  def critic_loss(self, objective, values, micro):
     # The released critic (dp_critic.py update_critic): mask attention_mask[:, -R-1:-1], the actor's agg mode.
-    s = self.settings(cfg)
+    s = objective.settings
     return clipped_value_loss(values, micro["returns"], micro["old_values"], self.critic_mask(micro),
-                              cliprange_value=s.cliprange_value, loss_agg_mode=self.loss_agg_mode(cfg),
-                              micro_batch_rows=self.micro_batch_rows(cfg))
+                              cliprange_value=s.cliprange_value, loss_agg_mode=self.loss_agg_mode(s),
+                              micro_batch_rows=self.micro_batch_rows(objective))
 
 
 registry.register("ppo", Ppo())

@@ -19,6 +19,7 @@ import numpy as np
 from pacs_jax.algos import batch as batch_lib
 from pacs_jax.algos import settings as settings_lib
 from pacs_jax.algos.batch import Batch, Reference  # noqa: F401  (algorithms name it `registry.Reference`)
+from pacs_jax.algos.objective import Objective
 from pacs_jax.algos.settings import Check, Settings
 
 check_choice = settings_lib.choice
@@ -31,6 +32,10 @@ _REGISTRY: dict[str, "Algorithm"] = {}
 class Algorithm:
   """An objective on the shared loop. Subclasses override what differs; the defaults are a critic-free,
   reference-free policy loss averaged over rows.
+
+  A run binds its objective once (`bind`): the hooks that take `cfg` run on the host before or beside the step;
+  those the step traces (`loss`, `normaliser`, `critic_loss`, `logprob_targets`, `step_inputs`,
+  `entropy_has_grad`) take the bound `objective.Objective`, never the ConfigDict.
 
   A micro-batch (`batch.Batch`) is [m, ...] of each of the run's `batch_fields` (m rows = whole prompt groups):
   input_ids / attention_mask [m, L], loss_mask [m, R], rewards [m], plus what the algorithm asks for
@@ -50,6 +55,20 @@ class Algorithm:
   def settings(self, cfg: ml_collections.ConfigDict) -> Settings:
     """The algorithm's own settings, typed: `cfg.<name>` (the defaults when the config has no such block)."""
     return self.settings_class.from_block(cfg.get(self.name))
+
+  def advantage_estimator(self, settings: Settings) -> str | None:
+    """The registered advantage estimator (`advantages.get`) the loss uses under `settings`, or None."""
+    return None
+
+  def bind(self, cfg: ml_collections.ConfigDict) -> Objective:
+    """This objective bound to the run `cfg`: every value its traced hooks read, frozen and hashable."""
+    settings = self.settings(cfg)
+    return Objective(
+        algorithm=self, settings=settings, group_size=cfg.rollout.n, temperature=cfg.rollout.temperature,
+        logits_chunk=cfg.train.logits_chunk, keep_logits=cfg.train.keep_logits, reference=self.reference(cfg),
+        needs_old_logprobs=self.needs_old_logprobs(cfg), tis_cap=self.tis_cap(cfg), tis_level=self.tis_level(cfg),
+        fields=self.batch_fields(cfg), verl_micro_batch_rows=cfg.train.verl_micro_batch_rows,
+        max_new_tokens=cfg.rollout.max_new_tokens, advantage_estimator=self.advantage_estimator(settings))
 
   def validate_settings(self, cfg: ml_collections.ConfigDict, check: Check) -> None:
     """Checks the algorithm's own settings block (`cfg.<name>`) by its settings class; run for the configured
@@ -126,31 +145,31 @@ class Algorithm:
     """[U] the prompt groups of the verifier's scores [rows] (rows prompt-major) a dynamically sampled step keeps."""
     return np.ones(scores.shape[0] // cfg.rollout.n, bool)
 
-  def logprob_targets(self, cfg: ml_collections.ConfigDict, batch: Batch) -> jax.Array | None:
+  def logprob_targets(self, objective: Objective, batch: Batch) -> jax.Array | None:
     """The tokens [..., R] whose log-probs the policy passes read (a micro- or mini-batch's field), or None: the
     response tokens."""
     return None
 
-  def step_inputs(self, cfg: ml_collections.ConfigDict, minibatches: list[Batch]) -> list[Batch]:
+  def step_inputs(self, objective: Objective, minibatches: list[Batch]) -> list[Batch]:
     """Fields computed over the whole step's batch (jitted), one dict per mini-batch [k, m, R]: the
     `extra_fields` of source `batch.STEP`, after the log-prob and value passes."""
     return [{} for _ in minibatches]
 
-  def entropy_has_grad(self, cfg: ml_collections.ConfigDict) -> bool:
+  def entropy_has_grad(self, objective: Objective) -> bool:
     """The entropy is part of the objective (otherwise it is only a metric and carries no gradient)."""
     return False
 
-  def loss(self, cfg: ml_collections.ConfigDict, logprobs: jax.Array, entropy: jax.Array,
+  def loss(self, objective: Objective, logprobs: jax.Array, entropy: jax.Array,
            micro: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The policy loss of one micro-batch from the current log-probs / entropies [m, R] -> (loss, metrics)."""
     raise NotImplementedError
 
-  def normaliser(self, cfg: ml_collections.ConfigDict, micro: Batch, mask: jax.Array | None = None) -> jax.Array:
+  def normaliser(self, objective: Objective, micro: Batch, mask: jax.Array | None = None) -> jax.Array:
     """What the loss over `mask` (default: the loss mask) is a mean over: the micro-batch's accumulation
     weight, so that k micro-batches give the unsplit mini-batch's gradient. Default: rows."""
     return jnp.asarray(micro["rewards"].shape[0], jnp.float32)
 
-  def critic_loss(self, cfg: ml_collections.ConfigDict, values: jax.Array,
+  def critic_loss(self, objective: Objective, values: jax.Array,
                   micro: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The value loss of one micro-batch from the critic's values [m, R] (`has_critic` only)."""
     raise NotImplementedError
@@ -199,6 +218,11 @@ def get(name: str) -> Algorithm:
 def of(cfg: ml_collections.ConfigDict) -> Algorithm:
   """The configured algorithm."""
   return get(cfg.algorithm)
+
+
+def bind(cfg: ml_collections.ConfigDict) -> Objective:
+  """The configured algorithm bound to `cfg` (`Algorithm.bind`)."""
+  return of(cfg).bind(cfg)
 
 
 def settings_blocks() -> dict[str, ml_collections.ConfigDict]:

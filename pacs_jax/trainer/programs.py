@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
 from pacs_jax.algos import batch as batch_lib, correction, registry
+from pacs_jax.algos.objective import Objective
 from pacs_jax.models import decoder, lora
 from pacs_jax.models import registry as model_registry
 from pacs_jax.rollout import interface as rollout_interface
@@ -234,47 +235,44 @@ def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, opt
   layout = batch_layout(cfg)
   abstract = layout.abstract(lambda ndim: minibatch_sharding(mesh, ndim))
   batch_shardings = {name: s.sharding for name, s in abstract.items()}
-  algo = registry.of(cfg)
-  targets = lambda minibatch: algo.logprob_targets(cfg, minibatch)
+  objective = registry.bind(cfg)  # what the traced programs read of the run: never `cfg` itself
+  targets = objective.logprob_targets
   # Rollout weights: sample-mode layout in the compute dtype. The model casts every weight to that
   # dtype before use, so sampling numerics are unchanged while memory and bandwidth drop.
   compute = config_lib.dtype(cfg.model.dtype)
   if frozen is not None:
-    return _lora_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
+    return _lora_programs(objective, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
                           sample_shardings, frozen, batch_shardings, targets, compute, layout)
-  step_fn = step_lib.make_train_step(cfg, graphdef, optimizer, critic_graphdef, critic_optimizer)
-  logprob_fn = jax.jit(step_lib.make_logprob_fn(graphdef, cfg.rollout.temperature, cfg.train.logits_chunk, targets))
+  step_fn = step_lib.make_train_step(objective, graphdef, optimizer, critic_graphdef, critic_optimizer)
+  logprob_fn = jax.jit(step_lib.make_logprob_fn(graphdef, objective.temperature, objective.logits_chunk, targets))
   return Programs(
       train_step=jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings, sharding.replicated(mesh)),
                          out_shardings=(state_shardings, None), donate_argnums=(0,)),
       logprob_fn=logprob_fn,
-      value_fn=(jax.jit(step_lib.make_value_fn(critic_graphdef, algo.critic_mask)) if critic_graphdef is not None
-                else None),
-      step_inputs=_step_inputs(cfg, layout),
+      value_fn=(jax.jit(step_lib.make_value_fn(critic_graphdef, objective.critic_mask))
+                if critic_graphdef is not None else None),
+      step_inputs=_step_inputs(objective, layout),
       to_sample_params=jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute), p), out_shardings=sample_shardings),
-      ref_logprob_fn=logprob_fn, importance_stats=_importance_stats(cfg))
+      ref_logprob_fn=logprob_fn, importance_stats=_importance_stats(objective))
 
 
-def _importance_stats(cfg: ml_collections.ConfigDict) -> Callable | None:
-  algo = registry.of(cfg)
-  cap = algo.tis_cap(cfg)
+def _importance_stats(objective: Objective) -> Callable | None:
+  cap = objective.tis_cap
   return None if cap is None else jax.jit(functools.partial(correction.importance_stats, cap=cap,
-                                                            level=algo.tis_level(cfg)))
+                                                            level=objective.tis_level))
 
 
-def _step_inputs(cfg: ml_collections.ConfigDict, layout: batch_lib.BatchLayout) -> Callable | None:
-  algo = registry.of(cfg)
-  return jax.jit(lambda mbs: algo.step_inputs(cfg, mbs)) if layout.names(batch_lib.STEP) else None
+def _step_inputs(objective: Objective, layout: batch_lib.BatchLayout) -> Callable | None:
+  return jax.jit(lambda mbs: objective.step_inputs(mbs)) if layout.names(batch_lib.STEP) else None
 
 
-def _lora_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings, sample_shardings,
+def _lora_programs(objective: Objective, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings, sample_shardings,
                    frozen: adapters_lib.Frozen, batch_shardings, targets, compute, layout) -> Programs:
   """A LoRA run's programs: the base is an argument (never donated, no gradient); the rollout weights are the
   merged W + scale · A B, formed on device from the adapters and the base at each policy update."""
   mesh = jax.tree.leaves(state_shardings)[0].mesh
-  algo = registry.of(cfg)
-  step_fn = step_lib.make_train_step(cfg, graphdef, optimizer, critic_graphdef, critic_optimizer, frozen=True)
-  temperature, chunk = cfg.rollout.temperature, cfg.train.logits_chunk
+  step_fn = step_lib.make_train_step(objective, graphdef, optimizer, critic_graphdef, critic_optimizer, frozen=True)
+  temperature, chunk = objective.temperature, objective.logits_chunk
 
   def to_sample_params(params, base):
     return jax.tree.map(lambda x: x.astype(compute), lora.merge_into(base, params, frozen.spec))
@@ -284,9 +282,9 @@ def _lora_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, 
                                                 frozen.shardings),
                          out_shardings=(state_shardings, None), donate_argnums=(0,)),
       logprob_fn=jax.jit(step_lib.make_logprob_fn(graphdef, temperature, chunk, targets, frozen=True)),
-      value_fn=(jax.jit(step_lib.make_value_fn(critic_graphdef, algo.critic_mask, frozen=True))
+      value_fn=(jax.jit(step_lib.make_value_fn(critic_graphdef, objective.critic_mask, frozen=True))
                 if critic_graphdef is not None else None),
-      step_inputs=_step_inputs(cfg, layout),
+      step_inputs=_step_inputs(objective, layout),
       to_sample_params=jax.jit(to_sample_params, out_shardings=sample_shardings),
       ref_logprob_fn=jax.jit(step_lib.make_logprob_fn(frozen.ref_graphdef, temperature, chunk, targets)),
-      importance_stats=_importance_stats(cfg))
+      importance_stats=_importance_stats(objective))

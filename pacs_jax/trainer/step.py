@@ -6,7 +6,8 @@ micro-batches of m rows (whole prompt groups). Gradients are accumulated over mi
 one's share of the loss normaliser (the algorithm's `normaliser`), so k micro-batches give exactly the unsplit
 mini-batch's gradient. A training step is several such updates; its last one (`ends_step`, a traced [] bool
 argument: one compiled step for every update) also advances `state.step` and the RNG. What differs between
-algorithms comes from their registry hooks; this module knows none by name.
+algorithms comes from the run's bound objective (`algos.objective.Objective`, `Algorithm.bind(cfg)`); this module
+knows none by name, and no ConfigDict reaches its traced functions.
 
 Shapes: B rows, L = P + R tokens (prompt left-padded to P, response right-padded to R), D model width,
 V vocabulary.
@@ -18,13 +19,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx
 
-from pacs_jax.algos import registry
 from pacs_jax.algos.batch import Batch
 from pacs_jax.algos.masked import masked_mean
+from pacs_jax.algos.objective import Objective
 from pacs_jax.models import chunked_logprobs
 from pacs_jax.trainer import adapters as adapters_lib
 from pacs_jax.trainer import state as state_lib
@@ -58,21 +58,20 @@ def response_values(critic, input_ids, attention_mask, response_len: int):
   return values[:, L - response_len - 1:L - 1]
 
 
-def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.GradientTransformation,
+def make_train_step(objective: Objective, graphdef, optimizer: optax.GradientTransformation,
                     critic_graphdef=None, critic_optimizer: optax.GradientTransformation | None = None,
                     optimizer_metrics: Callable[[Any], dict[str, jax.Array]] = state_lib.optimizer_metrics,
                     frozen: bool = False) -> Callable[..., tuple[TrainState, dict]]:
   """Builds the pure step `(state, minibatch, ends_step=True)`: accumulate gradients over micro-batches, then one
   (possibly skipped) update; when `ends_step` (the training step's last mini-batch; by default the mini-batch is
-  a whole training step), `state.step` + 1 and the next RNG key.
+  a whole training step), `state.step` + 1 and the next RNG key. `objective`: the run's (`registry.bind(cfg)`).
 
   `optimizer_metrics(opt_state)`: the metrics read from the optimizer state (skipped updates, learning rate).
   `frozen` (a LoRA run): the step is `(state, minibatch, ends_step, base)`, the models are the state's adapters on
   the frozen `base` weights (PPO's critic on its backbone), and the gradients are the adapters' (and the critic
   head's) only.
   """
-  algo = registry.of(cfg)
-  temperature = cfg.rollout.temperature
+  temperature = objective.temperature
 
   def losses(base):
     """The policy's and the critic's micro-batch losses of their trained params (on `base` in a LoRA run)."""
@@ -81,11 +80,11 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
       model = adapters_lib.merge(graphdef, params, base)
       R = micro["loss_mask"].shape[-1]
       logp, entropy = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
-                                        with_entropy=True, targets=algo.logprob_targets(cfg, micro),
-                                        logits_chunk=cfg.train.logits_chunk, keep_logits=cfg.train.keep_logits)
+                                        with_entropy=True, targets=objective.logprob_targets(micro),
+                                        logits_chunk=objective.logits_chunk, keep_logits=objective.keep_logits)
       # The entropy only carries gradient when it is part of the objective (GRPO's entropy bonus).
-      loss, metrics = algo.loss(cfg, logp, entropy if algo.entropy_has_grad(cfg) else jax.lax.stop_gradient(entropy),
-                                micro)
+      loss, metrics = objective.loss(logp, entropy if objective.entropy_has_grad else jax.lax.stop_gradient(entropy),
+                                     micro)
       metrics = dict(metrics)
       metrics["entropy"] = masked_mean(jax.lax.stop_gradient(entropy), micro["loss_mask"])
       return loss, metrics
@@ -93,7 +92,7 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
     def critic_loss(critic_params, micro):
       critic = adapters_lib.merge(critic_graphdef, critic_params, None if base is None else adapters_lib.critic_base(base))
       R = micro["loss_mask"].shape[-1]
-      return algo.critic_loss(cfg, response_values(critic, micro["input_ids"], micro["attention_mask"], R), micro)
+      return objective.critic_loss(response_values(critic, micro["input_ids"], micro["attention_mask"], R), micro)
 
     return micro_loss, critic_loss
 
@@ -128,13 +127,13 @@ def make_train_step(cfg: ml_collections.ConfigDict, graphdef, optimizer: optax.G
   def step(state: TrainState, minibatch: Batch, ends_step: jax.Array | bool, base: nnx.State | None
            ) -> tuple[TrainState, dict]:  # minibatch: [k, m, ...] each
     micro_loss, critic_loss = losses(base)
-    grads, metrics = accumulate(micro_loss, state.params, minibatch, lambda m: algo.normaliser(cfg, m))
+    grads, metrics = accumulate(micro_loss, state.params, minibatch, objective.normaliser)
     metrics["grad_norm"] = optax.tree.norm(grads)
     params, opt_state = apply(optimizer, state.params, state.opt_state, grads)
     metrics.update(optimizer_metrics(opt_state))
     critic_params, critic_opt_state = state.critic_params, state.critic_opt_state
     if critic_graphdef is not None:
-      value_weight = lambda m: algo.normaliser(cfg, m, algo.critic_mask(m))
+      value_weight = lambda m: objective.normaliser(m, objective.critic_mask(m))
       critic_grads, critic_metrics = accumulate(critic_loss, critic_params, minibatch, value_weight)
       metrics.update({k if k.startswith("critic/") else f"critic/{k}": v for k, v in critic_metrics.items()})
       metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)

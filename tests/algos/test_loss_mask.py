@@ -55,14 +55,14 @@ def micro_batch(cfg, seed=0):
     if field.name not in arrays and field.source != batch_lib.STEP:
       arrays[field.name] = rng.uniform(-2.0, -0.1, (ROWS,) + layout.row_shape(field)).astype(np.float32)
   micro = {k: jnp.asarray(v) for k, v in arrays.items()}
-  step_inputs = algo.step_inputs(cfg, [{k: v[None] for k, v in micro.items()}])[0]
+  step_inputs = algo.bind(cfg).step_inputs([{k: v[None] for k, v in micro.items()}])[0]
   micro.update({k: v[0] for k, v in step_inputs.items()})
   return micro, jnp.asarray(inserted > 0)
 
 
 def loss_of(cfg, micro):
   algo = registry.of(cfg)
-  return lambda logprobs, entropy: algo.loss(cfg, logprobs, entropy, micro)[0]
+  return lambda logprobs, entropy: algo.bind(cfg).loss(logprobs, entropy, micro)[0]
 
 
 @pytest.mark.parametrize("name,overrides", CASES + CORRECTED, ids=lambda x: str(x))

@@ -237,10 +237,10 @@ def our_update(name, batch, micro_rows, entropy_coeff=0.0):
     micro = {("loss_mask" if k == "response_mask" else k): jnp.asarray(v[start:start + micro_rows])
              for k, v in batch.items() if k not in ("logprobs", "entropy")}
     entropy = jnp.asarray(batch["entropy"][start:start + micro_rows])
-    fn = lambda logp: algo.loss(cfg, logp, entropy, micro)  # noqa: E731
+    fn = lambda logp: algo.bind(cfg).loss(logp, entropy, micro)  # noqa: E731
     (loss, m), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(batch["logprobs"][start:start + micro_rows]))
     losses, grads, metrics = losses + [loss], grads + [grad], metrics + [m]
-    weights.append(algo.normaliser(cfg, micro))
+    weights.append(algo.bind(cfg).normaliser(micro))
   total = sum(weights)
   loss = sum(w * l for w, l in zip(weights, losses)) / total
   grad = np.concatenate([np.asarray(w * g / total) for w, g in zip(weights, grads)])
@@ -278,7 +278,7 @@ def test_clip_higher_lets_a_positive_advantage_ratio_grow_to_1_28():
   grads = {}
   for name in ("grpo", "dapo"):
     cfg.algorithm = name
-    grads[name] = jax.grad(lambda lp: registry.of(cfg).loss(cfg, lp, jnp.zeros((2, 1)), micro)[0])(logp)
+    grads[name] = jax.grad(lambda lp: registry.bind(cfg).loss(lp, jnp.zeros((2, 1)), micro)[0])(logp)
   assert grads["grpo"][0, 0] == 0.0
   assert grads["dapo"][0, 0] < -0.1
 

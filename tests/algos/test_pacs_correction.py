@@ -83,7 +83,7 @@ def test_pacs_loss_with_the_correction_matches_torch(cap, estimator):
   cfg.pacs.adv_estimator = estimator
   micro = {"ref_logprobs": jnp.asarray(ref), "loss_mask": jnp.asarray(mask), "rewards": jnp.asarray(rewards),
            "old_logprobs": jnp.asarray(old), "behaviour_logprobs": jnp.asarray(behaviour)}
-  fn = lambda lp: registry.of(cfg).loss(cfg, lp, None, micro)  # noqa: E731
+  fn = lambda lp: registry.bind(cfg).loss(lp, None, micro)  # noqa: E731
   (loss, _), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(logprobs))
   weights = verl_sequence_weights(torch.tensor(old) - torch.tensor(behaviour), torch.tensor(mask), cap)[:, 0]
   kw = dict(n=GROUP_SIZE, beta=1.0, reward_method="1", adv_estimator=estimator, norm_adv_by_std=True,
@@ -103,7 +103,7 @@ def test_inert_when_off_and_when_behaviour_is_pi_old():
            "old_logprobs": jnp.asarray(old), "behaviour_logprobs": jnp.asarray(old)}
 
   def loss_and_grad(cfg, micro):
-    fn = jax.jit(jax.value_and_grad(lambda lp: registry.of(cfg).loss(cfg, lp, None, micro)[0]))
+    fn = jax.jit(jax.value_and_grad(lambda lp: registry.bind(cfg).loss(lp, None, micro)[0]))
     return [np.asarray(x) for x in fn(jnp.asarray(logprobs))]
 
   plain = loss_and_grad(pacs_config(-1.0), {k: v for k, v in micro.items() if "old" not in k and "behav" not in k})
@@ -113,7 +113,7 @@ def test_inert_when_off_and_when_behaviour_is_pi_old():
   assert np.all(np.asarray(correction.sequence_tis_weights(micro["old_logprobs"], micro["behaviour_logprobs"],
                                                            micro["loss_mask"], 2.0)) == 1.0)
   off = pacs_config(-1.0)
-  assert registry.of(off).is_weights(off, micro) is None
+  assert registry.of(off).is_weights(registry.bind(off), micro) is None
   names = [f.name for f in registry.of(off).batch_fields(off)]
   assert "old_logprobs" not in names and "behaviour_logprobs" not in names  # the frozen reference: no extra pass
 
@@ -157,7 +157,7 @@ def test_grpo_at_the_sequence_level_weighs_each_token_by_its_responses_weight():
   config_lib.validate(cfg, num_devices=1, check_paths=False)
   micro = {"loss_mask": jnp.asarray(mask), "rewards": jnp.asarray(rewards), "old_logprobs": jnp.asarray(old),
            "behaviour_logprobs": jnp.asarray(behaviour)}
-  loss = registry.of(cfg).loss(cfg, jnp.asarray(logprobs), None, micro)[0]
+  loss = registry.bind(cfg).loss(jnp.asarray(logprobs), None, micro)[0]
   weights = verl_sequence_weights(torch.tensor(old) - torch.tensor(behaviour), torch.tensor(mask), 2.0).numpy()
   want = grpo.grpo_loss(jnp.asarray(logprobs), jnp.asarray(old), None, jnp.asarray(mask), jnp.asarray(rewards),
                         group_size=GROUP_SIZE, micro_batch_rows=cfg.train.verl_micro_batch_rows,
@@ -165,4 +165,4 @@ def test_grpo_at_the_sequence_level_weighs_each_token_by_its_responses_weight():
   np.testing.assert_allclose(float(loss), float(want), rtol=0, atol=1e-6)
   token = config_lib.default_config()
   token.algorithm, token.rollout.n, token.rollout.tis_imp_ratio_cap = "grpo", GROUP_SIZE, 2.0
-  assert abs(float(registry.of(token).loss(token, jnp.asarray(logprobs), None, micro)[0]) - float(loss)) > 1e-4
+  assert abs(float(registry.bind(token).loss(jnp.asarray(logprobs), None, micro)[0]) - float(loss)) > 1e-4

@@ -18,7 +18,7 @@ def ppo_loss(cfg):
            "advantages": jnp.asarray(rng.normal(size=(4, 6)), jnp.float32),
            "loss_mask": jnp.asarray(rng.random((4, 6)) < 0.8, jnp.float32)}
   logprobs = micro["old_logprobs"] + jnp.asarray(rng.normal(size=(4, 6)) * 0.5, jnp.float32)
-  loss, _ = registry.get("ppo").loss(cfg, logprobs, None, micro)
+  loss, _ = registry.get("ppo").bind(cfg).loss(logprobs, None, micro)
   return float(loss)
 
 

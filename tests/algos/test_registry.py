@@ -27,12 +27,12 @@ class ToyReinforce(registry.Algorithm):
   def __init__(self):
     self.traced = 0
 
-  def entropy_has_grad(self, cfg):
+  def entropy_has_grad(self, objective):
     return True
 
-  def loss(self, cfg, logprobs, entropy, micro):
+  def loss(self, objective, logprobs, entropy, micro):
     self.traced += 1
-    rewards = groups.split_groups(micro["rewards"], cfg.rollout.n)  # [U, n]
+    rewards = groups.split_groups(micro["rewards"], objective.group_size)  # [U, n]
     advantages = groups.mean_std_normalise(rewards, norm_by_std=False).reshape(-1)  # [B]
     loss = -jnp.mean(advantages * masked_sum(logprobs, micro["loss_mask"], axis=-1))
     loss = loss - 0.01 * masked_mean(entropy, micro["loss_mask"])  # a gradient even when all rewards agree

@@ -41,9 +41,9 @@ class ToyScaled(registry.Algorithm):
   min_group_size = 2
   settings_class = ToySettings
 
-  def loss(self, cfg, logprobs, entropy, micro):
-    s = self.settings(cfg)
-    rewards = groups.split_groups(micro["rewards"], cfg.rollout.n)  # [U, n]
+  def loss(self, objective, logprobs, entropy, micro):
+    s = objective.settings
+    rewards = groups.split_groups(micro["rewards"], objective.group_size)  # [U, n]
     advantages = rewards - jnp.mean(rewards, -1, keepdims=True) if s.baseline == "mean" else rewards
     loss = -s.scale * jnp.mean(advantages.reshape(-1) * masked_sum(logprobs, micro["loss_mask"], axis=-1))
     return loss, {"toy/scale": jnp.float32(s.scale)}

@@ -164,7 +164,7 @@ def our_loss(name: str, batch, cap: float, mode: str) -> tuple[float, np.ndarray
   cfg = config(name, cap, mode)
   algo = registry.of(cfg)
   micro = {("loss_mask" if k == "response_mask" else k): jnp.asarray(v) for k, v in batch.items() if k != "logprobs"}
-  fn = lambda logp: algo.loss(cfg, logp, jnp.zeros((B, R)), micro)[0]  # noqa: E731
+  fn = lambda logp: algo.bind(cfg).loss(logp, jnp.zeros((B, R)), micro)[0]  # noqa: E731
   loss, grad = jax.value_and_grad(fn)(jnp.asarray(batch["logprobs"]))
   return float(loss), np.asarray(grad)
 

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from pacs_jax import config as config_lib
-from pacs_jax.algos import ppo
+from pacs_jax.algos import ppo, registry as algo_registry
 from pacs_jax.models import registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import scheduler
@@ -92,7 +92,7 @@ def test_first_train_step_is_the_same_with_remat(algorithm):
     state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                                  rng=state_lib.initial_rng(0), critic_params=critic[2],
                                  critic_opt_state=None if critic[2] is None else optimizer.init(critic[2]))
-    step = step_lib.make_train_step(cfg, policy_graphdef, optimizer, critic_graphdef,
+    step = step_lib.make_train_step(algo_registry.bind(cfg), policy_graphdef, optimizer, critic_graphdef,
                                     optimizer if critic_graphdef is not None else None, optimizer_metrics=sgd_metrics)
     results.append(jax.jit(step)(state, mb))
   (plain_state, plain_metrics), (remat_state, remat_metrics) = results

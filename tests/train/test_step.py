@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from pacs_jax import config as config_lib
-from pacs_jax.algos import ppo
+from pacs_jax.algos import ppo, registry as algo_registry
 from pacs_jax.models import qwen2, registry
 from pacs_jax.trainer import state as state_lib
 from pacs_jax.trainer import step as step_lib
@@ -74,7 +74,7 @@ def grads_of(cfg, batch, k):
                                critic_opt_state=sgd.init(critic_params) if critic_params is not None else None)
 
   # sgd has no skip counter / lr hyperparams: constant optimizer metrics instead.
-  fn = step_lib.make_train_step(cfg, graphdef, sgd, critic_graphdef, sgd if critic_graphdef else None,
+  fn = step_lib.make_train_step(algo_registry.bind(cfg), graphdef, sgd, critic_graphdef, sgd if critic_graphdef else None,
                                 optimizer_metrics=SGD_METRICS)
   new_state, metrics = jax.jit(fn)(state, split(batch, k))
   grads = jax.tree.map(lambda a, b: a - b, params, new_state.params)
@@ -115,7 +115,7 @@ def test_non_finite_gradient_is_skipped_and_counted_then_training_continues():
   opt = state_lib.make_optimizer(cfg.train, cfg.train.lr, 10)
   state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params),
                                rng=state_lib.initial_rng(0))
-  step = jax.jit(step_lib.make_train_step(cfg, graphdef, opt))
+  step = jax.jit(step_lib.make_train_step(algo_registry.bind(cfg), graphdef, opt))
   good = make_batch()
   bad = dict(good, ref_logprobs=good["ref_logprobs"].at[3, 0].set(jnp.nan))
   before = jax.tree.map(np.asarray, state.params)
@@ -143,7 +143,7 @@ def test_jitted_step_advances_the_step_counter_and_the_rng():
   rng_before = np.asarray(state.rng)
   carry, sub = jax.random.split(jax.random.wrap_key_data(state.rng))
   assert state_lib.rollout_seed(state.rng) == int(jax.random.randint(sub, (), 0, 2**31 - 1))
-  step = jax.jit(step_lib.make_train_step(cfg, graphdef, opt))
+  step = jax.jit(step_lib.make_train_step(algo_registry.bind(cfg), graphdef, opt))
   batch = split(make_batch(), 2)
 
   mid, _ = step(state, batch, jnp.asarray(False))

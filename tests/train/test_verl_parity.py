@@ -21,7 +21,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from pacs_jax import config as config_lib
-from pacs_jax.algos import ppo
+from pacs_jax.algos import ppo, registry as algo_registry
 from pacs_jax.models import hf, qwen2, registry
 from pacs_jax.trainer import state as state_lib
 from pacs_jax.trainer import step as step_lib
@@ -165,7 +165,7 @@ def run_step(cfg, policy, critic, minibatch):
                                rng=state_lib.initial_rng(0), critic_params=critic_params,
                                critic_opt_state=read_back.init(critic_params) if critic is not None else None)
   sgd_metrics = lambda s: {"skipped_updates": jnp.zeros((), jnp.float32), "lr": jnp.ones(())}  # SGD keeps neither
-  fn = step_lib.make_train_step(cfg, graphdef, read_back, critic_graphdef, read_back if critic else None,
+  fn = step_lib.make_train_step(algo_registry.bind(cfg), graphdef, read_back, critic_graphdef, read_back if critic else None,
                                 optimizer_metrics=sgd_metrics)
   new_state, metrics = jax.jit(fn)(state, minibatch)
   grads = jax.tree.map(lambda a, b: a - b, params, new_state.params)
