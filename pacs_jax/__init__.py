@@ -9,6 +9,7 @@ The public API (docs/api.md):
   save_pretrained(model, "out/", tokenizer=tokenizer)   # a directory transformers loads
   register_algorithm("mine", MyAlgorithm())             # an objective for config.algorithm = "mine"
   AlgorithmSettings, setting                             # its typed settings: the config's `mine` block
+  register_advantage_estimator("mine")(fn)               # a group baseline an objective names
   pacs_loss, grpo_loss, clipped_policy_loss, clipped_value_loss  # the losses, pure functions of arrays
 
 Importing the package is light: each name is imported on first use (module `__getattr__`), so that
@@ -44,6 +45,7 @@ _PUBLIC = {
     "register_algorithm": ("pacs_jax.algos.registry", "register"),
     "AlgorithmSettings": ("pacs_jax.algos.settings", "Settings"),
     "setting": ("pacs_jax.algos.settings", "setting"),
+    "register_advantage_estimator": ("pacs_jax.algos.advantages", "register"),
     "pacs_loss": ("pacs_jax.algos.pacs", "pacs_loss"),
     "grpo_loss": ("pacs_jax.algos.grpo", "grpo_loss"),
     "clipped_policy_loss": ("pacs_jax.algos.grpo", "clipped_policy_loss"),
