@@ -75,20 +75,20 @@ class Dapo(GrpoFamily):
   def norm_adv_by_std(self, settings):
     return True
 
-  def shape_rewards(self, cfg, scores, response_mask):
-    s = self.settings(cfg)
-    penalty = overlong_penalty(response_mask.sum(-1), max_response_len=cfg.rollout.max_new_tokens,
+  def shape_rewards(self, objective, scores, response_mask):
+    s = objective.settings
+    penalty = overlong_penalty(response_mask.sum(-1), max_response_len=objective.max_new_tokens,
                                buffer_len=s.overlong_buffer_len, penalty_factor=s.overlong_penalty_factor)
     return (scores + penalty).astype(np.float32)
 
-  def sampling_rounds(self, cfg):
-    s = self.settings(cfg)
+  def sampling_rounds(self, objective):
+    s = objective.settings
     return s.max_num_gen_batches if s.filter_groups else 1
 
-  def keep_groups(self, cfg, scores):
-    if not self.settings(cfg).filter_groups:
-      return super().keep_groups(cfg, scores)
-    return keep_groups(scores, cfg.rollout.n)
+  def keep_groups(self, objective, scores):
+    if not objective.settings.filter_groups:
+      return super().keep_groups(objective, scores)
+    return keep_groups(scores, objective.group_size)
 
 
 registry.register("dapo", Dapo())

@@ -1,5 +1,6 @@
 """An objective bound to its run (`Algorithm.bind(cfg)`): a frozen, hashable `Objective` holding every value the
-step's traced functions need, so they take it (a static value under jit) and never the run's ConfigDict."""
+step's traced functions and the loop's per-step hooks need, so they take it (a static value under jit) and never
+the run's ConfigDict."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 
 from pacs_jax.algos import advantages as advantages_lib
 from pacs_jax.algos.batch import Batch, Field, Reference
@@ -16,8 +18,8 @@ from pacs_jax.algos.settings import Settings
 @dataclasses.dataclass(frozen=True)
 class Objective:
   """One run's objective: its algorithm (a `registry.Algorithm`, hashed by identity), its typed settings and the
-  run's values its hooks read. The traced hooks are called through it (`loss`, `normaliser`, ...): each is the
-  algorithm's hook given this object."""
+  run's values its hooks read. The hooks are called through it (`loss`, `normaliser`, `host_inputs`, ...): each
+  is the algorithm's hook given this object."""
   algorithm: Any
   settings: Settings
   group_size: int  # n responses per prompt (`rollout.n`)
@@ -66,3 +68,18 @@ class Objective:
 
   def step_inputs(self, minibatches: list[Batch]) -> list[Batch]:
     return self.algorithm.step_inputs(self, minibatches)
+
+  # The loop's per-step host hooks (numpy, one process's rows).
+  def host_inputs(self, input_ids: np.ndarray, attention_mask: np.ndarray, response_len: int
+                  ) -> dict[str, np.ndarray]:
+    return self.algorithm.host_inputs(self, input_ids, attention_mask, response_len)
+
+  def shape_rewards(self, scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+    return self.algorithm.shape_rewards(self, scores, response_mask)
+
+  @property
+  def sampling_rounds(self) -> int:
+    return self.algorithm.sampling_rounds(self)
+
+  def keep_groups(self, scores: np.ndarray) -> np.ndarray:
+    return self.algorithm.keep_groups(self, scores)

@@ -11,7 +11,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from pacs_jax.algos import advantages as advantages_lib, batch as batch_lib, correction, groups as groups_lib, registry
@@ -241,11 +240,11 @@ class Pacs(registry.Algorithm):
     return (batch_lib.per_response("logprob_targets", jnp.int32, batch_lib.HOST),
             batch_lib.per_response("proxy_mask", jnp.float32, batch_lib.HOST))
 
-  def host_inputs(self, cfg: ml_collections.ConfigDict, input_ids, attention_mask, response_len):
-    if not self.settings(cfg).exact_padding_replication:
+  def host_inputs(self, objective, input_ids, attention_mask, response_len):
+    if not objective.settings.exact_padding_replication:
       return {}
     targets, proxy_mask = padding_replication_inputs(input_ids, attention_mask, response_len,
-                                                     cfg.train.verl_micro_batch_rows)
+                                                     objective.verl_micro_batch_rows)
     return {"logprob_targets": targets, "proxy_mask": proxy_mask}
 
   def advantage_estimator(self, settings):

@@ -33,9 +33,10 @@ class Algorithm:
   """An objective on the shared loop. Subclasses override what differs; the defaults are a critic-free,
   reference-free policy loss averaged over rows.
 
-  A run binds its objective once (`bind`): the hooks that take `cfg` run on the host before or beside the step;
-  those the step traces (`loss`, `normaliser`, `critic_loss`, `logprob_targets`, `step_inputs`,
-  `entropy_has_grad`) take the bound `objective.Objective`, never the ConfigDict.
+  A run binds its objective once (`bind`): the hooks that take `cfg` run on the host before binding (what the run
+  needs, its settings, its fields); those the loop calls each step (`host_inputs`, `shape_rewards`,
+  `sampling_rounds`, `keep_groups`) and those the step traces (`loss`, `normaliser`, `critic_loss`,
+  `logprob_targets`, `step_inputs`, `entropy_has_grad`) take the bound `objective.Objective`, never the ConfigDict.
 
   A micro-batch (`batch.Batch`) is [m, ...] of each of the run's `batch_fields` (m rows = whole prompt groups):
   input_ids / attention_mask [m, L], loss_mask [m, R], rewards [m], plus what the algorithm asks for
@@ -125,25 +126,25 @@ class Algorithm:
     `host_inputs`) and step inputs (`batch.STEP`, from `step_inputs`)."""
     return ()
 
-  def host_inputs(self, cfg: ml_collections.ConfigDict, input_ids: np.ndarray, attention_mask: np.ndarray,
+  def host_inputs(self, objective: Objective, input_ids: np.ndarray, attention_mask: np.ndarray,
                   response_len: int) -> dict[str, np.ndarray]:
     """Per-row [rows, R] numpy inputs built on the host from a process's rows (before batching): the
     `extra_fields` of source `batch.HOST`."""
     return {}
 
-  def shape_rewards(self, cfg: ml_collections.ConfigDict, scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+  def shape_rewards(self, objective: Objective, scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
     """The rewards [rows] the loss sees, from the verifier's scores [rows] and the response masks [rows, R] (host
     numpy, one process's rows): the scores themselves unless the objective shapes them (DAPO's overlong penalty)."""
     return scores
 
-  def sampling_rounds(self, cfg: ml_collections.ConfigDict) -> int:
+  def sampling_rounds(self, objective: Objective) -> int:
     """Rollouts a step may draw to fill its batch with groups `keep_groups` keeps (dynamic sampling): 1, the
     default, is one rollout with every group kept; 0 is no limit."""
     return 1
 
-  def keep_groups(self, cfg: ml_collections.ConfigDict, scores: np.ndarray) -> np.ndarray:
+  def keep_groups(self, objective: Objective, scores: np.ndarray) -> np.ndarray:
     """[U] the prompt groups of the verifier's scores [rows] (rows prompt-major) a dynamically sampled step keeps."""
-    return np.ones(scores.shape[0] // cfg.rollout.n, bool)
+    return np.ones(scores.shape[0] // objective.group_size, bool)
 
   def logprob_targets(self, objective: Objective, batch: Batch) -> jax.Array | None:
     """The tokens [..., R] whose log-probs the policy passes read (a micro- or mini-batch's field), or None: the

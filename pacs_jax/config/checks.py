@@ -151,7 +151,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(isinstance(c.rollout.max_staleness, int) and c.rollout.max_staleness >= 0, "rollout.max_staleness",
          f"must be an integer >= 0 (policy versions), got {c.rollout.max_staleness!r}")
   if c.rollout.mode != "sync":
-    _check(algo.sampling_rounds(c) == 1, "rollout.mode",
+    _check(algo.sampling_rounds(algo.bind(c)) == 1, "rollout.mode",
            f"{c.rollout.mode} needs one rollout per step; {c.algorithm} samples dynamically (its refills draw prompts)")
 
   _check(c.rollout.kv_pages >= 0, "rollout.kv_pages", f"must be >= 0 (0 = enough for every slot), got {c.rollout.kv_pages}")

@@ -120,7 +120,7 @@ class Trainer:
                          "data": console.describe_data(cfg, len(train_records), len(self.val_records))}
 
   def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
-    self.algo = registry.of(cfg)
+    self.objective = registry.bind(cfg)  # the run's objective, bound once: what the per-step hooks take
     self._stepped = False  # no step has run in this process yet (the first one compiles)
     self.mesh, self.rollout_mesh = split.meshes(cfg, devices)  # rollout_mesh: None unless rollout.devices
     with jax.set_mesh(self.mesh):
@@ -177,7 +177,7 @@ class Trainer:
     sampled = {}  # dynamic sampling's metrics
     with console.StepProgress(len(prompt_ids) * jax.process_count() * self.cfg.rollout.n,
                               lambda: f"step {int(self.state.step) + 1}: rollout{first}") as progress:
-      if self.algo.sampling_rounds(self.cfg) == 1:
+      if self.objective.sampling_rounds == 1:
         completions = None
         if self.next_rollout:  # started by an earlier step (stale responses drawn again now)
           completions = self.next_rollout.take(prompts, version, lambda: self.rollout(prompt_ids, seed))
@@ -196,8 +196,8 @@ class Trainer:
       progress.stage("reward", "update")
       packed = stages.pack(prompt_ids, completions, scored, P=self.P, R=self.R, n=self.cfg.rollout.n,
                            pad_id=self.pad_id, mask_eos_ids=self.mask_eos_ids,
-                           host_inputs=lambda ids, mask: self.algo.host_inputs(self.cfg, ids, mask, self.R),
-                           shape_rewards=lambda scores, mask: self.algo.shape_rewards(self.cfg, scores, mask),
+                           host_inputs=lambda ids, mask: self.objective.host_inputs(ids, mask, self.R),
+                           shape_rewards=self.objective.shape_rewards,
                            version=version if self.next_rollout else None)
       metrics = self.update(packed)
       if self.next_rollout:
@@ -223,9 +223,9 @@ class Trainer:
     return dynamic_sampling.sample(
         prompts, lambda: next(self.data_iter), generate,
         lambda element, completions: stages.score(scorer, self.tokenizer, element, completions),
-        lambda scores: self.algo.keep_groups(self.cfg, scores),
+        self.objective.keep_groups,
         lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True),
-        n=self.cfg.rollout.n, P=self.P, max_rounds=self.algo.sampling_rounds(self.cfg), seed=seed)
+        n=self.cfg.rollout.n, P=self.P, max_rounds=self.objective.sampling_rounds, seed=seed)
 
   def sample_params(self):
     """The current policy's rollout weights (a LoRA run's: the base with the adapters merged in). Under the mesh."""

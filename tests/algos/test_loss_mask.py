@@ -49,7 +49,7 @@ def micro_batch(cfg, seed=0):
   attention = np.concatenate([np.ones((ROWS, P), np.int32), extent.astype(np.int32)], axis=1)
   arrays = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": extent - inserted,
             "rewards": np.tile([1.0, 0.0], ROWS // 2).astype(np.float32)}
-  arrays.update(algo.host_inputs(cfg, input_ids, attention, R))
+  arrays.update(algo.bind(cfg).host_inputs(input_ids, attention, R))
   layout = batch_lib.BatchLayout.of(cfg, algo.batch_fields(cfg), 1, ROWS)
   for field in layout.fields:
     if field.name not in arrays and field.source != batch_lib.STEP:

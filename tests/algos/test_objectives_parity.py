@@ -297,10 +297,10 @@ def test_overlong_shaping_equals_verls(max_resp_len, buffer_len, factor):
   cfg.dapo.overlong_buffer_len, cfg.dapo.overlong_penalty_factor = buffer_len, factor
   mask = (np.arange(max_resp_len)[None, :] < lengths[:, None]).astype(np.float32)
   scores = np.tile([1.0, 0.0], max_resp_len // 2 + 1)[:max_resp_len].astype(np.float32)
-  np.testing.assert_allclose(registry.of(cfg).shape_rewards(cfg, scores, mask), scores + np.asarray(want, np.float32),
+  np.testing.assert_allclose(registry.bind(cfg).shape_rewards(scores, mask), scores + np.asarray(want, np.float32),
                              rtol=0, atol=1e-6)
   cfg.dapo.overlong_buffer_len = 0  # off: the verdicts themselves
-  np.testing.assert_array_equal(registry.of(cfg).shape_rewards(cfg, scores, mask), scores)
+  np.testing.assert_array_equal(registry.bind(cfg).shape_rewards(scores, mask), scores)
 
 
 @pytest.mark.parametrize("group_size", [4, 1])
@@ -316,6 +316,6 @@ def test_group_filter_equals_verls(group_size):
     assert not kept[0] and not kept[1] and kept.any()
   cfg = config_lib.default_config()
   cfg.algorithm, cfg.rollout.n = "dapo", group_size
-  np.testing.assert_array_equal(registry.of(cfg).keep_groups(cfg, scores), kept)
+  np.testing.assert_array_equal(registry.bind(cfg).keep_groups(scores), kept)
   cfg.dapo.filter_groups = False
-  assert registry.of(cfg).keep_groups(cfg, scores).all() and registry.of(cfg).sampling_rounds(cfg) == 1
+  assert registry.bind(cfg).keep_groups(scores).all() and registry.bind(cfg).sampling_rounds == 1
