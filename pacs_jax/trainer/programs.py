@@ -266,8 +266,9 @@ def _step_inputs(objective: Objective, layout: batch_lib.BatchLayout) -> Callabl
   return jax.jit(lambda mbs: objective.step_inputs(mbs)) if layout.names(batch_lib.STEP) else None
 
 
-def _lora_programs(objective: Objective, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings, sample_shardings,
-                   frozen: adapters_lib.Frozen, batch_shardings, targets, compute, layout) -> Programs:
+def _lora_programs(objective: Objective, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
+                   sample_shardings, frozen: adapters_lib.Frozen, batch_shardings, targets, compute, layout
+                   ) -> Programs:
   """A LoRA run's programs: the base is an argument (never donated, no gradient); the rollout weights are the
   merged W + scale · A B, formed on device from the adapters and the base at each policy update."""
   mesh = jax.tree.leaves(state_shardings)[0].mesh
