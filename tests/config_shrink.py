@@ -29,7 +29,7 @@ KEEP = (
     "lora.alpha", "lora.targets", "lora.use_rslora", "lora.lr_multiplier", "lora.modules_to_save",
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.restore",
     "checkpoint.lock_stale_after_s", "checkpoint.allow_changes",
-    "eval_every", "log_every", "reward_timeout_s", "reward.fn",
+    "eval_every", "log_every", "reward_timeout_s", "reward.fn", "rollout.engine",
     "hardware.*", "distributed.*", "health.*", "wandb.*",
 )
 
