@@ -21,13 +21,14 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.models import decoder
+from pacs_jax.models import decoder, lora
 from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import interface
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.compile.aot_measure import ProgramReport, measure, outputs_of, per_chip_bytes, persistent_cache_off
 from pacs_jax.compile.report import Report, format_report
 from pacs_jax.compile.target import Target, TargetUnavailable, target
+from pacs_jax.trainer import adapters as adapters_lib
 from pacs_jax.trainer import programs as programs_lib
 
 
@@ -77,23 +78,26 @@ def abstract_run(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, lora_b
   """The run's train state (abstract, in its shardings), the abstract policy, its rollout's ahead-of-time view
   (`interface.AheadOfTime`) and the jitted programs the trainer runs, built on `mesh` with nothing allocated:
   (state, policy, engine, progs). A LoRA run's state holds its adapters, and its programs take the frozen base
-  (`programs.abstract_base`, or `lora_base` when the caller has it); its policy here is the base model the engine
-  runs (on merged weights)."""
+  (`programs.abstract_base`, or `lora_base` when the caller has it; a full run's is empty); its policy here is the
+  model without adapters the engine runs (on merged weights)."""
   graphdef, critic_graphdef, state = programs_lib.abstract_train_state(cfg, mesh)
   optimizer, critic_optimizer = programs_lib.make_optimizers(cfg)
   state_shardings = jax.tree.map(lambda x: x.sharding, state)
-  frozen, base = lora_base or lora_run_base(cfg, mesh) or (None, None)
-  policy = nnx.merge(graphdef, state.params) if frozen is None else nnx.merge(frozen.ref_graphdef, base)
+  frozen, base = lora_base or lora_run_base(cfg, mesh)
+  # The weights without adapters have the shapes of the trained params merged into the frozen part.
+  policy = nnx.merge(frozen.ref_graphdef, jax.eval_shape(lambda p, b: lora.merge_into(b, p, frozen.spec),
+                                                         state.params, base))
   sampler = programs_lib.make_rollout(cfg, policy, mesh, eos_ids=(0,))
   progs = programs_lib.make_programs(cfg, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
-                                     sampler.weight_shardings, frozen=frozen)
+                                     sampler.weight_shardings, frozen)
   engine = sampler.ahead_of_time()
   return state, policy, engine, progs
 
 
 def lora_run_base(cfg: ml_collections.ConfigDict, mesh: jax.sharding.Mesh):
-  """A LoRA run's (Frozen, abstract base in its shardings) (`programs.abstract_base`); None for a full run."""
-  return programs_lib.abstract_base(cfg, mesh) if config_lib.lora_spec(cfg) else None
+  """A run's (Frozen, abstract frozen part in its shardings) (`programs.abstract_base`): a LoRA run's base, empty for
+  a full run."""
+  return programs_lib.abstract_base(cfg, mesh)
 
 
 def weights_resident(cfg: ml_collections.ConfigDict, state, base_bytes: float) -> dict[str, float]:
@@ -131,9 +135,10 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=tgt.devices)
   lora_base = lora_run_base(cfg, mesh)
   state, policy, engine, progs = abstract_run(cfg, mesh, lora_base)
-  # A LoRA run's programs take the frozen base as their last argument; a full run's take none.
-  base = (lora_base[1],) if lora_base else ()
+  # Every program takes the run's frozen part as its last argument: a LoRA run's base, empty (no leaves) in a full run.
+  base = (lora_base[1],)
   base_bytes = per_chip_bytes(base)
+  has_base = bool(jax.tree.leaves(base))
   n_params = matmul_params(policy) / len(tgt.devices)  # per chip: the model FLOPs split evenly over the chips
   n, P, R = cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
   B = engine.max_concurrent_decodes
@@ -219,13 +224,13 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   if group != "rollout":
     mb_tokens = mb_rows * (P + R)
     logprob_in = {k: minibatch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
-    passes = logprob_passes if not base else int(programs_lib.needs_old_logprobs(cfg))
+    passes = logprob_passes if not has_base else int(programs_lib.needs_old_logprobs(cfg))
     run(ProgramReport("logprobs", "update", updates * passes, 2.0 * n_params * mb_tokens),
         lambda: progs.logprob_fn.lower(state.params, minibatch, *base),
         lambda c: params_bytes + base_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
-    if base and programs_lib.needs_frozen_ref(cfg):  # the reference is the base without adapters: its own program
+    if has_base and programs_lib.needs_frozen_ref(cfg):  # the reference is the base without adapters: its own program
       run(ProgramReport("ref_logprobs", "update", updates, 2.0 * n_params * mb_tokens),
-          lambda: progs.ref_logprob_fn.lower(base[0], minibatch),
+          lambda: progs.ref_logprob_fn.lower(base[0], minibatch, adapters_lib.NO_BASE),
           lambda c: base_bytes + per_chip_bytes(logprob_in) + per_chip_bytes(outputs_of(c)))
     if progs.value_fn is not None:
       critic_bytes = per_chip_bytes(state.critic_params) + base_bytes
@@ -240,7 +245,8 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     ends_step = programs_lib.ends_step_shape(mesh)
     # The model's FLOPs per token: 6N with weight gradients, 4N for a LoRA run's frozen base (forward and the
     # activations' gradient; the adapters' own are a rank-I sliver).
-    run(ProgramReport("train_step", "update", updates, (4.0 if base else 6.0) * n_params * mb_tokens * critic_factor),
+    flops_per_token = (4.0 if has_base else 6.0) * n_params
+    run(ProgramReport("train_step", "update", updates, flops_per_token * mb_tokens * critic_factor),
         lambda: progs.train_step.lower(state, minibatch, ends_step, *base),
         lambda c: per_chip_bytes(state) + per_chip_bytes(minibatch) + base_bytes)
 
@@ -252,7 +258,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
                            rollout_weights, "step batch (mini-batches)": batch_bytes}}
   elif group == "rollout":  # the rollout's own devices: the pushed weights and the KV cache
     resident = {"rollout": {"rollout weights": rollout_weights, "decode state (KV cache)": state_bytes}}
-  if base:
+  if has_base:
     notes.append("LoRA: the base weights are frozen (no optimizer state) and are the frozen reference (no copy); the "
                  "rollout weights are the merged W + scale·AB (to_sample_params)")
   if tgt.unit == "GPU":

@@ -187,12 +187,14 @@ def split(model: nnx.Module):
   return nnx.split(model, nnx.LoRAParam, nnx.Param)
 
 
-def merge_into(base: nnx.State, adapters: nnx.State, spec: LoraSpec) -> nnx.State:
+def merge_into(base: nnx.State, adapters: nnx.State, spec: LoraSpec | None) -> nnx.State:
   """`base` with W + scale · A B for each kernel that has adapters, and each saved norm's trained weight in place of
   its base weight (what the sampler runs): pure jnp, so it runs on device where the arrays are (jit it with the
   sampling shardings as out_shardings). The product is formed and added in fp32 at full matmul precision (TPU's
-  default would round A and B to bf16), then cast to W's dtype."""
+  default would round A and B to bf16), then cast to W's dtype. `adapters` may hold plain weights too (a full run's
+  trained part, on an empty base, `spec` None): they are taken as they are."""
   flat = dict(nnx.to_flat_state(base))
+  flat.update((path, var) for path, var in nnx.to_flat_state(adapters) if not isinstance(var, nnx.LoRAParam))
   pairs = _adapter_pairs(adapters)
   for (prefix, target), (a, b) in pairs.items():
     path = prefix + (TARGETS[target][0],)

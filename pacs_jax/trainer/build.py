@@ -59,30 +59,33 @@ class RunParams:
   critic_graphdef: Any = None
   critic_params: nnx.State | None = None
   ref_params: nnx.State | None = None  # the frozen reference's: a copy of the initial weights, or a LoRA run's base
-  base: nnx.State | None = None  # a LoRA run's frozen base weights
-  frozen: adapters_lib.Frozen | None = None  # and what its programs know of them
+  base: nnx.State = dataclasses.field(default_factory=lambda: adapters_lib.NO_BASE)  # frozen: LoRA's base, or empty
+  frozen: adapters_lib.Frozen | None = None  # and what its programs know of it
 
 
 def run_params(cfg: ml_collections.ConfigDict, policy: decoder.CausalLM, mesh) -> RunParams:
-  """The parameters of a run starting from `policy` (built by `build_policy`): a full run trains all of them (and
-  keeps a copy as its frozen reference); a LoRA run adds adapters and trains those (and a critic's own adapters and
-  head), the base staying frozen: its reference is the base itself, without adapters."""
+  """The parameters of a run starting from `policy` (built by `build_policy`), split by the run's filter
+  (`adapters.trained`) into what it trains and its frozen part: a full run trains all of them (nothing frozen) and
+  keeps a copy as its frozen reference; a LoRA run adds adapters and trains those (and a critic's own adapters and
+  head), the base staying frozen: its reference is the base itself, without adapters. The rollout is built on
+  `policy`, which has no adapters."""
   algo, spec = registry.of(cfg), config_lib.lora_spec(cfg)
-  needs_ref = programs_lib.needs_frozen_ref(cfg)
-  if spec is None:
-    graphdef, params = nnx.split(policy, nnx.Param)
-    critic_graphdef = critic_params = None
-    if algo.has_critic:
-      with jax.set_mesh(mesh):
-        critic_graphdef, critic_params = nnx.split(build_critic(cfg, policy, mesh), nnx.Param)
-    # The frozen reference: a copy of the initial weights, same shardings, no optimizer state.
-    return RunParams(graphdef, params, nnx.merge(graphdef, params), critic_graphdef, critic_params,
-                     ref_params=jax.tree.map(jnp.copy, params) if needs_ref else None)
-  graphdef, adapters, base, ref_graphdef = adapters_lib.add_to_policy(policy, spec, cfg.seed, mesh)
+  graphdef, params, base, ref_graphdef = adapters_lib.add_to_policy(policy, spec, cfg.seed, mesh)
   critic_graphdef = critic_params = None
   if algo.has_critic:
-    make = lambda: algo.make_critic(policy.config, nnx.Rngs(cfg.seed + 1))  # the head as a full run's
-    critic_graphdef, critic_params = adapters_lib.critic(make, spec, cfg.seed, mesh, base)
-  return RunParams(graphdef, adapters, nnx.merge(ref_graphdef, base), critic_graphdef, critic_params,
-                   ref_params=base if needs_ref else None, base=base,
+    critic_graphdef, critic_params = _critic(cfg, policy, spec, base, mesh)
+  ref_params = None
+  if programs_lib.needs_frozen_ref(cfg):  # the weights without adapters: a LoRA run's base, a full run's own copy
+    ref_params = jax.tree.map(jnp.copy, params) if spec is None else base
+  return RunParams(graphdef, params, policy, critic_graphdef, critic_params, ref_params=ref_params, base=base,
                    frozen=programs_lib.frozen_base(cfg, ref_graphdef, base, mesh))
+
+
+def _critic(cfg: ml_collections.ConfigDict, policy: decoder.CausalLM, spec, base: nnx.State, mesh):
+  """(graphdef, trained params) of the critic: a full run's whole critic, its backbone a copy of the policy's
+  weights (as verl initialises PPO's); a LoRA run's adapters and head, on the policy's frozen base."""
+  if spec is None:
+    with jax.set_mesh(mesh):
+      return nnx.split(build_critic(cfg, policy, mesh), nnx.Param)
+  make = lambda: registry.of(cfg).make_critic(policy.config, nnx.Rngs(cfg.seed + 1))  # the head as a full run's
+  return adapters_lib.critic(make, spec, cfg.seed, mesh, base)

@@ -129,7 +129,7 @@ class Trainer:
     self.record = resume_lib.make_record(cfg, policy.config.to_hf_dict(), self.tokenizer)
     run = build.run_params(cfg, policy, self.mesh)
     self.graphdef, self.critic_graphdef = run.graphdef, run.critic_graphdef
-    # A frozen reference (or None: the policy that sampled), and a LoRA run's frozen base (None for a full run).
+    # A frozen reference (or None: the policy that sampled), and the run's frozen part (empty in a full run).
     self.ref_params, self.base, self.frozen = run.ref_params, run.base, run.frozen
     self.optimizer, self.critic_optimizer = programs_lib.make_optimizers(cfg)
     critic_opt_state = None
@@ -229,7 +229,7 @@ class Trainer:
 
   def sample_params(self):
     """The current policy's rollout weights (a LoRA run's: the base with the adapters merged in). Under the mesh."""
-    return self.programs.to_sample_params(self.state.params, *self.frozen_args)
+    return self.programs.to_sample_params(self.state.params, self.base)
 
   @contextlib.contextmanager
   def current_policy(self):
@@ -244,8 +244,8 @@ class Trainer:
 
   @property
   def frozen_args(self) -> tuple:
-    """The programs' trailing argument: a LoRA run's base weights, or nothing."""
-    return () if self.base is None else (self.base,)
+    """The programs' trailing argument: the run's frozen part (a LoRA run's base weights; empty in a full run)."""
+    return (self.base,)
 
   def rollout(self, prompt_ids: list[list[int]], seed: int, on_finish=None) -> list:
     """This process's completions of the step's rollout (n samples per prompt) by the current policy."""
@@ -256,7 +256,7 @@ class Trainer:
   def update(self, packed: batching.PackedRollout) -> dict[str, Any]:
     """The update stage on the trainer's state; keeps each mini-batch's own metrics in `minibatch_metrics`."""
     self.state, per_minibatch = stages.update(self.programs, self.state, self.ref_params, packed, self.batch_layout,
-                                              self.mesh, programs_lib.updates_per_step(self.cfg), self.frozen_args)
+                                              self.mesh, programs_lib.updates_per_step(self.cfg), self.base)
     # Each mini-batch's own metrics, for inspection (e.g. r̂ = 0 on the first one with the rollout reference).
     self.minibatch_metrics = [{k: float(np.asarray(v)) for k, v in m.items()} for m in per_minibatch]
     return {**stages.step_metrics(per_minibatch), "param_norm": self.param_norm()}
@@ -270,7 +270,7 @@ class Trainer:
   def start_norm(self) -> float:
     """`param_norm` at the start, NaN where a LoRA run's frozen base is non-finite (no update of its adapters helps)."""
     with jax.set_mesh(self.mesh):
-      base_finite = self.base is None or bool(jnp.isfinite(_TREE_NORM(self.base)))
+      base_finite = bool(jnp.isfinite(_TREE_NORM(self.base)))  # 0 for a full run's empty frozen part
     return self.param_norm() if base_finite else float("nan")
 
   # -- validation ------------------------------------------------------------------------------

@@ -1,12 +1,13 @@
 """The jitted programs a training run executes, their shardings and argument shapes: built by the same
 functions for the trainer (`loop.Trainer`) and for compiling ahead of time (`pacs_jax.compile.aot`), so the two cannot drift.
 
-A LoRA run (`lora.rank` > 0) trains its adapters only: the TrainState's params are the adapters, and the frozen
-base weights enter the programs as one more argument (`adapters.Frozen` describes them; `abstract_base` gives
-them abstractly): `train_step(state, minibatch, ends_step, base)`, `logprob_fn(params, minibatch, base)`,
-`value_fn(critic_params, minibatch, base)`, `to_sample_params(params, base)`, and the frozen reference
-`ref_logprob_fn(base, minibatch)`; the rollout runs the base's graph (`nnx.merge(frozen.ref_graphdef, base)`).
-A full run's programs take no base.
+Full and LoRA runs (`lora.rank` > 0) share one path: the TrainState's params are what the run trains (every
+parameter, or the adapters) and the frozen part enters every program as its last argument (`adapters.Frozen`
+describes it; `abstract_base` gives it abstractly): `train_step(state, minibatch, ends_step, base)`,
+`logprob_fn(params, minibatch, base)`, `value_fn(critic_params, minibatch, base)`, `to_sample_params(params, base)`,
+and the frozen reference `ref_logprob_fn(reference params, minibatch, NO_BASE)`. A full run's frozen part is empty
+(`adapters.NO_BASE`: no leaves, so its programs have the parameters they had without it); a LoRA run's is the base
+weights, and its reference the base without adapters. The rollout runs the graph without adapters.
 """
 
 from __future__ import annotations
@@ -139,20 +140,12 @@ def abstract_policy(cfg: ml_collections.ConfigDict) -> decoder.CausalLM:
 
 
 def _abstract_parts(cfg: ml_collections.ConfigDict):
-  """(policy graphdef, its trained params, critic graphdef, critic params, base, reference graphdef), abstract; the
-  last two None for a full run."""
-  spec, algo = config_lib.lora_spec(cfg), registry.of(cfg)
-  critic_graphdef = critic_params = base = ref_graphdef = None
-  if spec is None:
-    policy = abstract_policy(cfg)
-    graphdef, params = nnx.split(policy, nnx.Param)
-    if algo.has_critic:
-      critic = nnx.eval_shape(lambda: algo.make_critic(policy.config, nnx.Rngs(1)))
-      critic_graphdef, critic_params = nnx.split(critic, nnx.Param)
-    return graphdef, params, critic_graphdef, critic_params, base, ref_graphdef
-  mc = config_lib.preset_model_config(cfg)
+  """(policy graphdef, its trained params, critic graphdef, critic params, frozen part, reference graphdef), abstract;
+  the critic's None without one."""
+  spec, algo, mc = config_lib.lora_spec(cfg), registry.of(cfg), config_lib.preset_model_config(cfg)
   graphdef, params, base, ref_graphdef = adapters_lib.abstract_policy(
       lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(0)), spec)
+  critic_graphdef = critic_params = None
   if algo.has_critic:
     critic_graphdef, critic_params = adapters_lib.critic(lambda: algo.make_critic(mc, nnx.Rngs(1)), spec, 0)
   return graphdef, params, critic_graphdef, critic_params, base, ref_graphdef
@@ -173,20 +166,16 @@ def abstract_train_state(cfg: ml_collections.ConfigDict, mesh):
   return graphdef, critic_graphdef, abstract
 
 
-def frozen_base(cfg: ml_collections.ConfigDict, ref_graphdef, base: nnx.State, mesh) -> adapters_lib.Frozen | None:
-  """The `adapters.Frozen` of a LoRA run whose base (concrete or abstract) is `base`; None for a full run."""
-  spec = config_lib.lora_spec(cfg)
-  if spec is None:
-    return None
-  return adapters_lib.Frozen(spec, ref_graphdef, _full_tree(base, sharding.state_shardings(base, mesh, "train")))
+def frozen_base(cfg: ml_collections.ConfigDict, ref_graphdef, base: nnx.State, mesh) -> adapters_lib.Frozen:
+  """The `adapters.Frozen` of a run whose frozen part (concrete or abstract; empty in a full run) is `base`."""
+  return adapters_lib.Frozen(config_lib.lora_spec(cfg), ref_graphdef,
+                             _full_tree(base, sharding.state_shardings(base, mesh, "train")))
 
 
-def abstract_base(cfg: ml_collections.ConfigDict, mesh) -> tuple[adapters_lib.Frozen, nnx.State] | None:
-  """A LoRA run's (Frozen, base weights as ShapeDtypeStructs in their shardings), from `model.preset` as
-  `abstract_train_state`; None for a full run."""
+def abstract_base(cfg: ml_collections.ConfigDict, mesh) -> tuple[adapters_lib.Frozen, nnx.State]:
+  """A run's (Frozen, frozen part as ShapeDtypeStructs in their shardings: empty in a full run), from `model.preset`
+  as `abstract_train_state`."""
   _, _, _, _, base, ref_graphdef = _abstract_parts(cfg)
-  if base is None:
-    return None
   frozen = frozen_base(cfg, ref_graphdef, base, mesh)
   return frozen, jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), base, frozen.shardings)
 
@@ -212,16 +201,16 @@ def make_rollout(cfg: ml_collections.ConfigDict, model: decoder.CausalLM, mesh, 
 
 @dataclasses.dataclass
 class Programs:
-  """The trainer's jitted functions (the rollout holds the rollout ones). A LoRA run's take the frozen base
-  as one more argument (the module docstring)."""
-  train_step: Callable  # (state, minibatch, ends_step) -> (state, metrics); the state is donated
-  logprob_fn: Callable  # (params, minibatch) -> log-probs [k, m, R]: the policy's (old log-probs)
-  value_fn: Callable | None  # (critic params, minibatch) -> values [k, m, R] (PPO)
+  """The trainer's jitted functions (the rollout holds the rollout ones); each takes the run's frozen part (empty in a
+  full run) as its last argument (the module docstring)."""
+  train_step: Callable  # (state, minibatch, ends_step, base) -> (state, metrics); the state is donated
+  logprob_fn: Callable  # (params, minibatch, base) -> log-probs [k, m, R]: the policy's (old log-probs)
+  value_fn: Callable | None  # (critic params, minibatch, base) -> values [k, m, R] (PPO)
   # (minibatches) -> [{field: [k, m, R]}]: the algorithm's step inputs (PPO's GAE), or None without any
   step_inputs: Callable | None
-  to_sample_params: Callable  # train-mode params -> rollout weights (compute dtype, sample layout)
-  # (reference params, minibatch) -> log-probs [k, m, R] of a frozen reference: a full run's `logprob_fn` on its
-  # copy of the initial weights; a LoRA run's base model without adapters, on the base
+  to_sample_params: Callable  # (params, base) -> rollout weights (merged, compute dtype, sample layout)
+  # (reference params, minibatch, NO_BASE) -> log-probs [k, m, R] of a frozen reference: the graph without adapters
+  # on its own weights (a full run's: `logprob_fn` itself, on its copy of the initial weights; a LoRA run's: the base)
   ref_logprob_fn: Callable | None = None
   # (old log-probs, behaviour log-probs, response mask) [k, m, R] -> the rollout correction's importance-weight
   # statistics (`correction.importance_stats`), or None without the correction
@@ -229,31 +218,37 @@ class Programs:
 
 
 def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, optimizer, critic_optimizer,
-                  state_shardings: Any, sample_shardings: Any, frozen: adapters_lib.Frozen | None = None) -> Programs:
-  """The programs of a run; `frozen` (`frozen_base`) for a LoRA run."""
+                  state_shardings: Any, sample_shardings: Any, frozen: adapters_lib.Frozen) -> Programs:
+  """The programs of a run whose frozen part `frozen` describes (`frozen_base`). The frozen part is never donated
+  and gets no gradient; the rollout weights are the trained params merged into it (a LoRA run's W + scale · A B,
+  formed on device at each policy update; a full run's params as they are), cast to the compute dtype."""
   mesh = jax.tree.leaves(state_shardings)[0].mesh
   layout = batch_layout(cfg)
   abstract = layout.abstract(lambda ndim: minibatch_sharding(mesh, ndim))
   batch_shardings = {name: s.sharding for name, s in abstract.items()}
   objective = registry.bind(cfg)  # what the traced programs read of the run: never `cfg` itself
-  targets = objective.logprob_targets
   # Rollout weights: sample-mode layout in the compute dtype. The model casts every weight to that
   # dtype before use, so sampling numerics are unchanged while memory and bandwidth drop.
   compute = config_lib.dtype(cfg.model.dtype)
-  if frozen is not None:
-    return _lora_programs(objective, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
-                          sample_shardings, frozen, batch_shardings, targets, compute, layout)
+  # One log-prob program per graph: a full run's reference has the policy's graph, so it is `logprob_fn` itself.
+  logprob_program = functools.cache(lambda graph: jax.jit(step_lib.make_logprob_fn(
+      graph, objective.temperature, objective.logits_chunk, objective.logprob_targets)))
   step_fn = step_lib.make_train_step(objective, graphdef, optimizer, critic_graphdef, critic_optimizer)
-  logprob_fn = jax.jit(step_lib.make_logprob_fn(graphdef, objective.temperature, objective.logits_chunk, targets))
+
   return Programs(
-      train_step=jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings, sharding.replicated(mesh)),
+      train_step=jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings, sharding.replicated(mesh),
+                                                frozen.shardings),
                          out_shardings=(state_shardings, None), donate_argnums=(0,)),
-      logprob_fn=logprob_fn,
+      logprob_fn=logprob_program(graphdef),
       value_fn=(jax.jit(step_lib.make_value_fn(critic_graphdef, objective.critic_mask))
                 if critic_graphdef is not None else None),
       step_inputs=_step_inputs(objective, layout),
-      to_sample_params=jax.jit(lambda p: jax.tree.map(lambda x: x.astype(compute), p), out_shardings=sample_shardings),
-      ref_logprob_fn=logprob_fn, importance_stats=_importance_stats(objective))
+      # A lambda, as a full run's always was: its compiled program keeps its name (jit__lambda).
+      to_sample_params=jax.jit(lambda params, base: jax.tree.map(lambda x: x.astype(compute),
+                                                                 lora.merge_into(base, params, frozen.spec)),
+                               out_shardings=sample_shardings),
+      ref_logprob_fn=logprob_program(frozen.ref_graphdef),
+      importance_stats=_importance_stats(objective))
 
 
 def _importance_stats(objective: Objective) -> Callable | None:
@@ -264,28 +259,3 @@ def _importance_stats(objective: Objective) -> Callable | None:
 
 def _step_inputs(objective: Objective, layout: batch_lib.BatchLayout) -> Callable | None:
   return jax.jit(lambda mbs: objective.step_inputs(mbs)) if layout.names(batch_lib.STEP) else None
-
-
-def _lora_programs(objective: Objective, graphdef, critic_graphdef, optimizer, critic_optimizer, state_shardings,
-                   sample_shardings, frozen: adapters_lib.Frozen, batch_shardings, targets, compute, layout
-                   ) -> Programs:
-  """A LoRA run's programs: the base is an argument (never donated, no gradient); the rollout weights are the
-  merged W + scale · A B, formed on device from the adapters and the base at each policy update."""
-  mesh = jax.tree.leaves(state_shardings)[0].mesh
-  step_fn = step_lib.make_train_step(objective, graphdef, optimizer, critic_graphdef, critic_optimizer, frozen=True)
-  temperature, chunk = objective.temperature, objective.logits_chunk
-
-  def to_sample_params(params, base):
-    return jax.tree.map(lambda x: x.astype(compute), lora.merge_into(base, params, frozen.spec))
-
-  return Programs(
-      train_step=jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings, sharding.replicated(mesh),
-                                                frozen.shardings),
-                         out_shardings=(state_shardings, None), donate_argnums=(0,)),
-      logprob_fn=jax.jit(step_lib.make_logprob_fn(graphdef, temperature, chunk, targets, frozen=True)),
-      value_fn=(jax.jit(step_lib.make_value_fn(critic_graphdef, objective.critic_mask, frozen=True))
-                if critic_graphdef is not None else None),
-      step_inputs=_step_inputs(objective, layout),
-      to_sample_params=jax.jit(to_sample_params, out_shardings=sample_shardings),
-      ref_logprob_fn=jax.jit(step_lib.make_logprob_fn(frozen.ref_graphdef, temperature, chunk, targets)),
-      importance_stats=_importance_stats(objective))

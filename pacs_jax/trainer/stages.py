@@ -14,10 +14,12 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from pacs_jax.algos import batch as batch_lib
 from pacs_jax.rollout import interface
 from pacs_jax.rollout.interface import Completion
+from pacs_jax.trainer import adapters as adapters_lib
 from pacs_jax.trainer import batching
 from pacs_jax.trainer import metrics as metrics_lib
 from pacs_jax.trainer import multihost
@@ -85,13 +87,14 @@ def pack(prompt_ids: list[list[int]], completions: list[Completion], scored: Sco
 
 
 def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_params, packed: batching.PackedRollout,
-           layout: batch_lib.BatchLayout, mesh, num_minibatches: int, frozen: tuple = ()
+           layout: batch_lib.BatchLayout, mesh, num_minibatches: int, base: nnx.State
            ) -> tuple[state_lib.TrainState, list[dict]]:
   """Reference / old log-probs (and values) for the whole step first, then the algorithm's step inputs, then one
   optimizer update per mini-batch (the last one moves the step counter and the RNG on). `ref_params`: a frozen
-  reference, or None for the policy that sampled the step; `frozen`: a LoRA run's (base,), the programs' last
-  argument. With the rollout correction (`layout` holds `behaviour_logprobs`), each mini-batch's metrics gain the
-  importance weights' statistics (`correction.importance_stats`). With the sampling policy as reference, a row
+  reference, or None for the policy that sampled the step; `base`: the run's frozen part (empty in a full run), the
+  programs' last argument (the reference's own weights are all it runs on). With the rollout correction (`layout`
+  holds `behaviour_logprobs`), each mini-batch's metrics gain the importance weights' statistics
+  (`correction.importance_stats`). With the sampling policy as reference, a row
   sampled by an older policy than this one (`packed.stale_rows`) takes its behaviour log-probs as its reference
   (over its response); a fresh row takes π_old, as released. Returns the new state (`state` is donated) and each
   mini-batch's metrics (device scalars)."""
@@ -104,13 +107,13 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
       behaviour = batching.rollout_reference(packed, layout.k, mesh, num_minibatches)
     for j, mb in enumerate(minibatches):
       if old in passes:
-        mb[old] = programs.logprob_fn(state.params, mb, *frozen)
+        mb[old] = programs.logprob_fn(state.params, mb, base)
       if ref in passes:  # a frozen copy (or base), or the policy that sampled this step (e.g. PACS "rollout")
-        mb[ref] = programs.ref_logprob_fn(ref_params, mb) if ref_params is not None else mb[old]
+        mb[ref] = mb[old] if ref_params is None else programs.ref_logprob_fn(ref_params, mb, adapters_lib.NO_BASE)
         if behaviour is not None:
           mb[ref] = _stale_reference(mb[old], behaviour[j]["behaviour"], behaviour[j]["stale"], mb["loss_mask"])
       if values in passes:
-        mb[values] = programs.value_fn(state.critic_params, mb, *frozen)
+        mb[values] = programs.value_fn(state.critic_params, mb, base)
     if programs.step_inputs is not None:
       for mb, inputs in zip(minibatches, programs.step_inputs(minibatches)):
         mb.update(inputs)
@@ -122,7 +125,7 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
              for mb in minibatches] if corrected else [{} for _ in minibatches]
     per_minibatch = []
     for j, mb in enumerate(minibatches):
-      state, m = programs.train_step(state, mb, programs_lib.ends_step(mesh, j == len(minibatches) - 1), *frozen)
+      state, m = programs.train_step(state, mb, programs_lib.ends_step(mesh, j == len(minibatches) - 1), base)
       per_minibatch.append({**m, **stats[j]})
   return state, per_minibatch
 

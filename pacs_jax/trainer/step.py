@@ -1,5 +1,6 @@
-"""The pure train step `(state, minibatch, ends_step) -> (state, metrics)` (a LoRA run's takes its frozen base
-weights too) and the jitted log-prob / value passes it needs.
+"""The pure train step `(state, minibatch, ends_step, base) -> (state, metrics)` and the log-prob / value passes it
+needs, one path for full and LoRA runs: the state's params are the trained part and `base` the frozen part
+(`adapters.NO_BASE`, no leaves, in a full run: its programs keep the parameters they had without it).
 
 A mini-batch (an `algos.batch.Batch`) has a leading micro-batch axis: every array is [k, m, ...] with k
 micro-batches of m rows (whole prompt groups). Gradients are accumulated over micro-batches weighted by each
@@ -60,21 +61,21 @@ def response_values(critic, input_ids, attention_mask, response_len: int):
 
 def make_train_step(objective: Objective, graphdef, optimizer: optax.GradientTransformation,
                     critic_graphdef=None, critic_optimizer: optax.GradientTransformation | None = None,
-                    optimizer_metrics: Callable[[Any], dict[str, jax.Array]] = state_lib.optimizer_metrics,
-                    frozen: bool = False) -> Callable[..., tuple[TrainState, dict]]:
-  """Builds the pure step `(state, minibatch, ends_step=True)`: accumulate gradients over micro-batches, then one
-  (possibly skipped) update; when `ends_step` (the training step's last mini-batch; by default the mini-batch is
-  a whole training step), `state.step` + 1 and the next RNG key. `objective`: the run's (`registry.bind(cfg)`).
+                    optimizer_metrics: Callable[[Any], dict[str, jax.Array]] = state_lib.optimizer_metrics
+                    ) -> Callable[..., tuple[TrainState, dict]]:
+  """Builds the pure step `(state, minibatch, ends_step=True, base=NO_BASE)`: accumulate gradients over
+  micro-batches, then one (possibly skipped) update; when `ends_step` (the training step's last mini-batch; by
+  default the mini-batch is a whole training step), `state.step` + 1 and the next RNG key. `objective`: the run's
+  (`registry.bind(cfg)`).
 
   `optimizer_metrics(opt_state)`: the metrics read from the optimizer state (skipped updates, learning rate).
-  `frozen` (a LoRA run): the step is `(state, minibatch, ends_step, base)`, the models are the state's adapters on
-  the frozen `base` weights (PPO's critic on its backbone), and the gradients are the adapters' (and the critic
-  head's) only.
+  The models are the state's trained params on the frozen `base` (PPO's critic on its backbone, `critic_base`), and
+  the gradients are the trained params' only: all of them in a full run, a LoRA run's adapters (and critic head).
   """
   temperature = objective.temperature
 
   def losses(base):
-    """The policy's and the critic's micro-batch losses of their trained params (on `base` in a LoRA run)."""
+    """The policy's and the critic's micro-batch losses of their trained params on the frozen `base`."""
 
     def micro_loss(params, micro):
       model = adapters_lib.merge(graphdef, params, base)
@@ -90,7 +91,7 @@ def make_train_step(objective: Objective, graphdef, optimizer: optax.GradientTra
       return loss, metrics
 
     def critic_loss(critic_params, micro):
-      critic = adapters_lib.merge(critic_graphdef, critic_params, None if base is None else adapters_lib.critic_base(base))
+      critic = adapters_lib.merge(critic_graphdef, critic_params, adapters_lib.critic_base(base))
       R = micro["loss_mask"].shape[-1]
       return objective.critic_loss(response_values(critic, micro["input_ids"], micro["attention_mask"], R), micro)
 
@@ -124,8 +125,8 @@ def make_train_step(objective: Objective, graphdef, optimizer: optax.GradientTra
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  def step(state: TrainState, minibatch: Batch, ends_step: jax.Array | bool, base: nnx.State | None
-           ) -> tuple[TrainState, dict]:  # minibatch: [k, m, ...] each
+  def train_step(state: TrainState, minibatch: Batch, ends_step: jax.Array | bool = True,
+                 base: nnx.State = adapters_lib.NO_BASE) -> tuple[TrainState, dict]:  # minibatch: [k, m, ...] each
     micro_loss, critic_loss = losses(base)
     grads, metrics = accumulate(micro_loss, state.params, minibatch, objective.normaliser)
     metrics["grad_norm"] = optax.tree.norm(grads)
@@ -142,26 +143,16 @@ def make_train_step(objective: Objective, graphdef, optimizer: optax.GradientTra
                           critic_opt_state=critic_opt_state)
     return state_lib.advance(state, ends_step), metrics
 
-  if frozen:
-    def train_step(state: TrainState, minibatch: Batch, ends_step: jax.Array | bool, base: nnx.State
-                   ) -> tuple[TrainState, dict]:
-      return step(state, minibatch, ends_step, base)
-  else:
-    def train_step(state: TrainState, minibatch: Batch, ends_step: jax.Array | bool = True
-                   ) -> tuple[TrainState, dict]:
-      return step(state, minibatch, ends_step, None)
-
   return train_step
 
 
 def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = chunked_logprobs.DEFAULT_CHUNK_SIZE,
-                    targets: Callable[[Batch], jax.Array | None] | None = None, frozen: bool = False
-                    ) -> Callable[..., jax.Array]:
-  """(params, minibatch [k, m, ...]) -> log-probs [k, m, R] of the responses (or of `targets(minibatch)`
-  [k, m, R], e.g. the algorithm's `logprob_targets`), one micro-batch at a time (`logits_chunk` as
-  `response_logprobs`). `frozen` (a LoRA run): (adapters, minibatch, base)."""
+                    targets: Callable[[Batch], jax.Array | None] | None = None) -> Callable[..., jax.Array]:
+  """(params, minibatch [k, m, ...], base=NO_BASE) -> log-probs [k, m, R] of the responses (or of
+  `targets(minibatch)` [k, m, R], e.g. the algorithm's `logprob_targets`) under the trained `params` on the frozen
+  `base`, one micro-batch at a time (`logits_chunk` as `response_logprobs`)."""
 
-  def logprobs(params, minibatch, base):
+  def fn(params, minibatch, base=adapters_lib.NO_BASE):  # `fn`: the name of its compiled programs
     R = minibatch["loss_mask"].shape[-1]
 
     def one(micro):  # merged inside the mapped function's trace, so no module crosses a trace boundary
@@ -175,35 +166,23 @@ def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = chunked_lo
       mapped["targets"] = tokens
     return jax.lax.map(one, mapped)
 
-  if frozen:
-    def fn(params, minibatch, base):
-      return logprobs(params, minibatch, base)
-  else:
-    def fn(params, minibatch):
-      return logprobs(params, minibatch, None)
   return fn
 
 
-def make_value_fn(critic_graphdef, critic_mask: Callable[[Batch], jax.Array], frozen: bool = False
-                  ) -> Callable[..., jax.Array]:
-  """(critic params, minibatch [k, m, ...]) -> values [k, m, R], zero outside `critic_mask(micro)` [m, R] (the
-  algorithm's; PPO's is attention_mask[:, -R-1:-1], as the released dp_critic.compute_values). `frozen` (a LoRA
-  run): (critic params, minibatch, base), the critic's backbone the base's."""
+def make_value_fn(critic_graphdef, critic_mask: Callable[[Batch], jax.Array]) -> Callable[..., jax.Array]:
+  """(critic params, minibatch [k, m, ...], base=NO_BASE) -> values [k, m, R], zero outside `critic_mask(micro)`
+  [m, R] (the algorithm's; PPO's is attention_mask[:, -R-1:-1], as the released dp_critic.compute_values); the
+  critic's frozen backbone is the policy's frozen `base`'s (`adapters.critic_base`: none in a full run)."""
 
-  def values_of(critic_params, minibatch, base):
+  def fn(critic_params, minibatch, base=adapters_lib.NO_BASE):  # `fn`: the name of its compiled programs
     R = minibatch["loss_mask"].shape[-1]
+    backbone = adapters_lib.critic_base(base)
 
     def one(micro):
-      critic = adapters_lib.merge(critic_graphdef, critic_params, base)
+      critic = adapters_lib.merge(critic_graphdef, critic_params, backbone)
       values = response_values(critic, micro["input_ids"], micro["attention_mask"], R)
       return values * critic_mask(micro).astype(values.dtype)
 
     return jax.lax.map(one, {k: minibatch[k] for k in ("input_ids", "attention_mask", "loss_mask")})
 
-  if frozen:
-    def fn(critic_params, minibatch, base):
-      return values_of(critic_params, minibatch, adapters_lib.critic_base(base))
-  else:
-    def fn(critic_params, minibatch):
-      return values_of(critic_params, minibatch, None)
   return fn

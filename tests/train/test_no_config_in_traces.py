@@ -68,14 +68,15 @@ def test_no_program_reads_the_config_while_tracing(algorithm, overrides):
   cfg = tiny_config.two_steps(algorithm=algorithm, **overrides)
   mesh = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
   state, _, _, progs = aot.abstract_run(cfg, mesh)
+  _, base = programs_lib.abstract_base(cfg, mesh)  # the frozen part every program takes: empty in a full run
   batch = programs_lib.minibatch_shapes(cfg, mesh)
   ends_step = programs_lib.ends_step_shape(mesh)
   with jax.set_mesh(mesh), no_config_in_traces():
-    progs.train_step.lower(state, batch, ends_step)
-    progs.logprob_fn.lower(state.params, batch)
-    progs.ref_logprob_fn.lower(state.params, batch)
+    progs.train_step.lower(state, batch, ends_step, base)
+    progs.logprob_fn.lower(state.params, batch, base)
+    progs.ref_logprob_fn.lower(state.params, batch, base)
     if progs.value_fn is not None:
-      progs.value_fn.lower(state.critic_params, batch)
+      progs.value_fn.lower(state.critic_params, batch, base)
     if progs.step_inputs is not None:
       progs.step_inputs.lower([batch, batch])
   assert (progs.value_fn is not None) == (algorithm == "ppo")
