@@ -37,6 +37,7 @@ from pacs_jax.config import files as config_files  # noqa: E402
 from pacs_jax.rollout import sampling as sampling_lib  # noqa: E402
 from pacs_jax.rollout import scheduler  # noqa: E402
 from pacs_jax.trainer import programs as programs_lib  # noqa: E402
+from pacs_jax.trainer.adapters import NO_BASE  # noqa: E402  (a full run's frozen part: the programs' last argument)
 from pacs_jax.trainer import state as state_lib  # noqa: E402
 
 GB = 1e9
@@ -160,19 +161,19 @@ def update_phase(cfg, repeats: int) -> dict:
          "resident_gb": resident / GB}
   with jax.set_mesh(mesh):
     t0 = time.perf_counter()
-    logprob = progs.logprob_fn.lower(state.params, batches[0]).compile()
+    logprob = progs.logprob_fn.lower(state.params, batches[0], NO_BASE).compile()
     out["logprobs_compile_s"] = time.perf_counter() - t0
-    times = timed(lambda: logprob(state.params, batches[0]), repeats + 1)
+    times = timed(lambda: logprob(state.params, batches[0], NO_BASE), repeats + 1)
     out["logprobs_s"] = min(times[1:])
     out["logprobs_temp_gb"] = temp_bytes(logprob) / GB
     t0 = time.perf_counter()
-    step = progs.train_step.lower(state, batches[0], ends).compile()
+    step = progs.train_step.lower(state, batches[0], ends, NO_BASE).compile()
     out["train_step_compile_s"] = time.perf_counter() - t0
     out["train_step_temp_gb"] = temp_bytes(step) / GB
     times = []
     for i in range(repeats + 1):
       start = time.perf_counter()
-      state, metrics = step(state, batches[i % updates], ends)
+      state, metrics = step(state, batches[i % updates], ends, NO_BASE)
       jax.block_until_ready((state, metrics))
       times.append(time.perf_counter() - start)
     out["train_step_s"] = min(times[1:])
@@ -196,7 +197,7 @@ def rollout_phase(cfg, repeats: int, new_tokens: int, bandwidth_gbps: float | No
   engine = sampler._engine  # noqa: SLF001: the measurement drives the engine as scheduler.generate does
   resident = per_chip_bytes(state)
   with jax.set_mesh(mesh):
-    sample = progs.to_sample_params(state.params)
+    sample = progs.to_sample_params(state.params, NO_BASE)
     params = engine.load_params(sample)
   B, P = engine.max_concurrent_decodes, cfg.data.max_prompt_length
   R = min(new_tokens, cfg.rollout.max_new_tokens)

@@ -41,13 +41,14 @@ def _literal(text: str):
 
 
 def _abstract(cfg, topology: str):
-  """(mesh, abstract state, abstract policy, programs, mini-batch shapes, tokens per mini-batch per chip) of the
-  run on a TPU topology (default: the config's)."""
+  """(mesh, abstract state, abstract frozen part (empty in a full run), abstract policy, programs, mini-batch shapes,
+  tokens per mini-batch per chip) of the run on a TPU topology (default: the config's)."""
   devices = sharding.tpu_topology_devices(topology or cfg.hardware.tpu_topology)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-  state, policy, _, progs = aot.abstract_run(cfg, mesh)
+  frozen, base = aot.lora_run_base(cfg, mesh)
+  state, policy, _, progs = aot.abstract_run(cfg, mesh, (frozen, base))
   tokens = cfg.train.mini_batch_prompts * cfg.rollout.n * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
-  return mesh, state, policy, progs, programs_lib.minibatch_shapes(cfg, mesh), tokens / len(devices)
+  return mesh, state, base, policy, progs, programs_lib.minibatch_shapes(cfg, mesh), tokens / len(devices)
 
 
 def _compile(name: str, model_flops: float, mesh, lower):
@@ -60,19 +61,19 @@ def compile_train_step(cfg, topology: str = ""):
   """(ProgramReport, compiled executable, mesh, mini-batch shapes) of the config's train step compiled for a
   TPU topology (default: the config's). The report's `flops` counts loops and Pallas kernels; `model_flops`
   is 6 N per token (forward + backward, N the matmul parameters; twice with a critic) per chip."""
-  mesh, state, policy, progs, batch, tokens = _abstract(cfg, topology)
+  mesh, state, base, policy, progs, batch, tokens = _abstract(cfg, topology)
   critic = 2.0 if progs.value_fn is not None else 1.0
   report, compiled = _compile("train_step", 6.0 * aot.matmul_params(policy) * tokens * critic, mesh,
-                              lambda: progs.train_step.lower(state, batch, programs_lib.ends_step_shape(mesh)))
+                              lambda: progs.train_step.lower(state, batch, programs_lib.ends_step_shape(mesh), base))
   return report, compiled, mesh, batch
 
 
 def compile_logprob_pass(cfg, topology: str = ""):
   """(ProgramReport, compiled) of the config's log-prob pass (reference / old log-probs) on one mini-batch;
   `model_flops` is 2N per token (forward only)."""
-  mesh, state, policy, progs, batch, tokens = _abstract(cfg, topology)
+  mesh, state, base, policy, progs, batch, tokens = _abstract(cfg, topology)
   return _compile("logprobs", 2.0 * aot.matmul_params(policy) * tokens, mesh,
-                  lambda: progs.logprob_fn.lower(state.params, batch))
+                  lambda: progs.logprob_fn.lower(state.params, batch, base))
 
 
 def timings(loops: hlo_cost.LoopCosts, raw_optimal_s: float) -> dict[str, float]:

@@ -163,9 +163,10 @@ def test_compile_only_builds_the_programs_the_trainer_runs(report, tmp_path):
     assert (got.shape, got.dtype) == (spec.shape, spec.dtype)
     assert got.sharding.is_equivalent_to(spec.sharding, got.ndim)
   flag = programs_lib.ends_step(trainer.mesh, True)
-  real = programs.train_step.lower(trainer.state, seen, flag).as_text()
+  real = programs.train_step.lower(trainer.state, seen, flag, trainer.base).as_text()
   flag_shape = programs_lib.ends_step_shape(trainer.mesh)
-  assert programs.train_step.lower(abstract, expected, flag_shape).as_text() == real
+  _, abstract_base = programs_lib.abstract_base(cfg, trainer.mesh)  # the frozen part: empty in a full run
+  assert programs.train_step.lower(abstract, expected, flag_shape, abstract_base).as_text() == real
 
 
 @pytest.fixture(scope="module")

@@ -39,11 +39,13 @@ def compiled():
     devices = sharding.tpu_topology_devices(c.hardware.tpu_topology)
     mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
     state, _, _, progs = aot.abstract_run(c, mesh)
+    _, base = aot.lora_run_base(c, mesh)  # the frozen part every program takes: empty in a full run
     batch = programs_lib.minibatch_shapes(c, mesh)
+    ends_step = programs_lib.ends_step_shape(mesh)
     with jax.set_mesh(mesh), jax.default_matmul_precision("default"), aot_measure.persistent_cache_off():
-      yield {"train_step": progs.train_step.lower(state, batch, programs_lib.ends_step_shape(mesh)).compile().as_text(),
-             "logprobs": progs.logprob_fn.lower(state.params, batch).compile().as_text(),
-             "values": progs.value_fn.lower(state.critic_params, batch).compile().as_text()}
+      yield {"train_step": progs.train_step.lower(state, batch, ends_step, base).compile().as_text(),
+             "logprobs": progs.logprob_fn.lower(state.params, batch, base).compile().as_text(),
+             "values": progs.value_fn.lower(state.critic_params, batch, base).compile().as_text()}
   finally:
     del qwen2.PRESETS[preset]
 
