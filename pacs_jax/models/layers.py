@@ -27,45 +27,23 @@ def param(rngs: nnx.Rngs, shape, axes, dtype, init=nnx.initializers.normal(0.02)
 
 
 # ----------------------------------------------------------------------------------------------
-# LoRA adapters (`pacs_jax.models.lora` adds them beside a projection's kernel). A module without them runs the
-# program it always ran: the test below is a plain Python `if` on their presence.
-
-
-def adapter_names(target: str) -> tuple[str, str]:
-  """The attributes that hold a target's adapters A and B (target: q, k, v, o, gate, up or down)."""
-  return f"{target}_lora_a", f"{target}_lora_b"
-
-
-def _adapter_weight(var: nnx.Variable, dtype):
-  """An adapter as a matmul reads it (see `sharding.matmul_weight`). Inside the layer scan it is one layer's slice:
-  its logical axes are the trailing ones of the stacked parameter's."""
-  w = var[...]
-  return sharding.matmul_weight(w, tuple(var.get_metadata()["logical_axes"])[-w.ndim:], dtype)
+# Where a LoRA run's parts enter the layers: `pacs_jax.models.lora` puts a `lora` object (its `lora.Adapted`, static,
+# in the graphdef) on each module it adapts, which holds the LoRA layer code. A module without one runs the program it
+# always ran: the tests below are plain Python `if`s on its presence.
 
 
 def adapted(module: nnx.Module, target: str, x, y, to_rank: str, from_rank: str):
-  """y = x W of a projection, plus scale · (x A) B in y's (the compute) dtype when `module` has adapters for
-  `target`: unmerged, so the adapters' gradients never form a full [in, out] matrix. `to_rank` and `from_rank`
-  are the two einsums (x, A -> x A; x A, B -> the update); scale is the module's `lora_scale`."""
-  name_a, name_b = adapter_names(target)
-  if not hasattr(module, name_a):
-    return y
-  dt = y.dtype
-  xa = jnp.einsum(to_rank, x.astype(dt), _adapter_weight(getattr(module, name_a), dt))
-  return y + jnp.einsum(from_rank, xa, _adapter_weight(getattr(module, name_b), dt)) * module.lora_scale
-
-
-# A LoRA run's trained copy of a parameter (peft's `modules_to_save`: a norm's weight, the embeddings, the LM head;
-# `pacs_jax.models.lora` adds it as `saved_<name>` beside the parameter `<name>`): the module computes with the copy,
-# and the base model's parameter stays as it was (the frozen reference reads it).
-SAVED_PREFIX = "saved_"
+  """y = x W of a projection, plus the update of the module's adapters for `target` where it has them
+  (`lora.Adapted.update`; `to_rank` and `from_rank` are its two einsums)."""
+  lora = getattr(module, "lora", None)
+  return y if lora is None else lora.update(module, target, x, y, to_rank, from_rank)
 
 
 def saved_or_base(module: nnx.Module, name: str) -> nnx.Variable:
-  """The parameter `name` of `module`, or its trained copy when the module has one (a plain Python `if`: a module
-  without a copy runs the program it always ran)."""
-  copy = SAVED_PREFIX + name
-  return getattr(module, copy) if hasattr(module, copy) else getattr(module, name)
+  """The parameter `name` of `module`, or the trained copy of it the module computes with where it has one
+  (`lora.Adapted.weight`: peft's `modules_to_save`)."""
+  lora = getattr(module, "lora", None)
+  return getattr(module, name) if lora is None else lora.weight(module, name)
 
 
 class RMSNorm(nnx.Module):

@@ -23,8 +23,8 @@ from safetensors.numpy import load_file
 from pacs_jax import sharding
 from pacs_jax.models import lora_saved
 from pacs_jax.models import registry
-from pacs_jax.models.layers import SAVED_PREFIX, adapter_names
-from pacs_jax.models.lora_saved import PEFT_PREFIX, SAVEABLE, base_path, saved_params, with_saved_from  # noqa: F401
+from pacs_jax.models.lora_saved import (PEFT_PREFIX, SAVEABLE, SAVED_PREFIX, PLAIN_LORA, adapter_config,  # noqa: F401
+                                        base_path, saved_params, with_saved_from)
 from pacs_jax.models.model_config import ModelConfig
 
 # The projections an adapter may sit beside: target -> (its kernel's attribute, how many of the kernel's axes after
@@ -139,6 +139,42 @@ def _matched_by(pattern: str, names: dict[str, list[str]]) -> set[str]:
 # Adapters in the model
 
 
+def adapter_names(target: str) -> tuple[str, str]:
+  """The attributes that hold a target's adapters A and B (target: q, k, v, o, gate, up or down)."""
+  return f"{target}_lora_a", f"{target}_lora_b"
+
+
+def _adapter_weight(var: nnx.Variable, dtype):
+  """An adapter as a matmul reads it (see `sharding.matmul_weight`). Inside the layer scan it is one layer's slice:
+  its logical axes are the trailing ones of the stacked parameter's."""
+  w = var[...]
+  return sharding.matmul_weight(w, tuple(var.get_metadata()["logical_axes"])[-w.ndim:], dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapted:
+  """LoRA's layer code, put by `add_adapters` on each module it adapts or gives a saved copy, as `module.lora`: static
+  (part of the graphdef, so every program of a run bakes in the same scale); the layers call it
+  (`layers.adapted`, `layers.saved_or_base`), and a module without it runs the program it always ran."""
+  scale: float
+
+  def update(self, module: nnx.Module, target: str, x, y, to_rank: str, from_rank: str):
+    """y = x W of a projection, plus scale · (x A) B in y's (the compute) dtype when `module` has adapters for
+    `target`: unmerged, so the adapters' gradients never form a full [in, out] matrix. `to_rank` and `from_rank`
+    are the two einsums (x, A -> x A; x A, B -> the update)."""
+    name_a, name_b = adapter_names(target)
+    if not hasattr(module, name_a):
+      return y
+    dt = y.dtype
+    xa = jnp.einsum(to_rank, x.astype(dt), _adapter_weight(getattr(module, name_a), dt))
+    return y + jnp.einsum(from_rank, xa, _adapter_weight(getattr(module, name_b), dt)) * self.scale
+
+  def weight(self, module: nnx.Module, name: str) -> nnx.Variable:
+    """The parameter `name` of `module`, or its trained copy (`saved_<name>`) where the module has one."""
+    copy = SAVED_PREFIX + name
+    return getattr(module, copy) if hasattr(module, copy) else getattr(module, name)
+
+
 def add_adapters(model: nnx.Module, spec: LoraSpec, rngs: nnx.Rngs, *, dtype=None, mesh=None) -> nnx.Module:
   """Puts `nnx.LoRAParam` adapters A [layers, .., I] and B [layers, I, ..] beside each targeted kernel of every
   decoder layer of `model` (a CausalLM, or any module holding the decoder, such as PPO's critic), in place, and
@@ -156,12 +192,13 @@ def add_adapters(model: nnx.Module, spec: LoraSpec, rngs: nnx.Rngs, *, dtype=Non
       setattr(module, name_a, a)
       setattr(module, name_b, b)
     if adapted:
-      module.lora_scale = spec.scale  # static: part of the graphdef, so every program sees the same scale
+      module.lora = Adapted(spec.scale)
   saved = saved_params(spec, model.config)
   for path, module in list(nnx.iter_modules(model)):
     for name in SAVEABLE:
       if path + (name,) in saved:
         setattr(module, SAVED_PREFIX + name, lora_saved.saved_copy(getattr(module, name), dtype))
+        module.lora = Adapted(spec.scale)
   if mesh is not None:
     adapters = nnx.state(model, nnx.LoRAParam)
     nnx.update(model, jax.device_put(adapters, sharding.state_shardings(adapters, mesh, "train")))
@@ -233,8 +270,8 @@ def without_adapters(model: nnx.Module) -> nnx.Module:
       for name in adapter_names(target):
         if hasattr(module, name):
           delattr(module, name)
-    if hasattr(module, "lora_scale"):
-      del module.lora_scale
+    if hasattr(module, "lora"):
+      del module.lora
     for name in SAVEABLE:
       if hasattr(module, SAVED_PREFIX + name):
         delattr(module, SAVED_PREFIX + name)
@@ -278,32 +315,10 @@ def to_peft(adapters: nnx.State, spec: LoraSpec, config: ModelConfig,
                                                       lora_saved.ties_saved_embeddings(spec, config))
 
 
-def adapter_config(spec: LoraSpec, target_modules: list[str], base_model_name_or_path: str | None,
-                   ensure_weight_tying: bool = False) -> dict:
-  """adapter_config.json as peft writes it for a LoRA (the fields peft and vLLM read), with `modules_to_save` as
-  the spec's entries (peft matches them to modules as `saved_params` does) and `ensure_weight_tying` when tied
-  embeddings are saved (`ties_saved_embeddings`)."""
-  return {
-      "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-      "r": spec.rank, "lora_alpha": spec.alpha, "use_rslora": spec.use_rslora, "target_modules": target_modules,
-      "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_dora": False,
-      "modules_to_save": list(spec.modules_to_save) or None,
-      "init_lora_weights": True, "inference_mode": True, "rank_pattern": {}, "alpha_pattern": {},
-      "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None, "lora_bias": False,
-      "ensure_weight_tying": ensure_weight_tying,
-  }
-
-
-# adapter_config.json fields whose other values change what the adapter computes: refused, each by name.
-_PLAIN_LORA = {"peft_type": "LORA", "use_dora": False, "bias": "none", "lora_bias": False, "fan_in_fan_out": False,
-               "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
-               "layers_pattern": None, "exclude_modules": None, "target_parameters": None}
-
-
 def spec_from_peft(cfg: dict, where: str = ADAPTER_CONFIG) -> LoraSpec:
   """The LoraSpec of a PEFT adapter_config.json dict; ValueError naming the field for what a plain LoRA (with
   saved norms, `modules_to_save`) lacks."""
-  for field, plain in _PLAIN_LORA.items():
+  for field, plain in PLAIN_LORA.items():
     value = cfg.get(field, plain)
     if value != plain and (plain or value):  # None, {}, [] and false all mean "none" where that is the plain value
       raise ValueError(f"{where}: {field}={cfg[field]!r} is not supported (a plain LoRA has {plain!r})")
@@ -338,7 +353,7 @@ def from_peft(folder: str, model: nnx.Module, *, dtype=None) -> LoraSpec:
                      "supported (peft's LM head keeps the base embeddings there; ours is the trained copy)")
   if not nnx.state(model, nnx.LoRAParam):
     add_adapters(model, spec, nnx.Rngs(0), dtype=dtype)
-  scales = {m.lora_scale for _, m in nnx.iter_modules(model) if hasattr(m, "lora_scale")}
+  scales = {m.lora.scale for _, m in nnx.iter_modules(model) if hasattr(m, "lora")}
   if scales != {spec.scale}:
     raise ValueError(f"{config_path}: the adapters' scale {spec.scale} differs from the model's adapters' {scales}")
   tensors = load_file(weights_path)

@@ -1,5 +1,6 @@
 """LoRA's saved modules (peft's `modules_to_save`): which parameters `lora.modules_to_save` names, their trained
-copies (`saved_<name>` beside the parameter, `nnx.LoRAParam`), and their PEFT tensors. docs/lora.md has the design."""
+copies (`saved_<name>` beside the parameter, `nnx.LoRAParam`), their PEFT tensors, and PEFT's adapter_config.json.
+docs/lora.md has the design."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import numpy as np
 from flax import nnx
 
 from pacs_jax.models import registry
-from pacs_jax.models.layers import SAVED_PREFIX
 from pacs_jax.models.model_config import ModelConfig
 
 PEFT_PREFIX = "base_model.model."  # PEFT's key of a module: this prefix, the transformers module name, lora_A/B
+# A saved parameter's trained copy is `saved_<name>` beside the parameter `<name>`: the module computes with the copy
+# (`lora.Adapted.weight`), and the base model's parameter stays as it was (the frozen reference reads it).
+SAVED_PREFIX = "saved_"
 
 
 def hf_weights(config: ModelConfig) -> dict[tuple, list[str]]:
@@ -110,3 +113,25 @@ def peft_keys(spec, config: ModelConfig) -> dict[tuple, list[str]]:
   if ties_saved_embeddings(spec, config):
     out[("model", "embed_tokens")].append(PEFT_PREFIX + "lm_head.weight")
   return out
+
+
+def adapter_config(spec, target_modules: list[str], base_model_name_or_path: str | None,
+                   ensure_weight_tying: bool = False) -> dict:
+  """adapter_config.json as peft writes it for a LoRA (the fields peft and vLLM read), with `modules_to_save` as
+  the spec's entries (peft matches them to modules as `saved_params` does) and `ensure_weight_tying` when tied
+  embeddings are saved (`ties_saved_embeddings`)."""
+  return {
+      "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+      "r": spec.rank, "lora_alpha": spec.alpha, "use_rslora": spec.use_rslora, "target_modules": target_modules,
+      "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_dora": False,
+      "modules_to_save": list(spec.modules_to_save) or None,
+      "init_lora_weights": True, "inference_mode": True, "rank_pattern": {}, "alpha_pattern": {},
+      "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None, "lora_bias": False,
+      "ensure_weight_tying": ensure_weight_tying,
+  }
+
+
+# adapter_config.json fields whose other values change what the adapter computes: refused, each by name.
+PLAIN_LORA = {"peft_type": "LORA", "use_dora": False, "bias": "none", "lora_bias": False, "fan_in_fan_out": False,
+               "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
+               "layers_pattern": None, "exclude_modules": None, "target_parameters": None}

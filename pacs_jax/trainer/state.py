@@ -12,7 +12,7 @@ import optax
 from flax import nnx
 
 from pacs_jax import sharding
-from pacs_jax.models import layers
+from pacs_jax.models import lora_saved
 
 # apply_if_finite falls back to applying the update after this many consecutive non-finite ones; a
 # non-finite gradient must never be applied, so the limit is out of reach.
@@ -70,7 +70,7 @@ def make_optimizer(train: ml_collections.ConfigDict, lr: float, total_updates: i
 def _saved_copies(params) -> Any:
   """True at the leaves of a LoRA run's saved copies (`saved_<name>`, beside the adapters), False elsewhere."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: any(str(getattr(k, "key", "")).startswith(layers.SAVED_PREFIX) for k in path), params)
+      lambda path, _: any(str(getattr(k, "key", "")).startswith(lora_saved.SAVED_PREFIX) for k in path), params)
 
 
 def skipped_updates(opt_state) -> jax.Array:
