@@ -138,7 +138,7 @@ def test_compile_only_builds_the_programs_the_trainer_runs(report, tmp_path):
   trainer = loop.Trainer(cfg, str(tmp_path), devices=jax.devices()[:4])
   seen, flags = {}, []
 
-  def record(state, minibatch, ends_step):
+  def record(state, minibatch, ends_step, base):  # base: the run's frozen part, empty in a full run
     seen.update(minibatch)
     flags.append(bool(ends_step))
     return state, {"loss": 0.0, "skipped_updates": 0.0}
