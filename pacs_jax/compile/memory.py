@@ -63,15 +63,11 @@ def state_bytes_per_device(state: nnx.State, mesh: AbstractMesh, mode: str, dtyp
 
 
 def trained_and_frozen(cfg: ml_collections.ConfigDict, mc: ModelConfig) -> tuple[nnx.State, nnx.State | None]:
-  """The policy's trained parameters and its frozen ones, abstract: all and None, or a LoRA run's adapters and
-  base."""
-  make = lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(0))
-  spec = config_lib.lora_spec(cfg)
-  if spec is None:
-    return nnx.split(nnx.eval_shape(make), nnx.Param)[1], None
-  _, adapters, base = lora.split(nnx.eval_shape(
-      lambda: lora.add_adapters(make(), spec, nnx.Rngs(0), dtype=adapters_lib.ADAPTER_DTYPE)))
-  return adapters, base
+  """The policy's trained parameters and its frozen ones, abstract, split as the trainer splits them
+  (`adapters.abstract_policy`): all and None, or a LoRA run's adapters and base."""
+  _, params, base, _ = adapters_lib.abstract_policy(lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(0)),
+                                                    config_lib.lora_spec(cfg))
+  return params, base if jax.tree.leaves(base) else None
 
 
 def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, float]:
