@@ -21,9 +21,15 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-# Persistent compile cache: test processes (and reruns) reuse each other's compiled programs.
-jax.config.update("jax_compilation_cache_dir",
-                  os.environ.get("PACS_JAX_TEST_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")))
+# Persistent compile cache: test processes (and reruns) reuse each other's compiled programs. Every Python
+# subprocess a test starts (the command lines, killed-and-resumed runs, multi-process runs) inherits it through
+# jax's own environment variables: a tiny_cpu run's 3 steps take ~10 s with its programs cached against ~30 s cold,
+# and most subprocess tests start the same few configs again and again.
+_CACHE = os.path.abspath(os.environ.get("PACS_JAX_TEST_CACHE",
+                                        os.path.join(os.path.dirname(__file__), "..", ".jax_cache")))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 def pytest_collection_modifyitems(config, items):

@@ -60,6 +60,10 @@ def test_ctrl_c_saves_at_the_step_boundary_and_a_second_one_exits_at_once(tmp_pa
 
   proc = start(workdir)
   wait_for_row(workdir, saved + 1, proc)
+  # Past the step boundary that follows the row (its stop check), into the next step's second of scoring: both
+  # Ctrl-Cs land within one step. Without the pause, a first one that landed between the row and the check stopped
+  # the run at that boundary, before the second was sent.
+  time.sleep(0.3)
   os.killpg(proc.pid, signal.SIGINT)
   time.sleep(0.3)  # within the step (each takes over a second)
   os.killpg(proc.pid, signal.SIGINT)
