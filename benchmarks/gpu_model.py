@@ -37,7 +37,7 @@ from pacs_jax.config import files as config_files  # noqa: E402
 from pacs_jax.rollout import sampling as sampling_lib  # noqa: E402
 from pacs_jax.rollout import scheduler  # noqa: E402
 from pacs_jax.trainer import programs as programs_lib  # noqa: E402
-from pacs_jax.trainer import state as state_lib  # noqa: E402
+from pacs_jax.trainer import train_state as state_lib  # noqa: E402
 
 GB = 1e9
 # Dense bf16 matrix peak of one device (datasheet, FLOP/s): MFU's denominator. H100 and H200 SXM share the H100's

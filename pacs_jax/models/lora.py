@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 from pacs_jax import sharding
 from pacs_jax.models import lora_saved
-from pacs_jax.models import registry
+from pacs_jax.models import families as registry
 from pacs_jax.models.layers import SAVED_PREFIX, adapter_names
 from pacs_jax.models.lora_saved import PEFT_PREFIX, SAVEABLE, base_path, saved_params, with_saved_from  # noqa: F401
 from pacs_jax.models.model_config import ModelConfig

@@ -17,9 +17,9 @@ import numpy as np
 from pacs_jax.models import kv_cache, paged
 from pacs_jax.models.decoder import CausalLM
 from pacs_jax.models.kv_cache import KVCache
-from pacs_jax.rollout import pages as pages_lib
+from pacs_jax.rollout import page_allocation as pages_lib
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.rollout.state import ChunkOutput, DecodeState, Prefix, StepOutput
+from pacs_jax.rollout.decode_state import ChunkOutput, DecodeState, Prefix, StepOutput
 
 
 def request_keys(seed: jax.Array, prompt_index: jax.Array, sample_index: jax.Array) -> jax.Array:

@@ -25,9 +25,9 @@ from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import decode as decode_lib
-from pacs_jax.rollout import pages as pages_lib
-from pacs_jax.rollout import state as state_lib
-from pacs_jax.rollout.state import ChunkOutput, DecodeState, FirstTokens
+from pacs_jax.rollout import page_allocation as pages_lib
+from pacs_jax.rollout import decode_state as state_lib
+from pacs_jax.rollout.decode_state import ChunkOutput, DecodeState, FirstTokens
 
 def _i32(*shape) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, jnp.int32)

@@ -14,10 +14,10 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.algos import registry
-from pacs_jax.data import synthetic, tokenizers
+from pacs_jax.algos import algorithms
+from pacs_jax.data import synthetic_tasks, tokenizers
 from pacs_jax.models import decoder, hf
-from pacs_jax.models import registry as model_registry
+from pacs_jax.models import families
 from pacs_jax.trainer import adapters as adapters_lib
 from pacs_jax.trainer import programs as programs_lib
 
@@ -25,7 +25,7 @@ from pacs_jax.trainer import programs as programs_lib
 def load_tokenizer(cfg: ml_collections.ConfigDict):
   name = cfg.tokenizer or cfg.model.hf_path
   if not name or name == "synthetic":
-    return synthetic.build_tokenizer()
+    return synthetic_tasks.build_tokenizer()
   return tokenizers.load_tokenizer(hf.resolve_path(name))
 
 
@@ -37,13 +37,13 @@ def build_policy(cfg: ml_collections.ConfigDict, mesh) -> decoder.CausalLM:
                                   remat=mc.remat, attention_chunk=mc.attention_chunk,
                                   attention_impl=mc.attention_impl, remat_policy=mc.remat_policy)
     return model
-  return sharding.create_sharded(lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")
+  return sharding.create_sharded(lambda: families.causal_lm(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")
 
 
 def build_critic(cfg: ml_collections.ConfigDict, policy: decoder.CausalLM, mesh) -> nnx.Module:
   """The algorithm's critic: its backbone (`.model`) starts from the policy's weights (as verl initialises
   PPO's), its head fresh."""
-  make = lambda: registry.of(cfg).make_critic(policy.config, nnx.Rngs(cfg.seed + 1))
+  make = lambda: algorithms.of(cfg).make_critic(policy.config, nnx.Rngs(cfg.seed + 1))
   critic = sharding.create_sharded(make, mesh, "train")
   backbone = jax.tree.map(jnp.copy, nnx.state(policy.model, nnx.Param))
   nnx.update(critic.model, backbone)
@@ -67,7 +67,7 @@ def run_params(cfg: ml_collections.ConfigDict, policy: decoder.CausalLM, mesh) -
   """The parameters of a run starting from `policy` (built by `build_policy`): a full run trains all of them (and
   keeps a copy as its frozen reference); a LoRA run adds adapters and trains those (and a critic's own adapters and
   head), the base staying frozen: its reference is the base itself, without adapters."""
-  algo, spec = registry.of(cfg), config_lib.lora_spec(cfg)
+  algo, spec = algorithms.of(cfg), config_lib.lora_spec(cfg)
   needs_ref = programs_lib.needs_frozen_ref(cfg)
   if spec is None:
     graphdef, params = nnx.split(policy, nnx.Param)

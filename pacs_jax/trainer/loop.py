@@ -17,7 +17,7 @@ from absl import logging
 
 from pacs_jax import config as config_lib
 from pacs_jax import paths
-from pacs_jax.algos import registry
+from pacs_jax.algos import algorithms
 from pacs_jax.data import pipeline as pipeline_lib
 from pacs_jax.data import prompts as prompts_lib
 from pacs_jax.data import sources, tokenizers
@@ -25,27 +25,27 @@ from pacs_jax.models import hf
 from pacs_jax.rewards import pool as reward_pool
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import stop_tokens
-from pacs_jax.trainer import batching
+from pacs_jax.trainer import packing
 from pacs_jax.storage import checkpoint as checkpoint_lib
-from pacs_jax.storage import export as export_lib
+from pacs_jax.storage import hf_export as export_lib
 from pacs_jax.storage import lock as workdir_lock
 from pacs_jax.storage import resume as resume_lib
 from pacs_jax.storage.workdir import CHECKPOINT_DIR
-from pacs_jax.trainer import console
-from pacs_jax.trainer import metrics as metrics_lib
-from pacs_jax.trainer import multihost
+from pacs_jax.services import console
+from pacs_jax.services import metrics as metrics_lib
+from pacs_jax.services import multihost
 from pacs_jax.trainer import overlap
 from pacs_jax.trainer import build
-from pacs_jax.trainer import preemption as preemption_lib
+from pacs_jax.services import preemption as preemption_lib
 from pacs_jax.trainer import dynamic_sampling
-from pacs_jax.trainer import health
+from pacs_jax.services import health
 from pacs_jax.trainer import programs as programs_lib
 from pacs_jax.trainer import split
 from pacs_jax.trainer import stages
-from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import train_state as state_lib
 from pacs_jax.trainer import equal_rewards as signal_lib
-from pacs_jax.trainer import teardown
-from pacs_jax.trainer import tracking
+from pacs_jax.services import teardown
+from pacs_jax.services import tracking
 
 
 _TREE_NORM = jax.jit(state_lib.tree_norm)
@@ -120,7 +120,7 @@ class Trainer:
                          "data": console.describe_data(cfg, len(train_records), len(self.val_records))}
 
   def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
-    self.objective = registry.bind(cfg)  # the run's objective, bound once: what the per-step hooks take
+    self.objective = algorithms.bind(cfg)  # the run's objective, bound once: what the per-step hooks take
     self._stepped = False  # no step has run in this process yet (the first one compiles)
     self.mesh, self.rollout_mesh = split.meshes(cfg, devices)  # rollout_mesh: None unless rollout.devices
     with jax.set_mesh(self.mesh):
@@ -253,7 +253,7 @@ class Trainer:
       return stages.rollout(sampler, prompt_ids, P=self.P, n=self.cfg.rollout.n, max_new_tokens=self.R,
                             sampling=self.sampling, seed=seed, on_finish=on_finish)
 
-  def update(self, packed: batching.PackedRollout) -> dict[str, Any]:
+  def update(self, packed: packing.PackedRollout) -> dict[str, Any]:
     """The update stage on the trainer's state; keeps each mini-batch's own metrics in `minibatch_metrics`."""
     self.state, per_minibatch = stages.update(self.programs, self.state, self.ref_params, packed, self.batch_layout,
                                               self.mesh, programs_lib.updates_per_step(self.cfg), self.frozen_args)
@@ -290,7 +290,7 @@ class Trainer:
       inputs = metrics_lib.prompt_texts(self.tokenizer, self.val_prompts, [c.prompt_index for c in completions])
       metrics_lib.dump_generations(cfg.validation_data_dir, int(self.state.step), inputs, texts, scores,
                                    data_sources, answers, extra={"reward": [float(x) for x in scores]})
-    return batching.per_source_mean(scores, data_sources, "val/accuracy")
+    return packing.per_source_mean(scores, data_sources, "val/accuracy")
 
   # -- checkpoints -----------------------------------------------------------------------------
 
@@ -326,7 +326,7 @@ class Trainer:
 
   def run(self) -> dict[str, Any]:
     """Trains from the newest checkpoint (or from scratch) to `cfg.steps`; returns the last step's metrics. Whatever
-    happens, it lets go of the checkpointer, metrics writer and workdir lock (trainer/teardown.py)."""
+    happens, it lets go of the checkpointer, metrics writer and workdir lock (services/teardown.py)."""
     held = teardown.Held(self.workdir, self.checkpointer, self.lock)
     with teardown.closing(held):
       restored = self.maybe_restore()
@@ -348,7 +348,7 @@ class Trainer:
 
   def _steps(self, held: teardown.Held, restored: int | None) -> dict[str, Any]:
     """The steps after `held.step_in_progress` (each number held there as it runs), with validation, metrics rows,
-    checkpoints and a stop on SIGTERM or Ctrl-C, a lost lock, or a dead or diverged run (trainer/health.py)."""
+    checkpoints and a stop on SIGTERM or Ctrl-C, a lost lock, or a dead or diverged run (services/health.py)."""
     cfg, writer, preemption = self.cfg, held.writer, held.preemption
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
     updates_per_step = programs_lib.updates_per_step(cfg)

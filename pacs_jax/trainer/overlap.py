@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from pacs_jax.rollout import interface
 from pacs_jax.trainer import stages
-from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import train_state as state_lib
 
 
 class Lookahead:

@@ -12,7 +12,7 @@ from jax import lax
 
 from pacs_jax.models import paged
 from pacs_jax.models.kv_cache import KVCache
-from pacs_jax.rollout.state import PagedCache
+from pacs_jax.rollout.decode_state import PagedCache
 
 
 def init(config, slots: int, cache_length: int, page_size: int, shards: int, pages_per_shard: int,

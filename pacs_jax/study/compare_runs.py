@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from pacs_jax import paths
-from pacs_jax.trainer import metrics as metrics_lib
+from pacs_jax.services import metrics as metrics_lib
 
 VAL_PREFIX = "val/accuracy/"
 # (panel title, metric key; VAL_PREFIX = the mean over the validation sources of a row)
