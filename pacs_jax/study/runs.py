@@ -11,11 +11,11 @@ import time
 import jax
 
 from pacs_jax.data import synthetic_tasks
+from pacs_jax.services import metrics as metrics_lib
 from pacs_jax.study import heldout
 from pacs_jax.study import study_settings as settings_lib
 from pacs_jax.study import warmup
 from pacs_jax.trainer import loop
-from pacs_jax.services import metrics as metrics_lib
 
 RESULTS_FILE = "study.json"
 DIGEST_FILE = "study_summary.json"  # the same without the metrics rows
