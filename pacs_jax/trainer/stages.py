@@ -18,9 +18,9 @@ import numpy as np
 from pacs_jax.algos import batch as batch_lib
 from pacs_jax.rollout import interface
 from pacs_jax.rollout.interface import Completion
-from pacs_jax.trainer import packing
 from pacs_jax.services import metrics as metrics_lib
 from pacs_jax.services import multihost
+from pacs_jax.trainer import packing
 from pacs_jax.trainer import programs as programs_lib
 from pacs_jax.trainer import train_state as state_lib
 
@@ -191,3 +191,17 @@ def dump(directory: str, step: int, tokenizer, prompt_ids: list[list[int]],
   inputs = metrics_lib.prompt_texts(tokenizer, prompt_ids, [c.prompt_index for c in completions])
   metrics_lib.dump_generations(directory, step, inputs, scored.texts, scored.scores, scored.data_sources,
                                scored.answers)
+
+
+def validation_metrics(scorer, tokenizer, records: list[dict], prompt_ids: list[list[int]],
+                       completions: list[Completion], *, dump_dir: str, step: int) -> dict[str, float]:
+  """Validation's accuracy per data source (`val/accuracy...`) of one response to each record's prompt; with
+  `dump_dir`, the responses are written there too (by process 0: every process ran the same validation)."""
+  texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+  answers, data_sources = [r["answer"] for r in records], [r["data_source"] for r in records]
+  scores, _ = scorer.score_batch(texts, answers, data_sources)
+  if dump_dir and jax.process_index() == 0:
+    inputs = metrics_lib.prompt_texts(tokenizer, prompt_ids, [c.prompt_index for c in completions])
+    metrics_lib.dump_generations(dump_dir, step, inputs, texts, scores, data_sources, answers,
+                                 extra={"reward": [float(x) for x in scores]})
+  return packing.per_source_mean(scores, data_sources, "val/accuracy")
