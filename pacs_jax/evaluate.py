@@ -66,7 +66,7 @@ _define_config_flags()
 
 def eval_config_from_flags(synthetic_only: bool = False) -> ml_collections.ConfigDict:
   """The evaluation config the flags describe, validated; a bad value is a usage error naming its flag. With only
-  synthetic data, flags left unset take the demo's sizes (`settings.SYNTHETIC_DEFAULTS`)."""
+  synthetic data, flags left unset take the demo's sizes (`eval_settings.SYNTHETIC_DEFAULTS`)."""
   cfg = settings_lib.eval_config()
   for name, (field, _) in CONFIG_FLAGS.items():
     unset = synthetic_only and not flags.FLAGS[name].present and field in settings_lib.SYNTHETIC_DEFAULTS

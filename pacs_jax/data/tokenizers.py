@@ -76,7 +76,8 @@ def save_tokenizer(tokenizer, directory: str, generation: dict | None = None) ->
   """Writes the tokenizer as `transformers.AutoTokenizer` loads it, and `generation` (default:
   `generation_config(tokenizer)`) as generation_config.json."""
   # AutoTokenizer makes a Qwen2Tokenizer of any qwen2 directory: the synthetic vocabulary goes in the form it reads.
-  (synthetic_tasks.portable_tokenizer() if synthetic_tasks.is_synthetic_vocab(tokenizer) else tokenizer).save_pretrained(directory)
+  portable = synthetic_tasks.portable_tokenizer() if synthetic_tasks.is_synthetic_vocab(tokenizer) else tokenizer
+  portable.save_pretrained(directory)
   with open(os.path.join(directory, GENERATION_CONFIG_FILE), "w") as f:
     json.dump(generation if generation is not None else generation_config(tokenizer), f, indent=2)
 

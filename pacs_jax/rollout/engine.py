@@ -1,6 +1,6 @@
 """The KV-cache rollout `Engine`: the batched rollout programs (prefill, insert, decode) jitted with weights as an
 argument, the decode state's layout on a mesh, and public `lower_*` hooks for ahead-of-time compiles. The decode
-cache is paged (`state.PagedCache`); which page budget a decode call runs at is `budget.PagePolicy`'s, and the
+cache is paged (`decode_state.PagedCache`); which page budget a decode call runs at is `budget.PagePolicy`'s, and the
 one-request-at-a-time surface JetStream serves is `single.SingleRequest`.
 
 Shapes: B slots (or prompts in a prefill), T prompt bucket length, Q requests, V vocab, L cache rows per slot.
@@ -119,7 +119,7 @@ class Engine:
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def constrain(self, tree: DecodeState | KVCache):
-    """The decode state (or a prefill cache) in its declared layout (`state.field_shardings`), inside a trace."""
+    """The decode state (or a prefill cache) in its declared layout (`decode_state.field_shardings`), inside a trace."""
     if self.mesh is None:
       return tree
     cache = isinstance(tree, KVCache)

@@ -1,5 +1,5 @@
-"""Runs side by side: reward, validation accuracy, entropy, response length and step time of several workdirs
-(their metrics.jsonl) in one figure, and a summary table."""
+"""Runs side by side (`python -m pacs_jax.compare`, and the study's curves): reward, validation accuracy, entropy,
+response length and step time of several workdirs (their metrics.jsonl) in one figure, and a summary table."""
 
 from __future__ import annotations
 
