@@ -9,7 +9,8 @@ most s versions old when it trains on them (s exactly, once the pipeline is full
 starts after step k's update, with its weights: sync's responses through the overlapped machinery (bitwise).
 Each rollout's seed is the one the synchronous step would draw (`train_state.rollout_seed_ahead`), and its prompts are
 the pipeline's next elements, looked at ahead (`Lookahead`, which the trainer's iterator is in these modes): a
-checkpoint records the data position before the first of them, so after a resume they are drawn again and the rollouts in flight are dropped, never trained on.
+checkpoint records the data position before the first of them, so after a resume they are drawn again and the
+rollouts in flight are dropped, never trained on.
 
 A response made by a policy more than s versions older than the one the step's update starts from is dropped and
 counted (`rollout/dropped`), and its prompt's responses are drawn again by the current policy (same seed, so no prompt
