@@ -18,7 +18,7 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.models import registry
+from pacs_jax.models import families
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.compile import aot_measure
@@ -58,7 +58,7 @@ def main():
   mc = config_lib.preset_model_config(cfg)
   devices = sharding.tpu_topology_devices(args.topology)
   mesh = sharding.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=devices)
-  models = {impl: nnx.eval_shape(lambda impl=impl: registry.causal_lm(mc.replace(attention_impl=impl),
+  models = {impl: nnx.eval_shape(lambda impl=impl: families.causal_lm(mc.replace(attention_impl=impl),
                                                                     rngs=nnx.Rngs(0)))
             for impl in {mc.attention_impl, "xla"}}
   slots = cfg.rollout.slots or cfg.train.batch_prompts * cfg.rollout.n

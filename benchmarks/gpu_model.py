@@ -38,7 +38,7 @@ from pacs_jax.rollout import sampling as sampling_lib  # noqa: E402
 from pacs_jax.rollout import scheduler  # noqa: E402
 from pacs_jax.trainer import programs as programs_lib  # noqa: E402
 from pacs_jax.trainer.adapters import NO_BASE  # noqa: E402  (a full run's frozen part: the programs' last argument)
-from pacs_jax.trainer import state as state_lib  # noqa: E402
+from pacs_jax.trainer import train_state as state_lib  # noqa: E402
 
 GB = 1e9
 # Dense bf16 matrix peak of one device (datasheet, FLOP/s): MFU's denominator. H100 and H200 SXM share the H100's

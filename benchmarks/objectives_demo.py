@@ -20,8 +20,8 @@ import numpy as np
 from absl import app, flags
 
 from pacs_jax.rewards import math as rewards_lib
+from pacs_jax.services import runtime
 from pacs_jax.trainer import loop
-from pacs_jax.trainer import runtime
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, also when loaded by path
 from demo_runs import demo_config  # noqa: E402

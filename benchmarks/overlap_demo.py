@@ -26,10 +26,10 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from pacs_jax.algos import registry
+from pacs_jax.algos import algorithms
 from pacs_jax.rewards import math as rewards_lib
+from pacs_jax.services import runtime
 from pacs_jax.trainer import loop
-from pacs_jax.trainer import runtime
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, also when loaded by path
 from demo_runs import demo_config  # noqa: E402
@@ -57,7 +57,7 @@ def run(name: str, mode: str, seed: int, workdir: str) -> dict:
   cfg = demo_config(name)
   cfg.update_from_flattened_dict(MODES[mode])
   cfg.seed = seed
-  if mode != "sync" and name in _TIS.value and registry.get(name).supports_rollout_correction:
+  if mode != "sync" and name in _TIS.value and algorithms.get(name).supports_rollout_correction:
     cfg.rollout.tis_imp_ratio_cap = _TIS_CAP.value
   if _PACS_REFERENCE.value and "reference_policy" in cfg.get(name, {}):  # PACS's setting
     cfg[name].reference_policy = _PACS_REFERENCE.value

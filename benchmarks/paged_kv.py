@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pacs_jax.models import registry
+from pacs_jax.models import families
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import dense_figures, sampling, scheduler
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--preset", default="tiny", choices=sorted(registry.preset_names()))
+  parser.add_argument("--preset", default="tiny", choices=sorted(families.preset_names()))
   parser.add_argument("--slots", type=int, default=16)
   parser.add_argument("--requests", type=int, default=64)
   parser.add_argument("--prompt_len", type=int, default=32, help="prompts of prompt_len / 4 .. prompt_len tokens")
@@ -36,8 +36,8 @@ def main():
   parser.add_argument("--kv_pages", type=int, default=0, help="the page pool (0: every slot at full length)")
   args = parser.parse_args()
 
-  config = registry.preset(args.preset)
-  model = registry.causal_lm(config, rngs=nnx.Rngs(0))
+  config = families.preset(args.preset)
+  model = families.causal_lm(config, rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, config.vocab_size, size=n).tolist()
              for n in rng.integers(max(1, args.prompt_len // 4), args.prompt_len + 1, size=args.requests)]

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from pacs_jax import sharding
-from pacs_jax.models import registry
+from pacs_jax.models import families
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling, scheduler
 
@@ -35,7 +35,7 @@ def timed(fn, repeats: int) -> float:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--preset", default="tiny", choices=sorted(registry.preset_names()))
+  parser.add_argument("--preset", default="tiny", choices=sorted(families.preset_names()))
   parser.add_argument("--batch", type=int, default=8, help="decode slots (and prompts prefilled at once)")
   parser.add_argument("--prompt_len", type=int, default=128)
   parser.add_argument("--new_tokens", type=int, default=128, help="decode steps timed (cache = prompt_len + this)")
@@ -50,9 +50,9 @@ def main():
   args = parser.parse_args()
 
   dtype = jnp.dtype(args.dtype)
-  config = registry.preset(args.preset, param_dtype=dtype, dtype=dtype)
+  config = families.preset(args.preset, param_dtype=dtype, dtype=dtype)
   mesh = sharding.make_mesh(fsdp=-1, tensor=args.tensor) if jax.device_count() > 1 else None
-  model = sharding.create_sharded(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0)), mesh, "sample")
+  model = sharding.create_sharded(lambda: families.causal_lm(config, rngs=nnx.Rngs(0)), mesh, "sample")
   B, P, R = args.batch, args.prompt_len, args.new_tokens
   engine = engine_lib.Engine(model, max_concurrent_decodes=B, max_prefill_length=P, max_decode_length=R,
                              mesh=mesh, steps_per_call=args.steps_per_call, page_size=args.page_size)

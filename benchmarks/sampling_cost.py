@@ -52,7 +52,7 @@ def tiny_qwen(d: str) -> str:
 
 def cpu(max_ratio: float, problems: int, n: int, max_new_tokens: int) -> bool:
   from pacs_jax.eval import runner
-  from pacs_jax.eval.settings import EvalSettings
+  from pacs_jax.eval.eval_settings import EvalSettings
 
   class NoScore:  # the same for both settings; left out so that the sampling's share is not diluted
     def score_batch(self, responses, answers, sources):

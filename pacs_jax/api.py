@@ -42,9 +42,9 @@ def load_pretrained(path: str, *, step: int | None = None, dtype=None):
   from pacs_jax import paths
   from pacs_jax.data import tokenizers
   from pacs_jax.models import hf
-  from pacs_jax.storage import export, workdir
-  if export.is_workdir(path):
-    model, _ = export.load_policy(path, step)
+  from pacs_jax.storage import hf_export, workdir
+  if hf_export.is_workdir(path):
+    model, _ = hf_export.load_policy(path, step)
     with paths.local_dir(workdir.model_dir(path)) as model_dir:
       return model, tokenizers.load_tokenizer(model_dir)
   if step is not None:
@@ -68,8 +68,8 @@ def save_pretrained(model, out_dir: str, tokenizer=None, max_shard_size: int | s
   with a `model.safetensors.index.json`, as transformers does. `dtype` (e.g. jnp.bfloat16) converts on the way
   out.
   """
-  from pacs_jax.storage import export
-  export.save_model_dir(model, out_dir, tokenizer, max_shard_size=max_shard_size, dtype=dtype,
+  from pacs_jax.storage import hf_export
+  hf_export.save_model_dir(model, out_dir, tokenizer, max_shard_size=max_shard_size, dtype=dtype,
                         generation_config=generation_config)
 
 

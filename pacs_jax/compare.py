@@ -18,13 +18,13 @@ def main(argv):
   labels = _LABELS.value or [os.path.basename(os.path.normpath(d)) for d in run_dirs]
   if len(labels) != len(run_dirs) or len(set(labels)) != len(labels):
     raise app.UsageError(f"--labels: {len(run_dirs)} distinct names needed, got {labels}")
-  from pacs_jax.trainer import compare
+  from pacs_jax.study import compare_runs
   try:
-    runs = {label: compare.read_run(d) for label, d in zip(labels, run_dirs)}
+    runs = {label: compare_runs.read_run(d) for label, d in zip(labels, run_dirs)}
   except FileNotFoundError as e:
     raise SystemExit(f"compare: {e}") from None
-  compare.plot(runs, _OUT.value, smoothing=_SMOOTHING.value, title=_TITLE.value)
-  print(compare.format_table(compare.summary_rows(runs)))
+  compare_runs.plot(runs, _OUT.value, smoothing=_SMOOTHING.value, title=_TITLE.value)
+  print(compare_runs.format_table(compare_runs.summary_rows(runs)))
   print(f"wrote {_OUT.value}")
 
 

@@ -31,7 +31,7 @@ EXIT_DATA = 4  # a data file that cannot be read, rows that are malformed, no pr
 EXIT_CHECKPOINT = 5  # no checkpoint restores, or it belongs to another run (algorithm, model, tokenizer)
 EXIT_LOCKED = 6  # another trainer holds the workdir
 EXIT_STORAGE = 7  # a save or write failed: a full or read-only disk, an unreachable store
-EXIT_UNHEALTHY = 8  # training died or diverged (trainer/health.py): stopped before saving
+EXIT_UNHEALTHY = 8  # training died or diverged (services/health.py): stopped before saving
 EXIT_INTERRUPTED = 130  # Ctrl-C before training began, or a second one during it (a shell's 128 + SIGINT)
 
 LOG_FILE = "errors.log"  # in the workdir: the traceback of each failure, appended
@@ -90,7 +90,7 @@ def classify(e: BaseException) -> Failure | None:
   from pacs_jax.data import sources
   from pacs_jax.models import hf
   from pacs_jax.storage import checkpoint, lock
-  from pacs_jax.trainer import health
+  from pacs_jax.services import health
 
   if isinstance(e, health.Unhealthy):
     return Failure(EXIT_UNHEALTHY, str(e))
@@ -200,7 +200,7 @@ def stop_on_ctrl_c(prog: str) -> None:
 
 
 INTERRUPTED = "interrupted (Ctrl-C)"
-_interrupted = False  # a Ctrl-C came while the program ran outside the trainer's steps (trainer/preemption.py's)
+_interrupted = False  # a Ctrl-C came while the program ran outside the trainer's steps (services/preemption.py's)
 
 
 def _on_ctrl_c(signum, frame):  # pylint: disable=unused-argument
@@ -345,7 +345,7 @@ def run(prog: str, main: Callable[[list[str]], object]) -> None:
       return result
     except (SystemExit, app.UsageError):
       raise
-    except KeyboardInterrupt as e:  # (once training runs, Ctrl-C saves a checkpoint first: trainer/preemption.py)
+    except KeyboardInterrupt as e:  # (once training runs, Ctrl-C saves a checkpoint first: services/preemption.py)
       _exit(prog, Failure(EXIT_INTERRUPTED, INTERRUPTED), e)
     except _ConfigFileError as e:
       _exit(prog, Failure(EXIT_CONFIG, str(e)), e)

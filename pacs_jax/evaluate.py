@@ -11,7 +11,7 @@ if __name__ == "__main__":  # (before the imports below, which take seconds)
   errors.stop_on_ctrl_c("evaluate")
 
 from pacs_jax import config  # pylint: disable=wrong-import-position
-from pacs_jax.eval import settings as settings_lib
+from pacs_jax.eval import eval_settings as settings_lib
 
 _MODEL = flags.DEFINE_string("model", None, "Hugging Face model directory, or a training workdir (never written: its "
                              "checkpoint is read into a temporary folder).", required=True)
@@ -27,7 +27,7 @@ _CHUNK = flags.DEFINE_integer("chunk_problems", 0, "Problems per generate call a
 _LIMIT = flags.DEFINE_integer("limit", None, "Only the first N problems of each data set (default: all; 64 of a "
                               "synthetic task).")
 
-# The sampling, length and worker flags set fields of `eval.settings.eval_config()` (the training config's names,
+# The sampling, length and worker flags set fields of `eval.eval_settings.eval_config()` (the training config's names,
 # defaults and checks): --flag -> (field, help).
 CONFIG_FLAGS = {
     "n": ("rollout.n", "Samples per problem; pass@k is reported for k = 1, 2, 4, ... <= n."),
@@ -66,7 +66,7 @@ _define_config_flags()
 
 def eval_config_from_flags(synthetic_only: bool = False) -> ml_collections.ConfigDict:
   """The evaluation config the flags describe, validated; a bad value is a usage error naming its flag. With only
-  synthetic data, flags left unset take the demo's sizes (`settings.SYNTHETIC_DEFAULTS`)."""
+  synthetic data, flags left unset take the demo's sizes (`eval_settings.SYNTHETIC_DEFAULTS`)."""
   cfg = settings_lib.eval_config()
   for name, (field, _) in CONFIG_FLAGS.items():
     unset = synthetic_only and not flags.FLAGS[name].present and field in settings_lib.SYNTHETIC_DEFAULTS
@@ -81,7 +81,7 @@ def eval_config_from_flags(synthetic_only: bool = False) -> ml_collections.Confi
 
 def main(argv):
   errors.no_arguments_quiet_logs(argv)
-  from pacs_jax.trainer import runtime
+  from pacs_jax.services import runtime
   runtime.start_command_line()
   errors.watch_storage(_MODEL.value, _OUT.value)
   import jax

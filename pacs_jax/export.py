@@ -28,8 +28,8 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace a previous export in
 
 def main(argv):
   errors.no_arguments_quiet_logs(argv)
-  from pacs_jax.storage import export as export_lib
-  from pacs_jax.trainer import runtime
+  from pacs_jax.storage import hf_export as export_lib
+  from pacs_jax.services import runtime
   runtime.start_command_line()
   errors.watch_storage(_WORKDIR.value, _OUT.value)
   path = export_lib.export(_WORKDIR.value, _OUT.value, step=_STEP.value, dtype=_DTYPE.value,

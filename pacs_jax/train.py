@@ -33,8 +33,8 @@ def main(argv):
   cfg = errors.config_value(_CONFIG)
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   if _COMPILE_ONLY.value:
-    from pacs_jax.compile import split
-    sys.exit(split.main(cfg, config_path))  # aot.main's, or the split devices' (rollout.devices)
+    from pacs_jax.compile import aot_split
+    sys.exit(aot_split.main(cfg, config_path))  # aot.main's, or the split devices' (rollout.devices)
   if _DRY_RUN.value:
     from pacs_jax.compile import memory
     print(memory.dry_run(cfg))
@@ -42,11 +42,12 @@ def main(argv):
   from pacs_jax.storage import workdir as workdir_lib
   workdir = _WORKDIR.value or workdir_lib.default_workdir(config_path, cfg.algorithm)
   errors.log_to(workdir)  # a failure's traceback goes to WORKDIR/errors.log once the workdir exists
-  from pacs_jax.trainer import runtime
+  from pacs_jax.services import runtime
   runtime.prefer_cpu_without_accelerators()
   runtime.init(cfg)
   import jax
-  from pacs_jax.trainer import console, loop
+  from pacs_jax.services import console
+  from pacs_jax.trainer import loop
   # An expected failure (config, data, lock, checkpoint, storage) ends in one line (pacs_jax.errors).
   trainer = loop.Trainer(cfg, workdir)
   primary = jax.process_index() == 0

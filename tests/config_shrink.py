@@ -12,7 +12,7 @@ from __future__ import annotations
 import ml_collections
 
 from pacs_jax import sharding
-from pacs_jax.algos import registry
+from pacs_jax.algos import algorithms as registry
 
 # Kept exactly as the config sets them. A trailing ".*" keeps a whole group: `hardware` and `distributed`
 # describe the target machine, not what a step computes. Every registered algorithm's settings block (pacs,

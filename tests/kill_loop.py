@@ -5,7 +5,7 @@ import os
 import subprocess
 import time
 
-from pacs_jax.trainer.metrics import read_rows
+from pacs_jax.services.metrics import read_rows
 
 
 def rows(workdir) -> list[dict]:

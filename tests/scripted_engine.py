@@ -4,7 +4,7 @@ and puts one inserted token ("+", loss mask 0) between the answer and the EOS, a
 
 import numpy as np
 
-from pacs_jax.data import synthetic
+from pacs_jax.data import synthetic_tasks as synthetic
 from pacs_jax.rollout import interface
 
 ANSWER_OFFSET = synthetic.VOCAB.index("0")  # the id of the number 0; k is ANSWER_OFFSET + k

@@ -83,7 +83,7 @@ def test_a_bf16_base_computes_what_an_fp32_base_computes():
   the logits, the adapters' gradients and the merged sampling weights are those of an fp32 base, bitwise."""
   from flax import nnx
   import jax.numpy as jnp
-  from pacs_jax.models import lora, registry as model_registry
+  from pacs_jax.models import families as model_registry, lora
   spec = lora.LoraSpec(rank=8, alpha=16.0)
   weights = None
   models = []

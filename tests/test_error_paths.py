@@ -19,10 +19,10 @@ import pytest
 from flax import nnx
 
 from pacs_jax import errors
-from pacs_jax.data import synthetic
-from pacs_jax.models import hf, registry
+from pacs_jax.data import synthetic_tasks as synthetic
+from pacs_jax.models import families as registry, hf
 from pacs_jax.storage import checkpoint as checkpoint_lib
-from pacs_jax.storage import export as export_lib
+from pacs_jax.storage import hf_export as export_lib
 from pacs_jax.storage import resume
 from tests import child_env
 

@@ -1,6 +1,6 @@
-"""The house's shape (issues 13, 24, 30, 33): imports point one way (no module under pacs_jax/ imports from a layer
-above its own), no import cycle, no module over 400 lines, no block of six lines written twice, and nothing outside
-rollout/ imports the rollout engine's internals (only its interface)."""
+"""The house's shape (issues 13, 24, 30, 33, 41): imports point one way (no module under pacs_jax/ imports from a
+layer above its own), no import cycle, no module over 400 lines, no two modules of one name, no block of six lines
+written twice, and nothing outside rollout/ imports the rollout engine's internals (only its interface)."""
 
 import ast
 import collections
@@ -32,24 +32,24 @@ LAYERS = {
     "pacs_jax.algos": 4,
     "pacs_jax.config": 5,  # the run config: its enums come from algos, run -> model config uses models
     "pacs_jax.storage": 6,  # workdir layout, checkpoints, lock, export: shared by train and eval
-    "pacs_jax.trainer": 7,
-    "pacs_jax.eval": 7,
-    "pacs_jax.errors": 7,  # expected failures -> one line and an exit status, for the command lines
-    "pacs_jax.compile": 8,  # --compile_only / --dry_run: compiles the trainer's programs, so above train
-    "pacs_jax.api": 8,  # the public API's own functions (load_config, load_pretrained, generate) over the library
-    "pacs_jax.study": 8,  # the laptop study: runs the trainer and the pass@k estimator side by side
+    # A run's services (console, metrics, tracking, health, preemption, teardown, multihost, runtime): below the
+    # trainer, which uses them, and the command lines' error handling (errors), which reads the health stop.
+    "pacs_jax.services": 7,
+    "pacs_jax.trainer": 8,
+    "pacs_jax.eval": 8,
+    "pacs_jax.errors": 8,  # expected failures -> one line and an exit status, for the command lines
+    "pacs_jax.compile": 9,  # --compile_only / --dry_run: compiles the trainer's programs, so above train
+    "pacs_jax.api": 9,  # the public API's own functions (load_config, load_pretrained, generate) over the library
+    "pacs_jax.study": 9,  # the laptop study (runs the trainer and the pass@k estimator) and its runs-comparing tool
     # The command lines, at the top (a package's __main__ is its package's: it imports nothing above the package).
-    "pacs_jax.train": 9,
-    "pacs_jax.evaluate": 9,
-    "pacs_jax.export": 9,
-    "pacs_jax.compare": 9,
+    "pacs_jax.train": 10,
+    "pacs_jax.evaluate": 10,
+    "pacs_jax.export": 10,
+    "pacs_jax.compare": 10,
 }
 
 # Packages of one layer that may import each other: {(importer, imported): why}.
-PEERS: dict[tuple[str, str], str] = {
-    ("pacs_jax.errors", "pacs_jax.trainer"): "the command lines' exit status for the trainer's health stop "
-                                             "(trainer/health.Unhealthy)",
-}
+PEERS: dict[tuple[str, str], str] = {}
 
 # Known backwards imports, each with the reason it is still there: {(importer module, imported module): why}.
 ALLOWED = {}
@@ -138,7 +138,7 @@ def test_a_stale_peer_is_caught():
 
 @pytest.mark.parametrize("importer, source, bad", [
     ("pacs_jax.eval.runner", "from pacs_jax.trainer import checkpoint", True),
-    ("pacs_jax.rewards.math", "def f():\n  from pacs_jax.data import synthetic", True),  # function-level too
+    ("pacs_jax.rewards.math", "def f():\n  from pacs_jax.data import synthetic_tasks", True),  # function-level too
     ("pacs_jax.data.pipeline", "import pacs_jax.models.qwen2", True),
     ("pacs_jax.models.hf", "from pacs_jax import config", True),
     ("pacs_jax.trainer.loop", "from pacs_jax.trainer import __main__", True),
@@ -146,7 +146,9 @@ def test_a_stale_peer_is_caught():
     ("pacs_jax.trainer.loop", "from pacs_jax import train", True),  # nor its command line
     ("pacs_jax.study.__main__", "from pacs_jax.compile import aot", True),  # a package's command line: its layer
     ("pacs_jax.compile.aot", "from pacs_jax.trainer import programs", False),
-    ("pacs_jax.eval.runner", "from pacs_jax.storage import export", False),
+    ("pacs_jax.eval.runner", "from pacs_jax.storage import hf_export", False),
+    ("pacs_jax.services.metrics", "from pacs_jax.trainer import stages", True),  # the services sit below the trainer
+    ("pacs_jax.errors", "from pacs_jax.services import health", False),
     ("pacs_jax.trainer.loop", "from pacs_jax.models import qwen2\nfrom pacs_jax import paths", False),
 ])
 def test_a_backwards_import_is_caught(importer, source, bad):
@@ -185,7 +187,7 @@ def test_only_the_rollout_interface_is_imported_from_outside():
     ("pacs_jax.trainer.loop", "from pacs_jax.rollout import scheduler", True),
     ("pacs_jax.eval.runner", "def f():\n  from pacs_jax.rollout import engine as engine_lib", True),
     ("pacs_jax.compile.aot", "from pacs_jax.rollout.engine import Engine", True),
-    ("pacs_jax.trainer.stages", "import pacs_jax.rollout.state", True),
+    ("pacs_jax.trainer.stages", "import pacs_jax.rollout.decode_state", True),
     ("pacs_jax.trainer.stages", "from pacs_jax.rollout.interface import Completion", False),
     ("pacs_jax.api", "from pacs_jax.rollout import local, sampling, stop_tokens", False),
     ("pacs_jax.rollout.local", "from pacs_jax.rollout import scheduler", False),  # inside: its own
@@ -206,6 +208,34 @@ def test_no_module_is_over_400_lines():
   assert not long, f"split these modules (at most {MAX_LINES} lines each): {long}"
   stale = [path for path in LONG if lengths.get(path, 0) <= MAX_LINES]
   assert not stale, f"these modules are short now: remove them from LONG: {stale}"
+
+
+# -- module names (issue 41) -------------------------------------------------------------------------------------
+
+# A package's __init__ and __main__ are its own: every package has them by the same name.
+PACKAGE_FILES = {"__init__.py", "__main__.py"}
+
+
+def shared_names(paths: list[pathlib.PurePath]) -> dict[str, list[str]]:
+  """{module file name: its paths} for each name that more than one module under pacs_jax/ has."""
+  by_name = collections.defaultdict(list)
+  for path in paths:
+    if path.name not in PACKAGE_FILES:
+      by_name[path.name].append(str(path))
+  return {name: sorted(places) for name, places in sorted(by_name.items()) if len(places) > 1}
+
+
+def test_no_two_modules_share_a_name():
+  """A name says which module it is without its package (`state`: the trainer's or the rollout's?): each module's
+  file name is its own."""
+  shared = shared_names([p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py")])
+  assert not shared, f"rename one of each (a name that says what it holds): {shared}"
+
+
+def test_a_shared_module_name_is_caught():
+  paths = [pathlib.PurePath(p) for p in ("__init__.py", "train.py", "trainer/__init__.py", "trainer/state.py",
+                                          "rollout/__init__.py", "rollout/state.py", "study/__main__.py")]
+  assert shared_names(paths) == {"state.py": ["rollout/state.py", "trainer/state.py"]}
 
 
 def test_the_public_api_is_imported_on_first_use():
@@ -254,9 +284,9 @@ def test_no_import_cycle():
 
 
 @pytest.mark.parametrize("sources, cycle", [
-    ({"pacs_jax.algos.batch": "from pacs_jax.algos import registry",
-      "pacs_jax.algos.registry": "from pacs_jax.algos.batch import BatchLayout"},
-     ("pacs_jax.algos.batch", "pacs_jax.algos.registry")),
+    ({"pacs_jax.algos.batch": "from pacs_jax.algos import algorithms",
+      "pacs_jax.algos.algorithms": "from pacs_jax.algos.batch import BatchLayout"},
+     ("pacs_jax.algos.algorithms", "pacs_jax.algos.batch")),
     ({"pacs_jax.a": "from pacs_jax import b",
       "pacs_jax.b": "def f():\n  import pacs_jax.c",  # function-level
       "pacs_jax.c": "import typing\nif typing.TYPE_CHECKING:\n  from pacs_jax.a import T"},  # for type hints

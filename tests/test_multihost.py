@@ -14,7 +14,7 @@ import pytest
 import jax
 from flax import nnx
 
-from pacs_jax.storage import export as export_lib
+from pacs_jax.storage import hf_export as export_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--config.steps=2", "--config.eval_every=0",

@@ -8,7 +8,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import sharding
-from pacs_jax.models import hf, qwen2, registry
+from pacs_jax.models import families as registry, hf, qwen2
 
 MESHES = {"fsdp4_tensor2": dict(fsdp=4, tensor=2), "data2_fsdp4": dict(data=2, fsdp=4)}
 # Tiny config whose dims the mesh axes divide (so nothing silently falls back to replication).

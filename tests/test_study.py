@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from pacs_jax.data import synthetic
+from pacs_jax.data import synthetic_tasks as synthetic
 from pacs_jax.study import report, runs
-from pacs_jax.study import settings as settings_lib
+from pacs_jax.study import study_settings as settings_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -3,7 +3,7 @@ what sizes), every field named once with its dtype, shape and origin (docs/desig
 
 A mini-batch is a `Batch` {field name: array [k, m, *per-row axes]}: k micro-batches of m rows (whole prompt
 groups, rows prompt-major: row = prompt * n + sample); a micro-batch is a `Batch` of [m, ...] arrays. The host
-packs the rollout's fields (`batching.to_minibatches`, from a `batching.PackedRollout`), the compile-only path
+packs the rollout's fields (`packing.to_minibatches`, from a `packing.PackedRollout`), the compile-only path
 builds the same fields abstractly (`programs.minibatch_shapes`), the trainer fills the rest before the first
 update, and the step reads them. Which fields a run has follows from its algorithm (`Algorithm.batch_fields`):
 the shared ones below, plus what the algorithm declares (`Algorithm.extra_fields`, in the same terms). Control
@@ -28,7 +28,7 @@ import numpy as np
 Batch = dict[str, jax.Array]
 
 # Where a field comes from.
-HOST = "host"  # packed on the host from the step's rollout (`batching.to_minibatches`)
+HOST = "host"  # packed on the host from the step's rollout (`packing.to_minibatches`)
 PASS = "pass"  # a log-prob or value pass over the mini-batch before the step's first update
 STEP = "step"  # the algorithm's `step_inputs`, over the whole step's batch (after the passes)
 SOURCES = (HOST, PASS, STEP)

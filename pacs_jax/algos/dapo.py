@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from pacs_jax.algos import registry
+from pacs_jax.algos import algorithms
 from pacs_jax.algos.grpo import LOSS_AGG_MODES, ClippedRatioSettings, GrpoFamily
 from pacs_jax.algos.settings import setting
 
@@ -91,4 +91,4 @@ class Dapo(GrpoFamily):
     return keep_groups(scores, objective.group_size)
 
 
-registry.register("dapo", Dapo())
+algorithms.register("dapo", Dapo())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pacs_jax.algos import registry
+from pacs_jax.algos import algorithms
 from pacs_jax.algos.grpo import ClipSettings, GrpoFamily
 from pacs_jax.algos.settings import setting
 
@@ -44,4 +44,4 @@ class DrGrpo(GrpoFamily):
     return LOSS_AGG_MODE
 
 
-registry.register("drgrpo", DrGrpo())
+algorithms.register("drgrpo", DrGrpo())

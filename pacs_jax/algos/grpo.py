@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pacs_jax.algos import advantages as advantages_lib, correction, registry
+from pacs_jax.algos import advantages as advantages_lib, algorithms, correction
 from pacs_jax.algos.masked import masked_mean, masked_sum
 from pacs_jax.algos.settings import Settings, setting
 
@@ -201,7 +201,7 @@ class GrpoSettings(ClippedRatioSettings):
   kl_coef: float = setting(0.001, "the KL loss's coefficient (low_var_kl)")
 
 
-class ClippedRatio(registry.Algorithm):
+class ClippedRatio(algorithms.Algorithm):
   """verl's clipped-ratio actor on the shared loop: ratios against the step's sampling policy, losses
   aggregated by `loss_agg_mode` (its accumulation weight: tokens for token-mean, rows otherwise). Each subclass
   reads its own settings block (`settings`): clip ratios, aggregation, entropy coefficient."""
@@ -259,7 +259,7 @@ class Grpo(ClippedRatio):
     return settings.kl_coef if settings.use_kl_loss else None
 
   def reference(self, cfg):
-    return registry.Reference.NONE if self.kl_loss_coef(self.settings(cfg)) is None else registry.Reference.FROZEN
+    return algorithms.Reference.NONE if self.kl_loss_coef(self.settings(cfg)) is None else algorithms.Reference.FROZEN
 
   def loss(self, objective, logprobs, entropy, micro):
     g = objective.settings
@@ -286,4 +286,4 @@ class GrpoFamily(Grpo):
     return 1
 
 
-registry.register("grpo", Grpo())
+algorithms.register("grpo", Grpo())

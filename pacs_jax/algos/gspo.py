@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pacs_jax.algos import registry
+from pacs_jax.algos import algorithms
 from pacs_jax.algos.grpo import ClipSettings, GrpoFamily, agg_loss, entropy_bonus, group_advantages
 from pacs_jax.algos.masked import masked_mean, masked_sum
 from pacs_jax.algos.settings import setting
@@ -96,4 +96,4 @@ class Gspo(GrpoFamily):
                      adv_estimator=objective.advantage_estimator)
 
 
-registry.register("gspo", Gspo())
+algorithms.register("gspo", Gspo())

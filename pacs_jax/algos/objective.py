@@ -17,7 +17,7 @@ from pacs_jax.algos.settings import Settings
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-  """One run's objective: its algorithm (a `registry.Algorithm`, hashed by identity), its typed settings and the
+  """One run's objective: its algorithm (an `algorithms.Algorithm`, hashed by identity), its typed settings and the
   run's values its hooks read. The hooks are called through it (`loss`, `normaliser`, `host_inputs`, ...): each
   is the algorithm's hook given this object."""
   algorithm: Any

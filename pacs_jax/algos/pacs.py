@@ -13,14 +13,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pacs_jax.algos import advantages as advantages_lib, batch as batch_lib, correction, groups as groups_lib, registry
+from pacs_jax.algos import advantages as advantages_lib, algorithms, batch as batch_lib, correction
+from pacs_jax.algos import groups as groups_lib
 from pacs_jax.algos.masked import masked_sum
 from pacs_jax.algos.settings import Settings, choice, setting
 
 ADV_ESTIMATORS = ("rloo", "grpo", "naive")  # the built-in ones; any registered estimator (`advantages`) is one too
 WEIGHT_MODES = ("question", "only_positive", "only_negative")
 REWARD_METHODS = ("1", "2")  # "1": β Σ (log π − log π_ref); "2": β Σ log π / |o|
-REFERENCE_POLICIES = (registry.Reference.FROZEN.value, registry.Reference.ROLLOUT.value)
+REFERENCE_POLICIES = (algorithms.Reference.FROZEN.value, algorithms.Reference.ROLLOUT.value)
 GRPO_EPS = groups_lib.GRPO_EPS
 
 
@@ -208,7 +209,7 @@ class PacsSettings(Settings):
     check(math.isfinite(self.beta), "beta", f"must be finite, got {self.beta}")
 
 
-class Pacs(registry.Algorithm):
+class Pacs(algorithms.Algorithm):
   """PACS on the shared loop: the reference is a frozen copy of the initial policy or the step's sampling policy."""
 
   min_group_size = 2
@@ -229,7 +230,7 @@ class Pacs(registry.Algorithm):
             f"{t.verl_micro_batch_rows}, which must divide them")
 
   def reference(self, cfg):
-    return registry.Reference(self.settings(cfg).reference_policy)  # "frozen" | "rollout"
+    return algorithms.Reference(self.settings(cfg).reference_policy)  # "frozen" | "rollout"
 
   def needs_old_logprobs(self, cfg):  # the rollout reference, or π_old of the rollout correction
     return super().needs_old_logprobs(cfg) or self.tis_cap(cfg) is not None
@@ -273,4 +274,4 @@ class Pacs(registry.Algorithm):
                                            micro["loss_mask"], cap)
 
 
-registry.register("pacs", Pacs())
+algorithms.register("pacs", Pacs())

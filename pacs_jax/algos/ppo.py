@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pacs_jax.algos import batch as batch_lib, registry
+from pacs_jax.algos import algorithms, batch as batch_lib
 from pacs_jax.algos.grpo import ClippedRatio, ClippedRatioSettings, agg_loss, clipped_policy_loss
 from pacs_jax.algos.masked import masked_mean
 from pacs_jax.algos.settings import setting
-from pacs_jax.models import registry as model_registry
+from pacs_jax.models import families
 from pacs_jax.models.model_config import ModelConfig
 
 # The actor side of PPO is the same clipped-ratio objective as GRPO, fed token-level GAE advantages.
@@ -30,7 +30,7 @@ class Critic(nnx.Module):
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.config = config
-    self.model = model_registry.backbone(config, rngs=rngs)
+    self.model = families.backbone(config, rngs=rngs)
     init = nnx.initializers.normal(0.02)
     self.value_kernel = nnx.Param(init(rngs.params(), (config.hidden_size, 1), config.param_dtype),
                                   logical_axes=("embed", "value"))
@@ -198,4 +198,4 @@ class Ppo(ClippedRatio):
                               micro_batch_rows=self.micro_batch_rows(objective))
 
 
-registry.register("ppo", Ppo())
+algorithms.register("ppo", Ppo())

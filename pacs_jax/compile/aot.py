@@ -26,7 +26,7 @@ from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import interface
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.compile.aot_measure import ProgramReport, measure, outputs_of, per_chip_bytes, persistent_cache_off
-from pacs_jax.compile.report import Report, format_report
+from pacs_jax.compile.aot_report import Report, format_report
 from pacs_jax.compile.target import Target, TargetUnavailable, target
 from pacs_jax.trainer import adapters as adapters_lib
 from pacs_jax.trainer import programs as programs_lib
@@ -121,7 +121,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
                 group: str = "all") -> Report:
   """Compiles every program of a training run of `cfg` for its target; see the module docstring.
 
-  `group` (split devices, `compile/split.py`): "all" (shared devices), "trainer" (the update programs and
+  `group` (split devices, `compile/aot_split.py`): "all" (shared devices), "trainer" (the update programs and
   `to_sample_params`, whose output is staged for the push, on `tgt`'s devices: one phase, "update") or "rollout"
   (the rollout's programs on `tgt`'s devices, from the rollout weights alone).
 

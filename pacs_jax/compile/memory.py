@@ -21,12 +21,12 @@ from jax.sharding import AbstractMesh, PartitionSpec
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.algos import registry
+from pacs_jax.algos import algorithms
 from pacs_jax.models import flash, lora
-from pacs_jax.models import registry as model_registry
+from pacs_jax.models import families
 from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.trainer import adapters as adapters_lib
-from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import train_state as state_lib
 
 GB = 1e9
 
@@ -65,7 +65,7 @@ def state_bytes_per_device(state: nnx.State, mesh: AbstractMesh, mode: str, dtyp
 def trained_and_frozen(cfg: ml_collections.ConfigDict, mc: ModelConfig) -> tuple[nnx.State, nnx.State | None]:
   """The policy's trained parameters and its frozen ones, abstract, split as the trainer splits them
   (`adapters.abstract_policy`): all and None, or a LoRA run's adapters and base."""
-  _, params, base, _ = adapters_lib.abstract_policy(lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(0)),
+  _, params, base, _ = adapters_lib.abstract_policy(lambda: families.causal_lm(mc, rngs=nnx.Rngs(0)),
                                                     config_lib.lora_spec(cfg))
   return params, base if jax.tree.leaves(base) else None
 
@@ -91,8 +91,8 @@ def estimate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict[str, floa
                                                   transform_non_params=lambda _: PartitionSpec(),
                                                   is_leaf=lambda x: isinstance(x, PartitionSpec))
   out["optimizer"] = tree_bytes_per_device(opt_state, opt_specs, mesh_shape)
-  algo = registry.of(cfg)
-  out["reference"] = trained if algo.reference(cfg) is registry.Reference.FROZEN and base is None else 0.0
+  algo = algorithms.of(cfg)
+  out["reference"] = trained if algo.reference(cfg) is algorithms.Reference.FROZEN and base is None else 0.0
   if algo.has_critic:  # a critic of the same size (a LoRA run's: adapters on the policy's base), with its Adam state
     out["critic"] = trained + out["optimizer"]
   # Rollout weights: a sample-mode copy in the compute dtype while sampling (a LoRA run's: merged into the base).

@@ -42,11 +42,11 @@ def model_overrides(c: ml_collections.ConfigDict) -> dict:
 
 def preset_model_config(c: ml_collections.ConfigDict):
   """The policy's `ModelConfig` from `model.preset` alone (shapes for dry runs; never reads a checkpoint)."""
-  from pacs_jax.models import registry as model_registry
+  from pacs_jax.models import families
   overrides = model_overrides(c)
   if c.model.vocab_size:
     overrides["vocab_size"] = c.model.vocab_size
-  return model_registry.preset(c.model.preset, **overrides)
+  return families.preset(c.model.preset, **overrides)
 
 
 def model_config(c: ml_collections.ConfigDict):

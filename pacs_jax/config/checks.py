@@ -8,7 +8,7 @@ import os
 import ml_collections
 
 from pacs_jax import paths
-from pacs_jax.algos import correction, registry as algo_registry
+from pacs_jax.algos import algorithms, correction
 from pacs_jax.config.defaults import default_config
 from pacs_jax.config.files import get_field
 from pacs_jax.data import prompts
@@ -41,11 +41,11 @@ def _check(ok: bool, field: str, msg: str):
 
 def _corrected() -> list[str]:
   """The objectives that apply the rollout correction."""
-  return [n for n in algo_registry.names() if algo_registry.get(n).supports_rollout_correction]
+  return [n for n in algorithms.names() if algorithms.get(n).supports_rollout_correction]
 
 
 def _check_enum(value, choices: tuple, field: str) -> None:
-  algo_registry.check_choice(_check, value, choices, field)
+  algorithms.check_choice(_check, value, choices, field)
 
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -61,7 +61,7 @@ def _check_wandb(c: ml_collections.ConfigDict) -> None:
   _check(c.wandb.init_timeout_s > 0, "wandb.init_timeout_s", f"must be positive (seconds), got {c.wandb.init_timeout_s}")
 
 
-def _check_moved_settings(c: ml_collections.ConfigDict, algo: algo_registry.Algorithm) -> None:
+def _check_moved_settings(c: ml_collections.ConfigDict, algo: algorithms.Algorithm) -> None:
   """Refuses a setting the algorithm now reads from its own block that is still set only where older configs held
   it (it would be ignored silently)."""
   defaults = default_config()
@@ -81,9 +81,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   from pacs_jax.rollout import placement
   if devices is not None:
     num_devices = len(devices)
-  _check(algo_registry.is_registered(c.algorithm), "algorithm",
-         f"must be one of {algo_registry.names()}, got {c.algorithm!r}")
-  algo = algo_registry.get(c.algorithm)
+  _check(algorithms.is_registered(c.algorithm), "algorithm",
+         f"must be one of {algorithms.names()}, got {c.algorithm!r}")
+  algo = algorithms.get(c.algorithm)
   _check(c.steps > 0, "steps", f"must be positive, got {c.steps}")
   _check(c.rollout.n >= 1, "rollout.n", f"must be >= 1, got {c.rollout.n}")
   if c.rollout.n < algo.min_group_size:
@@ -157,10 +157,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(c.rollout.kv_pages >= 0, "rollout.kv_pages", f"must be >= 0 (0 = enough for every slot), got {c.rollout.kv_pages}")
   _check_lora(c)
   if not c.model.hf_path and c.lora.rank:  # the preset's shapes are known without reading anything
-    from pacs_jax.models import registry as model_registry
-    _check(c.model.preset in model_registry.preset_names(), "model.preset",
-           f"one of {sorted(model_registry.preset_names())}, got {c.model.preset!r}")
-    check_lora_fits_model(c, model_registry.preset(c.model.preset))
+    from pacs_jax.models import families
+    _check(c.model.preset in families.preset_names(), "model.preset",
+           f"one of {sorted(families.preset_names())}, got {c.model.preset!r}")
+    check_lora_fits_model(c, families.preset(c.model.preset))
   _check_wandb(c)
   _check(c.data.val_max_examples >= 0, "data.val_max_examples", f"must be >= 0 (0 = all), got {c.data.val_max_examples}")
   _check(c.data.synthetic_train_size > 0, "data.synthetic_train_size", "must be positive")
@@ -308,7 +308,7 @@ def advisories(c: ml_collections.ConfigDict) -> list[str]:
 
 
 def validate_eval(c: ml_collections.ConfigDict) -> None:
-  """Checks evaluation's config (`eval.settings.eval_config()`, the training config's field names for what the two
+  """Checks evaluation's config (`eval.eval_settings.eval_config()`, the training config's field names for what the two
   share); raises ConfigError naming the field."""
   _check(c.rollout.n >= 1, "rollout.n", f"must be >= 1, got {c.rollout.n}")
   _check(c.rollout.temperature >= 0, "rollout.temperature", f"must be >= 0 (0 = greedy), got {c.rollout.temperature}")

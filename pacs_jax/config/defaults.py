@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from pacs_jax.algos import registry as algo_registry
+from pacs_jax.algos import algorithms
 from pacs_jax.data import prompts
 from pacs_jax.rewards import named as reward_named
 
@@ -14,13 +14,13 @@ from pacs_jax.rewards import named as reward_named
 def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  c.algorithm = "pacs"  # any registered objective (algos/registry.py: pacs, grpo, ppo, ...) on the same loop
+  c.algorithm = "pacs"  # any registered objective (algos/algorithms.py: pacs, grpo, ppo, ...) on the same loop
   c.steps = 300  # training steps (one rollout batch each)
 
   # Model: a preset (random init; "tiny" for tests and the CPU demo) or a Hugging Face checkpoint dir.
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny"  # used when hf_path is empty
-  c.model.hf_path = ""  # a local transformers checkpoint directory (Qwen2.5, Qwen3, Llama 3: models/registry.py)
+  c.model.hf_path = ""  # a local transformers checkpoint directory (Qwen2.5, Qwen3, Llama 3: models/families.py)
   c.model.param_dtype = "float32"
   c.model.dtype = "float32"  # compute dtype; bfloat16 on GPU/TPU
   c.model.remat = False  # rematerialise decoder layers in the backward pass
@@ -113,7 +113,7 @@ def default_config() -> ml_collections.ConfigDict:
 
   # Each registered algorithm's own settings block (`c.<algorithm>`), built from its settings class (its module in
   # pacs_jax/algos/, with each field's default, documentation and checks): this file names no algorithm's fields.
-  for name, block in algo_registry.settings_blocks().items():
+  for name, block in algorithms.settings_blocks().items():
     c[name] = block
 
   # LoRA (docs/lora.md): train low-rank adapters beside the decoder layers' projections; the base weights
@@ -158,7 +158,7 @@ def default_config() -> ml_collections.ConfigDict:
   # without a heartbeat (on the same host: as soon as its process is gone).
   c.checkpoint.lock_stale_after_s = 300.0
 
-  # Training health (trainer/health.py): a dead or diverged run stops at the step boundary, before it saves, in
+  # Training health (services/health.py): a dead or diverged run stops at the step boundary, before it saves, in
   # one line (exit status 8). Dead: for `patience` consecutive steps no update applied, a gradient norm of 0 while
   # the rewards within some group differ, or the entropy within `entropy_tolerance` nats of the uniform ln V
   # (0 = no such check). Diverged, at once: the policy's parameter norm over `max_param_growth` times its norm at

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator, NamedTuple
 from pacs_jax import paths
 from pacs_jax.data import prompts
 from pacs_jax.data.prompts import MATH_INSTRUCTION
-from pacs_jax.data import synthetic
+from pacs_jax.data import synthetic_tasks
 from pacs_jax.rewards import synthetic as synthetic_verifier
 
 logger = logging.getLogger(__name__)
@@ -269,7 +269,7 @@ def load_records(spec: str, *, data_source: str | None = None, skip_bad_rows: bo
   synthetic task (`synthetic/<name>`: `synthetic_size` problems drawn with `seed`; `held_out`: from the task's
   test split when it has one, as evaluation and validation read it, never a training problem)."""
   if synthetic_verifier.is_synthetic(spec):
-    task = synthetic.get_task(spec)
+    task = synthetic_tasks.get_task(spec)
     records = (task.held_out(synthetic_size, seed) if held_out and hasattr(task, "held_out")
                else task.records(synthetic_size, seed))
     return ReadResult([dict(r, solution=r["answer"]) for r in records] if with_solution else records, 0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from pacs_jax.data import synthetic
+from pacs_jax.data import synthetic_tasks
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # Any of these makes a directory hold a tokenizer (fast, sentencepiece or BPE vocabulary, or its config).
@@ -41,7 +41,7 @@ def load_tokenizer(directory: str):
       if json.load(f).get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend"):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
         # An export's portable form of the synthetic tokenizer decodes without spaces: use the word-level one.
-        return synthetic.build_tokenizer() if synthetic.is_synthetic_vocab(tokenizer) else tokenizer
+        return synthetic_tasks.build_tokenizer() if synthetic_tasks.is_synthetic_vocab(tokenizer) else tokenizer
   return AutoTokenizer.from_pretrained(directory)
 
 
@@ -52,8 +52,8 @@ def generation_config(tokenizer, model_dir: str | None = None) -> dict:
   if model_dir and os.path.isfile(os.path.join(model_dir, GENERATION_CONFIG_FILE)):
     with open(os.path.join(model_dir, GENERATION_CONFIG_FILE)) as f:
       return json.load(f)
-  if synthetic.is_synthetic_vocab(tokenizer):
-    return synthetic.generation_config(tokenizer)
+  if synthetic_tasks.is_synthetic_vocab(tokenizer):
+    return synthetic_tasks.generation_config(tokenizer)
   return {k: v for k, v in (("bos_token_id", tokenizer.bos_token_id), ("eos_token_id", tokenizer.eos_token_id),
                             ("pad_token_id", tokenizer.pad_token_id)) if v is not None}
 
@@ -76,7 +76,8 @@ def save_tokenizer(tokenizer, directory: str, generation: dict | None = None) ->
   """Writes the tokenizer as `transformers.AutoTokenizer` loads it, and `generation` (default:
   `generation_config(tokenizer)`) as generation_config.json."""
   # AutoTokenizer makes a Qwen2Tokenizer of any qwen2 directory: the synthetic vocabulary goes in the form it reads.
-  (synthetic.portable_tokenizer() if synthetic.is_synthetic_vocab(tokenizer) else tokenizer).save_pretrained(directory)
+  portable = synthetic_tasks.portable_tokenizer() if synthetic_tasks.is_synthetic_vocab(tokenizer) else tokenizer
+  portable.save_pretrained(directory)
   with open(os.path.join(directory, GENERATION_CONFIG_FILE), "w") as f:
     json.dump(generation if generation is not None else generation_config(tokenizer), f, indent=2)
 

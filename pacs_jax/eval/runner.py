@@ -15,7 +15,7 @@ from pacs_jax import config as config_lib
 from pacs_jax import paths
 from pacs_jax.eval import problems as problems_lib
 from pacs_jax.eval import results
-from pacs_jax.eval.settings import EvalSettings
+from pacs_jax.eval.eval_settings import EvalSettings
 from pacs_jax.eval.results import ROLLOUT_FILE
 from pacs_jax.rewards import named as reward_named
 
@@ -35,7 +35,7 @@ def evaluate(model: str, data: str | Sequence[str], settings: EvalSettings, *, o
   (default: a `RewardScorer` of the reward `reward_fn` names, "package.module:function", in `reward_workers`
   processes).
   """
-  from pacs_jax.storage import export as storage_export
+  from pacs_jax.storage import hf_export as storage_export
   with storage_export.model_to_evaluate(model, step) as (model_dir, default_out, name):
     out_dir = out_dir or default_out
     summary = _evaluate(model_dir, name, data, settings, out_dir, data_dir, mesh, scorer, reward_workers,

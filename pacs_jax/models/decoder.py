@@ -1,6 +1,6 @@
 """The decoder of every family: token embeddings -> stacked layers -> final norm (`Backbone`), and the LM head
 (`CausalLM`), numerically transformers' `*ForCausalLM` of the family. Build them through
-`pacs_jax.models.registry` (it picks the family's decoder layer).
+`pacs_jax.models.families` (it picks the family's decoder layer).
 
 Shapes: B batch, T query length, S key length (cache rows), D hidden, V vocab.
 """

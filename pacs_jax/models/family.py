@@ -1,4 +1,4 @@
-"""What a model family is: the record `pacs_jax.models.registry` holds for each Hugging Face `model_type`."""
+"""What a model family is: the record `pacs_jax.models.families` holds for each Hugging Face `model_type`."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 
 from pacs_jax import paths
 from pacs_jax import sharding
-from pacs_jax.models import hf_layout, registry
+from pacs_jax.models import families, hf_layout
 from pacs_jax.models.decoder import CausalLM
 from pacs_jax.models.hf_layout import TensorMap, read_slice, to_hf
 from pacs_jax.models.model_config import ModelConfig
@@ -66,7 +66,7 @@ def load_config(path: str, **overrides) -> ModelConfig:
     except json.JSONDecodeError as e:
       raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
   try:
-    return registry.config_from_hf(cfg, **overrides)
+    return families.config_from_hf(cfg, **overrides)
   except KeyError as e:
     raise ValueError(f"{cfg_path}: missing field {e.args[0]!r}") from e
   except ValueError as e:
@@ -203,10 +203,10 @@ def load_pretrained(path: str, dtype=jnp.float32, mesh=None, compute_dtype=None,
   path = resolve_path(path)
   config = load_config(path, param_dtype=dtype, dtype=compute_dtype or dtype, **config_overrides)
   files = weight_files(path)
-  abstract = nnx.eval_shape(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(lambda: families.causal_lm(config, rngs=nnx.Rngs(0)))
   graphdef, abstract_state = nnx.split(abstract)
   flat = nnx.to_flat_state(abstract_state)
-  maps = registry.tensor_maps(config, [p for p, _ in flat])
+  maps = families.tensor_maps(config, [p for p, _ in flat])
   check_tensor_names(path, config, [m.hf_name for m in maps], files)
   arrays = _read_into(maps, files, abstract_state, mesh, dtype)
   for p, var in flat:
@@ -278,7 +278,7 @@ def save_pretrained(model: CausalLM, out_dir: str, max_shard_size: int | str | N
   """
   config = model.config
   flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-  plan = _plan_shards(registry.tensor_maps(config, flat), flat, dtype, _parse_size(max_shard_size))
+  plan = _plan_shards(families.tensor_maps(config, flat), flat, dtype, _parse_size(max_shard_size))
   write = jax.process_index() == 0
   if write:
     os.makedirs(out_dir, exist_ok=True)

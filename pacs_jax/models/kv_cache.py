@@ -1,5 +1,5 @@
 """Prefill's dense KV cache: every layer's keys and values of a batch of prompts, stacked (any family). The rollout
-copies its rows into the decode state's pages (`rollout/pages.py`); decode itself reads pages only."""
+copies its rows into the decode state's pages (`rollout/page_allocation.py`); decode itself reads pages only."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file
 
 from pacs_jax import sharding
 from pacs_jax.models import lora_saved
-from pacs_jax.models import registry
+from pacs_jax.models import families
 from pacs_jax.models.lora_saved import (PEFT_PREFIX, SAVEABLE, SAVED_PREFIX, PLAIN_LORA, adapter_config,  # noqa: F401
                                         base_path, saved_params, with_saved_from)
 from pacs_jax.models.model_config import ModelConfig
@@ -77,7 +77,7 @@ def module_names(config: ModelConfig, target: str) -> list[str]:
   """The Hugging Face module name of `target` in each layer (model.layers.{i}.self_attn.q_proj ...), from the
   family's checkpoint names."""
   kernel_path = ("model", "layers", _SUBMODULE[target], TARGETS[target][0])
-  weight_name, _ = registry.family_of(config).hf_names[kernel_path]
+  weight_name, _ = families.family_of(config).hf_names[kernel_path]
   return [weight_name.removesuffix(".weight").format(i=i) for i in range(config.num_hidden_layers)]
 
 

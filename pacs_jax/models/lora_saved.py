@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from pacs_jax.models import registry
+from pacs_jax.models import families
 from pacs_jax.models.model_config import ModelConfig
 
 PEFT_PREFIX = "base_model.model."  # PEFT's key of a module: this prefix, the transformers module name, lora_A/B
@@ -18,8 +18,8 @@ SAVED_PREFIX = "saved_"
 
 def hf_weights(config: ModelConfig) -> dict[tuple, list[str]]:
   """{parameter path in a CausalLM of `config`: its checkpoint tensor names, one per layer for a stacked one}."""
-  model = nnx.eval_shape(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0)))
-  names = registry.family_of(config).hf_names
+  model = nnx.eval_shape(lambda: families.causal_lm(config, rngs=nnx.Rngs(0)))
+  names = families.family_of(config).hf_names
   return {path: [names[path][0].format(i=i) for i in range(config.num_hidden_layers)] if "{i}" in names[path][0]
           else [names[path][0]] for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 

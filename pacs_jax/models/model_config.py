@@ -1,5 +1,5 @@
 """The decoder's configuration, the same fields for every family: a family subclasses `ModelConfig` to set its
-defaults and its translation from and to a Hugging Face config.json (see `pacs_jax.models.registry`)."""
+defaults and its translation from and to a Hugging Face config.json (see `pacs_jax.models.families`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Paged-attention maths of one decode step (no allocation): writing a step's keys and values into pages and
-attending over each slot's live pages (the XLA path); `rollout/pages.py` hands pages out, `paged_kernel.py` is
+attending over each slot's live pages (the XLA path); `rollout/page_allocation.py` hands pages out, `paged_kernel.py` is
 the TPU kernel. Pages are [layers, A, ps, 2K, H] (k head i at 2i, v head i at 2i + 1, the layout of jax's Pallas
 TPU ragged paged attention), addressed through per-slot page tables.
 

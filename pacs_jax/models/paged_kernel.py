@@ -1,6 +1,6 @@
 """The TPU Pallas kernel for paged decode attention (jax's ragged paged attention), and the per-shard dispatch that
 runs a paged-cache function on each batch / tensor shard under `jax.shard_map`; the XLA path and the page writes are
-`paged.py`'s, page allocation `rollout/pages.py`'s.
+`paged.py`'s, page allocation `rollout/page_allocation.py`'s.
 
 Shapes: B slots, N query heads, K kv heads, H head dim, A pages, ps page size, M pages per slot.
 """

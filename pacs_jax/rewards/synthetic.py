@@ -1,4 +1,4 @@
-"""Verifier of the built-in synthetic tasks (`synthetic/<task>`, drawn by `pacs_jax.data.synthetic`): the
+"""Verifier of the built-in synthetic tasks (`synthetic/<task>`, drawn by `pacs_jax.data.synthetic_tasks`): the
 response's first word must be a number congruent to the answer modulo the task's modulus."""
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ import numpy as np
 from pacs_jax.models import kv_cache, paged
 from pacs_jax.models.decoder import CausalLM
 from pacs_jax.models.kv_cache import KVCache
-from pacs_jax.rollout import pages as pages_lib
+from pacs_jax.rollout import page_allocation as pages_lib
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.rollout.state import ChunkOutput, DecodeState, Prefix, StepOutput
+from pacs_jax.rollout.decode_state import ChunkOutput, DecodeState, Prefix, StepOutput
 
 
 def request_keys(seed: jax.Array, prompt_index: jax.Array, sample_index: jax.Array) -> jax.Array:
@@ -130,9 +130,9 @@ def decode_step(model: CausalLM, state: DecodeState, sampling: sampling_lib.Samp
   """Feeds every slot's pending token and samples the next one; only active slots emit and advance.
 
   A slot stops at an EOS id, at its budget, or when its cache is full. Attention reads `page_budget` live
-  (slot, page) pairs per shard (default: every page; see `pages.live_pages_needed`). An active slot that gets no
-  page waits (emits nothing, does not advance), and a finished slot's pages go back to its shard's pool in the
-  same step.
+  (slot, page) pairs per shard (default: every page; see `page_allocation.live_pages_needed`). An active slot that
+  gets no page waits (emits nothing, does not advance), and a finished slot's pages go back to its shard's pool in
+  the same step.
   """
   L = cache_length(state)
   logits, cache, emitted = _paged_forward(model, state, page_budget)

@@ -14,7 +14,7 @@ import numpy as np
 
 from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout.engine import Engine
-from pacs_jax.rollout.state import DecodeStats
+from pacs_jax.rollout.decode_state import DecodeStats
 
 
 @dataclasses.dataclass

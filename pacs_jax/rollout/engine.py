@@ -1,6 +1,6 @@
 """The KV-cache rollout `Engine`: the batched rollout programs (prefill, insert, decode) jitted with weights as an
 argument, the decode state's layout on a mesh, and public `lower_*` hooks for ahead-of-time compiles. The decode
-cache is paged (`state.PagedCache`); which page budget a decode call runs at is `budget.PagePolicy`'s, and the
+cache is paged (`decode_state.PagedCache`); which page budget a decode call runs at is `budget.PagePolicy`'s, and the
 one-request-at-a-time surface JetStream serves is `single.SingleRequest`.
 
 Shapes: B slots (or prompts in a prefill), T prompt bucket length, Q requests, V vocab, L cache rows per slot.
@@ -25,9 +25,9 @@ from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import decode as decode_lib
-from pacs_jax.rollout import pages as pages_lib
-from pacs_jax.rollout import state as state_lib
-from pacs_jax.rollout.state import ChunkOutput, DecodeState, FirstTokens
+from pacs_jax.rollout import page_allocation as pages_lib
+from pacs_jax.rollout import decode_state as state_lib
+from pacs_jax.rollout.decode_state import ChunkOutput, DecodeState, FirstTokens
 
 def _i32(*shape) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, jnp.int32)
@@ -119,7 +119,7 @@ class Engine:
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def constrain(self, tree: DecodeState | KVCache):
-    """The decode state (or a prefill cache) in its declared layout (`state.field_shardings`), inside a trace."""
+    """The decode state (or a prefill cache) in its declared layout (`decode_state.field_shardings`), inside a trace."""
     if self.mesh is None:
       return tree
     cache = isinstance(tree, KVCache)

@@ -20,7 +20,7 @@ from pacs_jax.models import kv_cache
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout.decode import request_keys
 from pacs_jax.rollout.single import SingleRequest
-from pacs_jax.rollout.state import DecodeState, Prefix, SlotTokens, field_shardings
+from pacs_jax.rollout.decode_state import DecodeState, Prefix, SlotTokens, field_shardings
 
 # JetStream prepends `bos_id` to every request without a session cache; Qwen has no BOS, so the
 # tokenizer reports this impossible id and `prefill` drops it again.

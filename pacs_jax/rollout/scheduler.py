@@ -17,7 +17,7 @@ from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout.budget import next_pow2
 from pacs_jax.rollout.engine import Engine
 from pacs_jax.rollout.interface import Completion
-from pacs_jax.rollout.state import DecodeState, DecodeStats, FirstTokens
+from pacs_jax.rollout.decode_state import DecodeState, DecodeStats, FirstTokens
 
 
 def prefill_insert(engine: Engine, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],

@@ -13,7 +13,7 @@ import numpy as np
 
 from pacs_jax.rollout import decode as decode_lib
 from pacs_jax.rollout.engine import Engine
-from pacs_jax.rollout.state import DecodeState, Prefix, SlotTokens
+from pacs_jax.rollout.decode_state import DecodeState, Prefix, SlotTokens
 
 _INT32_MAX = np.iinfo(np.int32).max
 

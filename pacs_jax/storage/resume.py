@@ -14,7 +14,7 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from pacs_jax.algos import registry as algo_registry
+from pacs_jax.algos import algorithms
 from pacs_jax.config.checks import ALLOWABLE
 from pacs_jax.models import hf
 from pacs_jax.storage.checkpoint import CheckpointMismatch
@@ -91,7 +91,7 @@ def make_record(cfg: ml_collections.ConfigDict, hf_config: dict, tokenizer) -> d
   """The record of a run of `cfg` (a LoRA run's adds `lora` and the `base` fingerprint; a full run's has neither,
   as before LoRA existed)."""
   algorithm = cfg.algorithm
-  objective = algo_registry.get(algorithm).settings(cfg).as_dict()  # the algorithm's own typed settings
+  objective = algorithms.get(algorithm).settings(cfg).as_dict()  # the algorithm's own typed settings
   record = {
       "algorithm": algorithm,
       "model": {k: hf_config.get(k) for k in MODEL_FIELDS},
@@ -126,10 +126,10 @@ def with_moved_settings(saved: dict, saved_config: dict) -> dict:
   """`saved` (a record) with the objective fields its algorithm has since moved into its own block
   (`Algorithm.moved_settings`) read from where its saved config held them."""
   algorithm = saved.get("algorithm")
-  if not algo_registry.is_registered(algorithm):
+  if not algorithms.is_registered(algorithm):
     return saved
   old_values = flatten(saved_config)
-  moved = {new: old_values[old] for new, old in algo_registry.get(algorithm).moved_settings.items()
+  moved = {new: old_values[old] for new, old in algorithms.get(algorithm).moved_settings.items()
            if new not in saved.get("objective", {}) and old in old_values}
   return {**saved, "objective": dict(sorted({**saved.get("objective", {}), **moved}.items()))} if moved else saved
 
@@ -237,7 +237,7 @@ def check(step: int, where: str, saved_config: dict, saved_record: dict | None, 
     logging.warning("resuming step %d with another %s, as checkpoint.allow_changes permits: %s", step, section,
                     "; ".join(diffs[section]))
   # Every algorithm's block: the record compares the configured one's; another's means nothing to this run.
-  others = other_changes(saved_config, cfg, ("algorithm", "tokenizer", *algo_registry.names(),
+  others = other_changes(saved_config, cfg, ("algorithm", "tokenizer", *algorithms.names(),
                                             *(f for fields in CONFIG_SECTIONS.values() for f in fields)))
   if others:
     logging.warning("config changed since checkpoint step %d: %s", step, "; ".join(others))

@@ -25,11 +25,11 @@ def main(argv):
   errors.no_arguments_quiet_logs(argv)
   # Every seed of an algorithm runs the same programs: compiled once, read back from OUT/compile_cache after.
   os.environ.setdefault("PACS_JAX_COMPILATION_CACHE", os.path.join(os.path.abspath(_OUT.value), "compile_cache"))
-  from pacs_jax.trainer import runtime
+  from pacs_jax.services import runtime
   runtime.start_command_line()
   import jax
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # every program, however loaded the machine
-  from pacs_jax.study import report, runs, settings as settings_lib
+  from pacs_jax.study import report, runs, study_settings as settings_lib
 
   s = settings_lib.SHRUNK if _SHRUNK.value else settings_lib.StudySettings()
   if _SEEDS.value:

@@ -9,13 +9,13 @@ import zlib
 import numpy as np
 
 from pacs_jax.data import prompts as prompts_lib
-from pacs_jax.data import synthetic
+from pacs_jax.data import synthetic_tasks
 from pacs_jax.eval import passk
 
 OVERALL = "all"
 
 
-def problems(task: synthetic.GradedSumTask, count: int, terms: tuple[int, ...]) -> list[dict]:
+def problems(task: synthetic_tasks.GradedSumTask, count: int, terms: tuple[int, ...]) -> list[dict]:
   """The held-out problems (the same for every run and seed)."""
   return task.held_out(count, seed=0, terms=terms)
 
@@ -23,7 +23,7 @@ def problems(task: synthetic.GradedSumTask, count: int, terms: tuple[int, ...]) 
 def correct_counts(trainer, records: list[dict], n: int, seed: int) -> np.ndarray:
   """Correct samples out of `n` per problem [U] of the trainer's policy at its rollout temperature; each problem's
   samples depend on (seed, problem text) alone."""
-  task = synthetic.get_task(trainer.cfg.data.train)
+  task = synthetic_tasks.get_task(trainer.cfg.data.train)
   prompt_ids = [ids.tolist() for ids in prompts_lib.encode_prompts(trainer.tokenizer, [r["problem"] for r in records],
                                                                   None)]
   with trainer.current_policy() as sampler:
@@ -40,5 +40,5 @@ def pass_at_k(records: list[dict], counts: np.ndarray, n: int) -> dict[str, dict
   """{OVERALL or "<k> terms": {k: mean pass@k}} over all problems and per number of terms."""
   groups = {OVERALL: list(counts)}
   for r, c in zip(records, counts):
-    groups.setdefault(f"{synthetic.num_terms(r['problem'])} terms", []).append(c)
+    groups.setdefault(f"{synthetic_tasks.num_terms(r['problem'])} terms", []).append(c)
   return passk.pass_at_k_table(groups, n)

@@ -10,7 +10,7 @@ import numpy as np
 
 from pacs_jax.eval import paired
 from pacs_jax.study import heldout
-from pacs_jax.study.settings import REFERENCE
+from pacs_jax.study.study_settings import REFERENCE
 
 BASE = "base"
 # The paper's row order (the baselines, PACS last), the newer baselines between.
@@ -145,13 +145,13 @@ def curve_bands(result: dict, key: str, window: int) -> dict[str, tuple[np.ndarr
                                                                           np.ndarray]]:
   """{algorithm: (steps, mean, min, max)} of a metric over seeds, each seed's values first smoothed by a trailing
   mean over `window` steps."""
-  from pacs_jax.trainer import compare
+  from pacs_jax.study import compare_runs
 
   by_algorithm: dict[str, list[np.ndarray]] = {}
   steps = {}
   for run in result["runs"]:
-    s, v = compare.series(run["metrics"], key)
-    by_algorithm.setdefault(run["algorithm"], []).append(compare.smooth(v, window))
+    s, v = compare_runs.series(run["metrics"], key)
+    by_algorithm.setdefault(run["algorithm"], []).append(compare_runs.smooth(v, window))
     steps[run["algorithm"]] = s
   out = {}
   for name, values in by_algorithm.items():

@@ -10,12 +10,12 @@ import time
 
 import jax
 
-from pacs_jax.data import synthetic
+from pacs_jax.data import synthetic_tasks
+from pacs_jax.services import metrics as metrics_lib
 from pacs_jax.study import heldout
-from pacs_jax.study import settings as settings_lib
+from pacs_jax.study import study_settings as settings_lib
 from pacs_jax.study import warmup
 from pacs_jax.trainer import loop
-from pacs_jax.trainer import metrics as metrics_lib
 
 RESULTS_FILE = "study.json"
 DIGEST_FILE = "study_summary.json"  # the same without the metrics rows
@@ -78,7 +78,7 @@ def run_study(s: settings_lib.StudySettings, out_dir: str, cache_dir: str, log=p
   with open(os.path.join(base_dir, warmup.DONE_FILE)) as f:
     warmup_record = json.load(f)
   log(f"base model: {base_dir} (warm-up loss {warmup_record['final_loss']:.3f})")
-  task = synthetic.get_task(s.warmup.task)
+  task = synthetic_tasks.get_task(s.warmup.task)
   records = heldout.problems(task, s.eval_problems, s.eval_terms)
   path = os.path.join(out_dir, RESULTS_FILE)
   result = _previous(path, s) or {"schema_version": SCHEMA_VERSION, "settings": s.to_dict(), "runs": []}

@@ -17,7 +17,7 @@ import tempfile
 import numpy as np
 
 from pacs_jax.data import prompts as prompts_lib
-from pacs_jax.data import synthetic
+from pacs_jax.data import synthetic_tasks
 
 DONE_FILE = "warmup.json"  # written last: a directory without it is an interrupted build
 
@@ -39,15 +39,15 @@ class WarmupSettings:
 
 
 def model_config(settings: WarmupSettings):
-  from pacs_jax.models import registry
-  return registry.preset(settings.preset, vocab_size=len(synthetic.VOCAB))
+  from pacs_jax.models import families
+  return families.preset(settings.preset, vocab_size=len(synthetic_tasks.VOCAB))
 
 
 def supervised_rows(tokenizer, records: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Left-padded rows `prompt, answer, <|im_end|>`: (ids [B, T], attention mask [B, T], loss mask [B, T]); the loss
   mask marks the positions whose next token is a target (the answer and the end marker)."""
   prompt_ids = prompts_lib.encode_prompts(tokenizer, [r["problem"] for r in records], None)
-  end = tokenizer.convert_tokens_to_ids(synthetic.IM_END)
+  end = tokenizer.convert_tokens_to_ids(synthetic_tasks.IM_END)
   targets = [[tokenizer.convert_tokens_to_ids(r["answer"]), end] for r in records]
   T = max(len(p) for p in prompt_ids) + 2
   ids = np.full((len(records), T), tokenizer.pad_token_id, np.int32)
@@ -68,13 +68,13 @@ def train_base_model(settings: WarmupSettings, tokenizer):
   import optax
   from flax import nnx
 
-  from pacs_jax.models import registry
+  from pacs_jax.models import families
 
-  model = registry.causal_lm(model_config(settings), rngs=nnx.Rngs(settings.seed))
+  model = families.causal_lm(model_config(settings), rngs=nnx.Rngs(settings.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   optimizer = optax.adamw(settings.lr, weight_decay=0.0)
   opt_state = optimizer.init(params)
-  task = synthetic.get_task(settings.task)
+  task = synthetic_tasks.get_task(settings.task)
   records = task.draw(settings.steps * settings.batch, settings.seed, held_out=False, terms=settings.terms)
   ids, attention, loss_mask = supervised_rows(tokenizer, records)
 
@@ -101,16 +101,16 @@ def train_base_model(settings: WarmupSettings, tokenizer):
 
 def base_model_dir(settings: WarmupSettings, cache_dir: str) -> str:
   """The warmed-up model's Hugging Face directory under `cache_dir`, built once (a few seconds) and reused."""
-  from pacs_jax.storage import export
+  from pacs_jax.storage import hf_export
 
   out = os.path.join(cache_dir, settings.key())
   if os.path.isfile(os.path.join(out, DONE_FILE)):
     return out
-  tokenizer = synthetic.build_tokenizer()
+  tokenizer = synthetic_tasks.build_tokenizer()
   model, loss = train_base_model(settings, tokenizer)
   os.makedirs(cache_dir, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=".warmup-", dir=cache_dir)
-  export.save_model_dir(model, staging, tokenizer)
+  hf_export.save_model_dir(model, staging, tokenizer)
   with open(os.path.join(staging, DONE_FILE), "w") as f:
     json.dump({"settings": dataclasses.asdict(settings), "final_loss": loss}, f, indent=2)
   shutil.rmtree(out, ignore_errors=True)  # an interrupted build's leftovers

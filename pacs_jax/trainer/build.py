@@ -1,6 +1,6 @@
-"""The run's pieces built from its config: the tokenizer, the initial policy (a HF checkpoint or a seeded random
-init, through the model registry) and the algorithm's critic, in their train-mode shardings; and how a run's
-parameters split into what it trains and what stays frozen (`run_params`)."""
+"""The run's pieces built from its config: the tokenizer, the prompt pipeline, the validation set, the initial policy
+(a HF checkpoint or a seeded random init, through models/families.py) and the algorithm's critic, in their
+train-mode shardings; and how a run's parameters split into what it trains and what stays frozen (`run_params`)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.algos import registry
-from pacs_jax.data import synthetic, tokenizers
+from pacs_jax.algos import algorithms
+from pacs_jax.data import pipeline as pipeline_lib
+from pacs_jax.data import prompts as prompts_lib
+from pacs_jax.data import sources, synthetic_tasks, tokenizers
 from pacs_jax.models import decoder, hf
-from pacs_jax.models import registry as model_registry
+from pacs_jax.models import families
 from pacs_jax.trainer import adapters as adapters_lib
 from pacs_jax.trainer import programs as programs_lib
 
@@ -25,8 +27,38 @@ from pacs_jax.trainer import programs as programs_lib
 def load_tokenizer(cfg: ml_collections.ConfigDict):
   name = cfg.tokenizer or cfg.model.hf_path
   if not name or name == "synthetic":
-    return synthetic.build_tokenizer()
+    return synthetic_tasks.build_tokenizer()
   return tokenizers.load_tokenizer(hf.resolve_path(name))
+
+
+def prompt_pipeline(cfg: ml_collections.ConfigDict, tokenizer, records: list[dict],
+                    instruction: str | None) -> pipeline_lib.PromptPipeline:
+  """The training prompts' pipeline (this process's share of each batch); a ConfigError if too few prompts fit."""
+  P = cfg.data.max_prompt_length
+  try:
+    return pipeline_lib.PromptPipeline(records, tokenizer, batch_size=cfg.train.batch_prompts, seed=cfg.seed,
+                                       max_prompt_length=P, instruction=instruction,
+                                       process_index=jax.process_index(), process_count=jax.process_count())
+  except pipeline_lib.TooFewPrompts as e:
+    raise config_lib.ConfigError(f"config.data.max_prompt_length={P}, config.train.batch_prompts="
+                                 f"{cfg.train.batch_prompts}: {e} (data.train={cfg.data.train!r})") from e
+
+
+def validation_set(cfg: ml_collections.ConfigDict, tokenizer, instruction: str | None,
+                   max_prompt_length: int) -> tuple[list[dict], list[list[int]]]:
+  """The run's validation records and their prompts' ids (none without `eval_every`): `data.val`, or the released
+  runs' five sets (`data.val_dir`), at most `data.val_max_examples`; prompts over `max_prompt_length` are dropped
+  like training ones."""
+  spec = ",".join(sources.released_eval_files(cfg.data.val_dir)) if cfg.data.val_dir else cfg.data.val
+  if not (spec and cfg.eval_every):
+    return [], []
+  records, _ = sources.load_split(spec, cfg.data.skip_bad_rows, cfg.data.synthetic_val_size, cfg.seed + 12345,
+                                  held_out=True)
+  if cfg.data.val_max_examples:
+    records = records[:cfg.data.val_max_examples]
+  ids = prompts_lib.encode_prompts(tokenizer, [r["problem"] for r in records], instruction)
+  keep = [i for i, prompt in enumerate(ids) if len(prompt) <= max_prompt_length]
+  return [records[i] for i in keep], [ids[i].tolist() for i in keep]
 
 
 def build_policy(cfg: ml_collections.ConfigDict, mesh) -> decoder.CausalLM:
@@ -37,13 +69,13 @@ def build_policy(cfg: ml_collections.ConfigDict, mesh) -> decoder.CausalLM:
                                   remat=mc.remat, attention_chunk=mc.attention_chunk,
                                   attention_impl=mc.attention_impl, remat_policy=mc.remat_policy)
     return model
-  return sharding.create_sharded(lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")
+  return sharding.create_sharded(lambda: families.causal_lm(mc, rngs=nnx.Rngs(cfg.seed)), mesh, "train")
 
 
 def build_critic(cfg: ml_collections.ConfigDict, policy: decoder.CausalLM, mesh) -> nnx.Module:
   """The algorithm's critic: its backbone (`.model`) starts from the policy's weights (as verl initialises
   PPO's), its head fresh."""
-  make = lambda: registry.of(cfg).make_critic(policy.config, nnx.Rngs(cfg.seed + 1))
+  make = lambda: algorithms.of(cfg).make_critic(policy.config, nnx.Rngs(cfg.seed + 1))
   critic = sharding.create_sharded(make, mesh, "train")
   backbone = jax.tree.map(jnp.copy, nnx.state(policy.model, nnx.Param))
   nnx.update(critic.model, backbone)
@@ -69,7 +101,7 @@ def run_params(cfg: ml_collections.ConfigDict, policy: decoder.CausalLM, mesh) -
   keeps a copy as its frozen reference; a LoRA run adds adapters and trains those (and a critic's own adapters and
   head), the base staying frozen: its reference is the base itself, without adapters. The rollout is built on
   `policy`, which has no adapters."""
-  algo, spec = registry.of(cfg), config_lib.lora_spec(cfg)
+  algo, spec = algorithms.of(cfg), config_lib.lora_spec(cfg)
   graphdef, params, base, ref_graphdef = adapters_lib.add_to_policy(policy, spec, cfg.seed, mesh)
   critic_graphdef = critic_params = None
   if algo.has_critic:
@@ -87,5 +119,5 @@ def _critic(cfg: ml_collections.ConfigDict, policy: decoder.CausalLM, spec, base
   if spec is None:
     with jax.set_mesh(mesh):
       return nnx.split(build_critic(cfg, policy, mesh), nnx.Param)
-  make = lambda: registry.of(cfg).make_critic(policy.config, nnx.Rngs(cfg.seed + 1))  # the head as a full run's
+  make = lambda: algorithms.of(cfg).make_critic(policy.config, nnx.Rngs(cfg.seed + 1))  # the head as a full run's
   return adapters_lib.critic(make, spec, cfg.seed, mesh, base)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pacs_jax.rollout import interface as rollout_interface
-from pacs_jax.trainer import multihost
+from pacs_jax.services import multihost
 from pacs_jax.trainer import stages
 
 Completion = rollout_interface.Completion

@@ -17,7 +17,7 @@ def why(mean_reward: float) -> str:
 
 
 class EqualRewardsWatch:
-  """Warns once when `reward/mixed_groups` (batching.rollout_metrics) has been 0 for EQUAL_STEPS steps in a row,
+  """Warns once when `reward/mixed_groups` (packing.rollout_metrics) has been 0 for EQUAL_STEPS steps in a row,
   saying why (the mean reward) and what to change; again after a step with signal, should it return."""
 
   def __init__(self, algorithm: str, steps: int = EQUAL_STEPS):

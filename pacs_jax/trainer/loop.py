@@ -17,35 +17,24 @@ from absl import logging
 
 from pacs_jax import config as config_lib
 from pacs_jax import paths
-from pacs_jax.algos import registry
-from pacs_jax.data import pipeline as pipeline_lib
-from pacs_jax.data import prompts as prompts_lib
+from pacs_jax.algos import algorithms
 from pacs_jax.data import sources, tokenizers
 from pacs_jax.models import hf
 from pacs_jax.rewards import pool as reward_pool
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import stop_tokens
-from pacs_jax.trainer import batching
+from pacs_jax.services import console, health, multihost, teardown, tracking
+from pacs_jax.services import metrics as metrics_lib
+from pacs_jax.services import preemption as preemption_lib
 from pacs_jax.storage import checkpoint as checkpoint_lib
-from pacs_jax.storage import export as export_lib
+from pacs_jax.storage import hf_export as export_lib
 from pacs_jax.storage import lock as workdir_lock
 from pacs_jax.storage import resume as resume_lib
 from pacs_jax.storage.workdir import CHECKPOINT_DIR
-from pacs_jax.trainer import console
-from pacs_jax.trainer import metrics as metrics_lib
-from pacs_jax.trainer import multihost
-from pacs_jax.trainer import overlap
-from pacs_jax.trainer import build
-from pacs_jax.trainer import preemption as preemption_lib
-from pacs_jax.trainer import dynamic_sampling
-from pacs_jax.trainer import health
-from pacs_jax.trainer import programs as programs_lib
-from pacs_jax.trainer import split
-from pacs_jax.trainer import stages
-from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import build, dynamic_sampling, overlap, packing, split, stages
 from pacs_jax.trainer import equal_rewards as signal_lib
-from pacs_jax.trainer import teardown
-from pacs_jax.trainer import tracking
+from pacs_jax.trainer import programs as programs_lib
+from pacs_jax.trainer import train_state as state_lib
 
 
 _TREE_NORM = jax.jit(state_lib.tree_norm)
@@ -93,34 +82,15 @@ class Trainer:
     instruction = cfg.data.instruction or None
     train_records, self.skipped_rows = sources.load_split(cfg.data.train, cfg.data.skip_bad_rows, cfg.data.synthetic_train_size, cfg.seed)
     self.source_names = sorted({r["data_source"] for r in train_records})
-    try:
-      self.pipeline = pipeline_lib.PromptPipeline(
-          train_records, self.tokenizer, batch_size=cfg.train.batch_prompts, seed=cfg.seed,
-          max_prompt_length=self.P, instruction=instruction,
-          process_index=jax.process_index(), process_count=jax.process_count())
-    except pipeline_lib.TooFewPrompts as e:
-      raise config_lib.ConfigError(f"config.data.max_prompt_length={self.P}, config.train.batch_prompts="
-                                   f"{cfg.train.batch_prompts}: {e} (data.train={cfg.data.train!r})") from e
+    self.pipeline = build.prompt_pipeline(cfg, self.tokenizer, train_records, instruction)
     self.data_iter = self.pipeline.iterator()
-    self.val_records = []
-    # data.val_dir: the released runs' five validation sets, in place of data.val.
-    val_spec = ",".join(sources.released_eval_files(cfg.data.val_dir)) if cfg.data.val_dir else cfg.data.val
-    if val_spec and cfg.eval_every:
-      self.val_records, _ = sources.load_split(val_spec, cfg.data.skip_bad_rows, cfg.data.synthetic_val_size,
-                                                 cfg.seed + 12345, held_out=True)
-      if cfg.data.val_max_examples:
-        self.val_records = self.val_records[:cfg.data.val_max_examples]
-    val_ids = prompts_lib.encode_prompts(self.tokenizer, [r["problem"] for r in self.val_records], instruction)
-    # Validation prompts over max_prompt_length are dropped like training ones.
-    keep = [i for i, ids in enumerate(val_ids) if len(ids) <= self.P]
-    self.val_records = [self.val_records[i] for i in keep]
-    self.val_prompts = [val_ids[i].tolist() for i in keep]
+    self.val_records, self.val_prompts = build.validation_set(cfg, self.tokenizer, instruction, self.P)
     self.descriptions = {"model": console.describe_model(cfg, model_config),
                          "tokenizer": console.describe_tokenizer(cfg, self.tokenizer),
                          "data": console.describe_data(cfg, len(train_records), len(self.val_records))}
 
   def _build(self, cfg: ml_collections.ConfigDict, workdir: str, devices) -> None:
-    self.objective = registry.bind(cfg)  # the run's objective, bound once: what the per-step hooks take
+    self.objective = algorithms.bind(cfg)  # the run's objective, bound once: what the per-step hooks take
     self._stepped = False  # no step has run in this process yet (the first one compiles)
     self.mesh, self.rollout_mesh = split.meshes(cfg, devices)  # rollout_mesh: None unless rollout.devices
     with jax.set_mesh(self.mesh):
@@ -132,13 +102,8 @@ class Trainer:
     # A frozen reference (or None: the policy that sampled), and the run's frozen part (empty in a full run).
     self.ref_params, self.base, self.frozen = run.ref_params, run.base, run.frozen
     self.optimizer, self.critic_optimizer = programs_lib.make_optimizers(cfg)
-    critic_opt_state = None
-    if run.critic_params is not None:
-      critic_opt_state = state_lib.init_opt_state(self.critic_optimizer, run.critic_params, self.mesh)
-    self.state = state_lib.TrainState(
-        step=jnp.zeros((), jnp.int32), params=run.params,
-        opt_state=state_lib.init_opt_state(self.optimizer, run.params, self.mesh),
-        rng=state_lib.initial_rng(cfg.seed), critic_params=run.critic_params, critic_opt_state=critic_opt_state)
+    self.state = state_lib.initial_state(run.params, self.optimizer, run.critic_params, self.critic_optimizer,
+                                         self.mesh, cfg.seed)
     # The shardings `--compile_only` compiles for (a no-op move for arrays already in place).
     self.state_shardings = programs_lib.train_state_shardings(self.state, self.mesh, self.optimizer,
                                                               self.critic_optimizer)
@@ -146,12 +111,18 @@ class Trainer:
 
     # The rollout (`rollout.interface.Rollout`): the in-process engine, on the trainer's mesh or its own (split).
     self.sampler = split.make_rollout(cfg, run.decode_model, self.mesh, self.rollout_mesh, self.eos_ids)
+    self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     # rollout.mode "one_step_off" / "async": the next steps' rollouts in the background, by a worker with weights of
     # its own (trainer/overlap.py), its generate calls timed (trainer/split.py).
-    self.rollout_worker = split.make_worker(self.sampler) if cfg.rollout.mode != "sync" else None
-    self.next_rollout = (overlap.Overlapped(self.rollout_worker, cfg.rollout.max_staleness,
-                                            inline=jax.process_count() > 1) if self.rollout_worker else None)
-    self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+    self.rollout_worker = self.next_rollout = None
+    if cfg.rollout.mode != "sync":
+      self.data_iter = overlap.Lookahead(self.data_iter)  # its rollouts' prompts: the pipeline's next elements
+      self.rollout_worker = split.make_worker(self.sampler)
+      self.next_rollout = overlap.Overlapped(
+          self.rollout_worker, cfg.rollout.max_staleness, inline=jax.process_count() > 1, mesh=self.mesh,
+          last_step=cfg.steps, prompts=lambda i: self.data_iter.peek(i), weights=self.sample_params,
+          generate=lambda worker, prompt_ids, seed: stages.rollout(
+              worker, prompt_ids, P=self.P, n=cfg.rollout.n, max_new_tokens=self.R, sampling=self.sampling, seed=seed))
     self.programs = programs_lib.make_programs(cfg, self.graphdef, self.critic_graphdef, self.optimizer,
                                                self.critic_optimizer, self.state_shardings,
                                                self.sampler.weight_shardings, run.frozen)
@@ -184,7 +155,7 @@ class Trainer:
         if completions is None:
           completions = self.rollout(prompt_ids, seed, on_finish=progress.on_finish)
         if self.next_rollout:
-          self.next_rollout.before_update(self)
+          self.next_rollout.before_update(self.state.rng, version)
         clock.lap("rollout")
         progress.stage("rollout", "reward")
         scored = stages.score(scorer, self.tokenizer, prompts, completions)
@@ -201,7 +172,7 @@ class Trainer:
                            version=version if self.next_rollout else None)
       metrics = self.update(packed)
       if self.next_rollout:
-        self.next_rollout.after_update(self)
+        self.next_rollout.after_update(self.state.rng, int(self.state.step))
       clock.lap("update")
       self._stepped = True
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
@@ -253,7 +224,7 @@ class Trainer:
       return stages.rollout(sampler, prompt_ids, P=self.P, n=self.cfg.rollout.n, max_new_tokens=self.R,
                             sampling=self.sampling, seed=seed, on_finish=on_finish)
 
-  def update(self, packed: batching.PackedRollout) -> dict[str, Any]:
+  def update(self, packed: packing.PackedRollout) -> dict[str, Any]:
     """The update stage on the trainer's state; keeps each mini-batch's own metrics in `minibatch_metrics`."""
     self.state, per_minibatch = stages.update(self.programs, self.state, self.ref_params, packed, self.batch_layout,
                                               self.mesh, programs_lib.updates_per_step(self.cfg), self.base)
@@ -276,21 +247,14 @@ class Trainer:
   # -- validation ------------------------------------------------------------------------------
 
   def validate(self, scorer) -> dict[str, float]:
+    """The current policy's greedy responses to the validation prompts, scored: accuracy per data source."""
     if not self.val_records:
       return {}
-    cfg = self.cfg
-    max_new = cfg.rollout.val_max_new_tokens or self.R
     with self.current_policy() as sampler:
-      completions = sampler.generate(self.val_prompts, n=1, max_new_tokens=min(max_new, self.R),
-                                     sampling=sampling_lib.Greedy(), seed=0)
-    texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
-    answers, data_sources = [r["answer"] for r in self.val_records], [r["data_source"] for r in self.val_records]
-    scores, _ = scorer.score_batch(texts, answers, data_sources)
-    if cfg.validation_data_dir and jax.process_index() == 0:  # every process ran the same validation
-      inputs = metrics_lib.prompt_texts(self.tokenizer, self.val_prompts, [c.prompt_index for c in completions])
-      metrics_lib.dump_generations(cfg.validation_data_dir, int(self.state.step), inputs, texts, scores,
-                                   data_sources, answers, extra={"reward": [float(x) for x in scores]})
-    return batching.per_source_mean(scores, data_sources, "val/accuracy")
+      completions = sampler.generate(self.val_prompts, n=1, sampling=sampling_lib.Greedy(), seed=0,
+                                     max_new_tokens=min(self.cfg.rollout.val_max_new_tokens or self.R, self.R))
+    return stages.validation_metrics(scorer, self.tokenizer, self.val_records, self.val_prompts, completions,
+                                     dump_dir=self.cfg.validation_data_dir, step=int(self.state.step))
 
   # -- checkpoints -----------------------------------------------------------------------------
 
@@ -320,13 +284,14 @@ class Trainer:
     resume_lib.check(step, self.checkpointer.directory, saved_config, self.checkpointer.read_record(step),
                      self.record, self.cfg)
     state, data_state = self.checkpointer.restore(step, checkpoint_lib.abstract_like(self.state))
-    return state, self.pipeline.iterator(data_state)
+    iterator = self.pipeline.iterator(data_state)  # the overlapped modes' looks ahead
+    return state, overlap.Lookahead(iterator) if self.next_rollout else iterator
 
   # -- the loop --------------------------------------------------------------------------------
 
   def run(self) -> dict[str, Any]:
     """Trains from the newest checkpoint (or from scratch) to `cfg.steps`; returns the last step's metrics. Whatever
-    happens, it lets go of the checkpointer, metrics writer and workdir lock (trainer/teardown.py)."""
+    happens, it lets go of the checkpointer, metrics writer and workdir lock (services/teardown.py)."""
     held = teardown.Held(self.workdir, self.checkpointer, self.lock)
     with teardown.closing(held):
       restored = self.maybe_restore()
@@ -348,7 +313,7 @@ class Trainer:
 
   def _steps(self, held: teardown.Held, restored: int | None) -> dict[str, Any]:
     """The steps after `held.step_in_progress` (each number held there as it runs), with validation, metrics rows,
-    checkpoints and a stop on SIGTERM or Ctrl-C, a lost lock, or a dead or diverged run (trainer/health.py)."""
+    checkpoints and a stop on SIGTERM or Ctrl-C, a lost lock, or a dead or diverged run (services/health.py)."""
     cfg, writer, preemption = self.cfg, held.writer, held.preemption
     skipped_before = int(state_lib.skipped_updates(self.state.opt_state))
     updates_per_step = programs_lib.updates_per_step(cfg)

@@ -7,9 +7,10 @@ yet started are started then, with the weights step k sampled with, policy versi
 most s versions old when it trains on them (s exactly, once the pipeline is full; the rollout correction,
 `rollout.tis_imp_ratio_cap`, reweights them). "one_step_off" is s <= 1; "async" any s. With s = 0 step k+1's rollout
 starts after step k's update, with its weights: sync's responses through the overlapped machinery (bitwise).
-Each rollout's seed is the one the synchronous step would draw (`state.rollout_seed_ahead`), and its prompts are the
-pipeline's next elements, looked at ahead (`Lookahead`): a checkpoint records the data position before the first of
-them, so after a resume they are drawn again and the rollouts in flight are dropped, never trained on.
+Each rollout's seed is the one the synchronous step would draw (`train_state.rollout_seed_ahead`), and its prompts are
+the pipeline's next elements, looked at ahead (`Lookahead`, which the trainer's iterator is in these modes): a
+checkpoint records the data position before the first of them, so after a resume they are drawn again and the
+rollouts in flight are dropped, never trained on.
 
 A response made by a policy more than s versions older than the one the step's update starts from is dropped and
 counted (`rollout/dropped`), and its prompt's responses are drawn again by the current policy (same seed, so no prompt
@@ -28,8 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pacs_jax.rollout import interface
-from pacs_jax.trainer import stages
-from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import train_state as state_lib
 
 
 class Lookahead:
@@ -99,8 +99,11 @@ class NextRollout:
 
 
 class Overlapped:
-  """The rollouts of the next `max_staleness` steps (the next one, at 0) in flight by `worker`, for a trainer
-  (`loop.Trainer`: its state, pipeline, mesh and rollout settings).
+  """The rollouts of the next `max_staleness` steps (the next one, at 0) in flight by `worker`. It is given what it
+  needs, never the trainer: `prompts(i)` the i-th pipeline element not yet taken (a `Lookahead`'s `peek`),
+  `weights()` the current policy's rollout weights, `generate(worker, prompt_ids, seed)` one step's rollout by a
+  worker holding weights, `mesh` the devices they live on and `last_step` the run's (none is started beyond it); the
+  policy's RNG and version come with each `before_update` / `after_update`.
 
   On more than one process (`inline`) each runs on the trainer's thread when it is started, on shared or split
   devices: every process must launch programs that span processes in the same order, which a background thread
@@ -108,8 +111,13 @@ class Overlapped:
   launching in different orders deadlock; docs/design.md, "The rollout interface"). The responses (versions, seeds,
   prompts) are the same as on one process; the time is not overlapped."""
 
-  def __init__(self, worker: interface.Rollout, max_staleness: int, inline: bool = False):
+  def __init__(self, worker: interface.Rollout, max_staleness: int, inline: bool = False, *, mesh=None,
+               last_step: int = 0, prompts: Callable[[int], Any] | None = None,
+               weights: Callable[[], Any] | None = None,
+               generate: Callable[[interface.Rollout, list[list[int]], int], list] | None = None):
     self.worker, self.max_staleness = worker, int(max_staleness)
+    self.mesh, self.last_step = mesh, last_step
+    self.prompts, self.weights, self.generate = prompts, weights, generate
     self.queue = NextRollout(inline)
     self.dropped = 0  # the last step's responses dropped as too stale
 
@@ -132,49 +140,46 @@ class Overlapped:
       self.dropped = len(stale)
     return completions
 
-  def before_update(self, trainer) -> None:
+  def before_update(self, rng, version: int) -> None:
     """max_staleness >= 1: the rollouts of the next steps up to max_staleness ahead not yet in flight, started
-    with the weights this step sampled with (copied: the update donates the state)."""
+    with the weights this step sampled with (version `version`, the state's step; copied: the update donates the
+    state). `rng`: the state's RNG, which the running step's update starts from."""
     if self.max_staleness >= 1:
-      self._fill(trainer, self.max_staleness, before_update=True)
+      self._fill(rng, version, self.max_staleness, before_update=True)
 
-  def after_update(self, trainer) -> None:
-    """max_staleness 0: the next step's rollout, started with this update's weights."""
+  def after_update(self, rng, version: int) -> None:
+    """max_staleness 0: the next step's rollout, started with this update's weights (the state's RNG and step)."""
     if self.max_staleness == 0:
-      self._fill(trainer, 1, before_update=False)
+      self._fill(rng, version, 1, before_update=False)
 
-  def _fill(self, trainer, ahead: int, before_update: bool) -> None:
+  def _fill(self, rng, version: int, ahead: int, before_update: bool) -> None:
     """Starts the rollouts of the steps after the one whose element was taken last, up to `ahead` of them in flight
-    and no further than `trainer.cfg.steps`, all with the trainer's current weights (version `state.step`; copied
-    `before_update`, which donates the state)."""
-    rng, version = trainer.state.rng, int(trainer.state.step)
+    and no further than `last_step`, all with the current weights (version `version`; copied `before_update`, which
+    donates the state)."""
     next_step = version + 1  # the step that starts from `rng` (the one running, before its update ends)
     taken = version + 1 if before_update else version  # steps whose element is taken: before the update, this one too
     first = taken + 1 + len(self.queue)
-    todo = [j for j in range(first, taken + ahead + 1) if j <= trainer.cfg.steps]
+    todo = [j for j in range(first, taken + ahead + 1) if j <= self.last_step]
     if not todo:
       return
-    if not isinstance(trainer.data_iter, Lookahead):
-      trainer.data_iter = Lookahead(trainer.data_iter)
-    with jax.set_mesh(trainer.mesh):
-      weights = trainer.sample_params()
+    with jax.set_mesh(self.mesh):
+      weights = self.weights()
       if before_update:  # the rollouts keep weights of their own
         weights = jax.tree.map(jnp.copy, weights)
     for j in todo:
-      element = trainer.data_iter.peek(j - taken - 1)
+      element = self.prompts(j - taken - 1)
       seed = state_lib.rollout_seed_ahead(rng, j - next_step)
-      self.queue.start(element, self._rollout(trainer, element, weights, version, seed))
+      self.queue.start(element, self._rollout(element, weights, version, seed))
 
-  def _rollout(self, trainer, element, weights, version: int, seed: int) -> Callable[[], list]:
+  def _rollout(self, element, weights, version: int, seed: int) -> Callable[[], list]:
     prompt_ids = [ids.tolist() for ids in element["prompt_ids"]]
-    worker, mesh = self.worker, trainer.mesh
+    worker, mesh, generate = self.worker, self.mesh, self.generate
 
     def rollout():
       with jax.set_mesh(mesh):
         worker.set_weights(weights, version)
         try:
-          return stages.rollout(worker, prompt_ids, P=trainer.P, n=trainer.cfg.rollout.n, max_new_tokens=trainer.R,
-                                sampling=trainer.sampling, seed=seed)
+          return generate(worker, prompt_ids, seed)
         finally:
           worker.release()
     return rollout

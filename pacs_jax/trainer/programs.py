@@ -26,14 +26,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.algos import batch as batch_lib, correction, registry
+from pacs_jax.algos import algorithms as registry, batch as batch_lib, correction
 from pacs_jax.algos.objective import Objective
 from pacs_jax.models import decoder, lora
-from pacs_jax.models import registry as model_registry
+from pacs_jax.models import families as model_registry
 from pacs_jax.rollout import interface as rollout_interface
 from pacs_jax.rollout import local as local_rollout
 from pacs_jax.trainer import adapters as adapters_lib
-from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import train_state as state_lib
 from pacs_jax.trainer import step as step_lib
 
 

@@ -19,12 +19,12 @@ from flax import nnx
 from pacs_jax.algos import batch as batch_lib
 from pacs_jax.rollout import interface
 from pacs_jax.rollout.interface import Completion
+from pacs_jax.services import metrics as metrics_lib
+from pacs_jax.services import multihost
 from pacs_jax.trainer import adapters as adapters_lib
-from pacs_jax.trainer import batching
-from pacs_jax.trainer import metrics as metrics_lib
-from pacs_jax.trainer import multihost
+from pacs_jax.trainer import packing
 from pacs_jax.trainer import programs as programs_lib
-from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import train_state as state_lib
 
 
 def rollout(sampler: interface.Rollout, prompt_ids: list[list[int]], *, P: int, n: int, max_new_tokens: int,
@@ -68,25 +68,25 @@ def pack(prompt_ids: list[list[int]], completions: list[Completion], scored: Sco
          R: int, n: int, pad_id: int, mask_eos_ids,
          host_inputs: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]],
          shape_rewards: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-         version: int | None = None) -> batching.PackedRollout:
+         version: int | None = None) -> packing.PackedRollout:
   """The responses as host rows (prompt left-padded to P, response right-padded to R), checked to be grouped
   prompt-major; `host_inputs(input_ids, attention_mask)`: the algorithm's extra host fields;
   `shape_rewards(scores, response_mask)`: the rewards the loss sees (default: the verifier's scores); the loss
-  mask is the response mask less each completion's inserted tokens (`batching.loss_mask`); `version`:
+  mask is the response mask less each completion's inserted tokens (`packing.loss_mask`); `version`:
   the policy the update starts from, which marks the rows sampled by an older one (`stale_rows`; None: untracked)."""
-  input_ids, attention_mask, resp_mask = batching.pack_rows(prompt_ids, completions, P, R, pad_id, mask_eos_ids)
-  batching.check_groups(input_ids, attention_mask, P, n)
+  input_ids, attention_mask, resp_mask = packing.pack_rows(prompt_ids, completions, P, R, pad_id, mask_eos_ids)
+  packing.check_groups(input_ids, attention_mask, P, n)
   scores = np.asarray(scored.scores, np.float32)
   rewards = scores if shape_rewards is None else np.asarray(shape_rewards(scores, resp_mask), np.float32)
-  return batching.PackedRollout(input_ids, attention_mask, resp_mask, rewards, scored.data_sources,
+  return packing.PackedRollout(input_ids, attention_mask, resp_mask, rewards, scored.data_sources,
                                [c.finish_reason for c in completions], extra=host_inputs(input_ids, attention_mask),
-                               scores=scores, behaviour_logprobs=batching.behaviour_logprobs(completions, R),
+                               scores=scores, behaviour_logprobs=packing.behaviour_logprobs(completions, R),
                                stale_rows=None if version is None else np.asarray(
                                    [c.policy_version < version for c in completions], bool),
-                               loss_mask=batching.loss_mask(completions, resp_mask))
+                               loss_mask=packing.loss_mask(completions, resp_mask))
 
 
-def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_params, packed: batching.PackedRollout,
+def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_params, packed: packing.PackedRollout,
            layout: batch_lib.BatchLayout, mesh, num_minibatches: int, base: nnx.State
            ) -> tuple[state_lib.TrainState, list[dict]]:
   """Reference / old log-probs (and values) for the whole step first, then the algorithm's step inputs, then one
@@ -101,10 +101,10 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
   old, ref, values = batch_lib.OLD_LOGPROBS.name, batch_lib.REF_LOGPROBS.name, batch_lib.OLD_VALUES.name
   passes = layout.names(batch_lib.PASS)
   with jax.set_mesh(mesh):
-    minibatches = batching.to_minibatches(packed, layout, mesh, num_minibatches)
+    minibatches = packing.to_minibatches(packed, layout, mesh, num_minibatches)
     behaviour = None
     if ref in passes and ref_params is None:
-      behaviour = batching.rollout_reference(packed, layout.k, mesh, num_minibatches)
+      behaviour = packing.rollout_reference(packed, layout.k, mesh, num_minibatches)
     for j, mb in enumerate(minibatches):
       if old in passes:
         mb[old] = programs.logprob_fn(state.params, mb, base)
@@ -177,12 +177,12 @@ class Clock:
             "throughput/tokens_per_s": tokens / max(step_s, 1e-9)}
 
 
-def record(update_metrics: dict[str, float], packed: batching.PackedRollout, scored: Scored, clock: Clock,
+def record(update_metrics: dict[str, float], packed: packing.PackedRollout, scored: Scored, clock: Clock,
            source_names: list[str], n: int) -> dict[str, float]:
   """The step's metrics row: the update's, then reward, accuracy per data source and response lengths over every
   process's rows (groups of n), then the timings."""
   row = dict(update_metrics)
-  row.update(batching.rollout_metrics(packed, scored.stats, source_names, n))
+  row.update(packing.rollout_metrics(packed, scored.stats, source_names, n))
   tokens = float(np.sum(packed.attention_mask)) * jax.process_count()
   row.update(clock.metrics(tokens))
   return row
@@ -194,3 +194,17 @@ def dump(directory: str, step: int, tokenizer, prompt_ids: list[list[int]],
   inputs = metrics_lib.prompt_texts(tokenizer, prompt_ids, [c.prompt_index for c in completions])
   metrics_lib.dump_generations(directory, step, inputs, scored.texts, scored.scores, scored.data_sources,
                                scored.answers)
+
+
+def validation_metrics(scorer, tokenizer, records: list[dict], prompt_ids: list[list[int]],
+                       completions: list[Completion], *, dump_dir: str, step: int) -> dict[str, float]:
+  """Validation's accuracy per data source (`val/accuracy...`) of one response to each record's prompt; with
+  `dump_dir`, the responses are written there too (by process 0: every process ran the same validation)."""
+  texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+  answers, data_sources = [r["answer"] for r in records], [r["data_source"] for r in records]
+  scores, _ = scorer.score_batch(texts, answers, data_sources)
+  if dump_dir and jax.process_index() == 0:
+    inputs = metrics_lib.prompt_texts(tokenizer, prompt_ids, [c.prompt_index for c in completions])
+    metrics_lib.dump_generations(dump_dir, step, inputs, texts, scores, data_sources, answers,
+                                 extra={"reward": [float(x) for x in scores]})
+  return packing.per_source_mean(scores, data_sources, "val/accuracy")

@@ -28,8 +28,8 @@ from pacs_jax.algos.masked import masked_mean
 from pacs_jax.algos.objective import Objective
 from pacs_jax.models import chunked_logprobs
 from pacs_jax.trainer import adapters as adapters_lib
-from pacs_jax.trainer import state as state_lib
-from pacs_jax.trainer.state import TrainState
+from pacs_jax.trainer import train_state as state_lib
+from pacs_jax.trainer.train_state import TrainState
 
 
 def response_logprobs(model, input_ids, attention_mask, response_len: int, temperature: float,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pacs_jax import config as config_lib
-from pacs_jax.algos import batch as batch_lib, registry
+from pacs_jax.algos import algorithms as registry, batch as batch_lib
 
 K, M, P, R = 2, 4, 5, 3
 SHARED = ["input_ids", "attention_mask", "loss_mask", "rewards"]

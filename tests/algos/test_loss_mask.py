@@ -10,7 +10,7 @@ import pytest
 
 from pacs_jax import config as config_lib
 from pacs_jax.algos import batch as batch_lib
-from pacs_jax.algos import registry
+from pacs_jax.algos import algorithms as registry
 
 N, GROUPS, P, R = 4, 2, 3, 6
 ROWS = N * GROUPS
@@ -91,7 +91,7 @@ def test_an_inserted_token_gets_no_gradient_and_its_logprobs_do_not_move_the_los
 
 def test_an_all_ones_completion_mask_leaves_the_response_mask_exactly():
   from pacs_jax.rollout import interface
-  from pacs_jax.trainer import batching
+  from pacs_jax.trainer import packing as batching
   response = np.asarray([[1, 1, 0, 0], [1, 1, 1, 1]], np.float32)
   completions = [interface.Completion(0, 0, [5, 6], np.zeros(2, np.float32), "eos"),
                  interface.Completion(0, 1, [5, 6, 7, 8, 9], np.zeros(5, np.float32), "length")]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pacs_jax import config as config_lib
-from pacs_jax.algos import dapo, registry
+from pacs_jax.algos import algorithms as registry, dapo
 
 N = 4  # responses per prompt
 

@@ -14,7 +14,7 @@ import torch
 
 from pacs_jax import config as config_lib
 from pacs_jax.algos import batch as batch_lib
-from pacs_jax.algos import correction, pacs, registry
+from pacs_jax.algos import algorithms as registry, correction, pacs
 from tests.algos.test_pacs import GROUP_SIZE, make_batch, torch_pacs_loss
 
 SAFETY_BOUND = 20.0

@@ -15,7 +15,7 @@ import transformers
 from flax import nnx
 
 from pacs_jax.algos import pacs
-from pacs_jax.models import hf, qwen2, registry
+from pacs_jax.models import families as registry, hf, qwen2
 from pacs_jax.trainer import step as step_lib
 
 P, R, ROWS, V, D = 6, 7, 8, 48, 16

@@ -8,7 +8,7 @@ from flax import nnx
 
 from pacs_jax import sharding
 from pacs_jax.algos import grpo, ppo
-from pacs_jax.models import registry
+from pacs_jax.models import families as registry
 
 
 def reference_gae(token_level_rewards, values, response_mask, gamma, lam):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pacs_jax import config as config_lib
-from pacs_jax.algos import registry
+from pacs_jax.algos import algorithms as registry
 from pacs_jax.storage import resume
 
 MOVED = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "entropy_coeff")

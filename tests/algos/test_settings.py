@@ -15,7 +15,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from pacs_jax import config as config_lib
-from pacs_jax.algos import groups, registry, settings
+from pacs_jax.algos import algorithms as registry, groups, settings
 from pacs_jax.algos.masked import masked_sum
 from pacs_jax.storage import resume
 from pacs_jax.trainer import loop

@@ -18,7 +18,7 @@ import torch
 
 from pacs_jax import config as config_lib
 from pacs_jax.algos import batch as batch_lib
-from pacs_jax.algos import correction, registry
+from pacs_jax.algos import algorithms as registry, correction
 
 N, GROUPS, R = 4, 3, 7  # responses per prompt, prompts, response positions
 B = N * GROUPS

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from pacs_jax.data import pipeline, prompts, sources, synthetic
+from pacs_jax.data import pipeline, prompts, sources, synthetic_tasks as synthetic
 
 # Qwen2.5's chat template (tokenizer_config.json of the Qwen2.5 models).
 QWEN25_CHAT_TEMPLATE = """{%- if tools %}

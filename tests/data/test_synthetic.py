@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax.data import pipeline, prompts, synthetic
-from pacs_jax.models import registry
+from pacs_jax.data import pipeline, prompts, synthetic_tasks as synthetic
+from pacs_jax.models import families as registry
 from pacs_jax.rewards import synthetic as synthetic_verifier
 
 

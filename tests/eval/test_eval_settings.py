@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from pacs_jax import config
-from pacs_jax.eval import settings
+from pacs_jax.eval import eval_settings as settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -22,7 +22,7 @@ from flax import nnx
 from pacs_jax import api
 from pacs_jax.data import prompts, sources
 from pacs_jax.eval import passk, problems, results, runner
-from pacs_jax.models import registry
+from pacs_jax.models import families as registry
 
 NAMES = ("math500", "aime2024", "aime2025", "amc23")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -344,7 +344,7 @@ def test_cli_on_a_training_workdir(data_dir, tokenizer, tmp_path):
   """The CLI end to end on one device: checkpoint -> a temporary export -> both files in WORKDIR-eval_step_<S>,
   math-verify scores; the workdir is not written."""
   from pacs_jax.storage import checkpoint as checkpoint_lib
-  from pacs_jax.storage import export as export_lib
+  from pacs_jax.storage import hf_export as export_lib
 
   workdir = str(tmp_path / "run")
   model = tiny_model(len(tokenizer))

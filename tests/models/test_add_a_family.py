@@ -16,10 +16,10 @@ from flax import nnx
 
 import config_shrink
 from pacs_jax import config as config_lib
-from pacs_jax.models import hf, layers, registry
+from pacs_jax.models import families as registry, hf, layers
 from pacs_jax.models.family import Family
 from pacs_jax.models.model_config import ModelConfig
-from pacs_jax.storage import export
+from pacs_jax.storage import hf_export as export
 from pacs_jax.trainer import loop
 from test_config_json import assert_transformers_activation
 
@@ -53,7 +53,7 @@ FAMILY = Family(GeluConfig, layer=GeluLayer, presets={
 
 @pytest.fixture
 def registered():
-  registry.register(FAMILY)  # the one registry line (in pacs_jax/models/registry.py for a shipped family)
+  registry.register(FAMILY)  # the one registry line (in pacs_jax/models/families.py for a shipped family)
   yield
   del registry.FAMILIES[GeluConfig.model_type]
 

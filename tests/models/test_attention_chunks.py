@@ -7,7 +7,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pacs_jax import sharding
-from pacs_jax.models import kv_cache, qwen2, registry
+from pacs_jax.models import families as registry, kv_cache, qwen2
 
 CONFIG = qwen2.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0)

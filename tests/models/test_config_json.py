@@ -8,7 +8,7 @@ import torch
 import transformers
 from transformers.activations import ACT2FN
 
-from pacs_jax.models import registry
+from pacs_jax.models import families as registry
 
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)

@@ -21,10 +21,10 @@ from flax import nnx
 import config_shrink
 from pacs_jax import config as config_lib
 from pacs_jax.algos import ppo
-from pacs_jax.models import decoder, hf, registry
+from pacs_jax.models import decoder, families as registry, hf
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import scheduler
-from pacs_jax.storage import export as export_lib
+from pacs_jax.storage import hf_export as export_lib
 from test_qwen2_hf import left_padded_batch, torch_logits_per_row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -11,7 +11,7 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.models import attention, flash, registry
+from pacs_jax.models import attention, families as registry, flash
 
 B, T, K, G, H = 3, 200, 2, 2, 16  # T not a multiple of the 128-row blocks: the kernel pads it
 

@@ -16,10 +16,10 @@ import transformers
 from flax import nnx
 
 from pacs_jax import sharding
-from pacs_jax.models import hf, lora, registry
+from pacs_jax.models import families as registry, hf, lora
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import scheduler
-from pacs_jax.storage import export
+from pacs_jax.storage import hf_export as export
 from test_families import make_torch_model
 from test_qwen2_hf import left_padded_batch, make_hf_model, torch_logits_per_row
 

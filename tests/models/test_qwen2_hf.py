@@ -11,7 +11,7 @@ import torch
 import transformers
 from flax import nnx
 
-from pacs_jax.models import decoder, hf, qwen2, registry
+from pacs_jax.models import decoder, families as registry, hf, qwen2
 
 # (tie_word_embeddings, heads, kv heads, rope theta): tied/untied, GQA with 2 and 3 query heads per
 # kv head, non-default rope theta.

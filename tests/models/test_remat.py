@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax.models import qwen2, registry
+from pacs_jax.models import families as registry, qwen2
 
 # Distinct sizes, so each residual's shape says what it is: L layers, B rows, T tokens, D hidden, F mlp.
 L, B, T, D, F = 3, 2, 11, 48, 80

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as Spec
 
 from pacs_jax import sharding
-from pacs_jax.models import hf, registry
+from pacs_jax.models import families as registry, hf
 from pacs_jax.rollout import decode, interface, sampling, scheduler
 from pacs_jax.rollout import engine as engine_lib
 

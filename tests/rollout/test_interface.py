@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax.models import registry
+from pacs_jax.models import families as registry
 from pacs_jax.rollout import interface, local, sampling, scheduler
 
 PROMPTS = [[5, 9, 3], [7, 1, 8, 2, 6, 4, 11, 12, 13], [3, 3]]

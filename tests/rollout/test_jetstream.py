@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax.models import registry
+from pacs_jax.models import families as registry
 from pacs_jax.rollout import decode, scheduler
 from pacs_jax.rollout import engine as engine_lib
 
 # Must import (not skip): google-jetstream is installed with the `jetstream` extra in CI.
 from pacs_jax.rollout import jetstream as jetstream_adapter
 from pacs_jax.rollout.single import SingleRequest
-from pacs_jax.rollout.state import SlotTokens
+from pacs_jax.rollout.decode_state import SlotTokens
 
 MAX_NEW = 12
 # 6 requests on 4 slots. At most 15 tokens: JetStream prepends a BOS slot to each prompt (dropped by

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from pacs_jax import sharding
-from pacs_jax.models import registry
+from pacs_jax.models import families as registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling
 from pacs_jax.compile import aot_measure, hlo_cost

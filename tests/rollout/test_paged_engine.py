@@ -9,7 +9,7 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.models import registry
+from pacs_jax.models import families as registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import dense_figures, sampling, scheduler
 

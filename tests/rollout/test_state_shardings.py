@@ -9,12 +9,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as Spec
 
 from pacs_jax import sharding
-from pacs_jax.models import registry
+from pacs_jax.models import families as registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import sampling, scheduler
 from pacs_jax.rollout.single import SingleRequest
-from pacs_jax.rollout import state as state_lib
-from pacs_jax.rollout.state import DecodeState, field_shardings
+from pacs_jax.rollout import decode_state as state_lib
+from pacs_jax.rollout.decode_state import DecodeState, field_shardings
 
 BATCH = ("data", "fsdp")
 DECLARED = {"tokens": Spec(BATCH), "keys": Spec(BATCH, None), "lengths": Spec(BATCH), "steps": Spec(BATCH),

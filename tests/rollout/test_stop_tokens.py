@@ -19,7 +19,7 @@ from transformers import AutoConfig, GenerationConfig
 from pacs_jax.data import tokenizers
 from pacs_jax.rollout import stop_tokens
 from pacs_jax.rollout.interface import Completion
-from pacs_jax.trainer import batching
+from pacs_jax.trainer import packing as batching
 
 ENDOFTEXT, IM_END = 151643, 151645
 

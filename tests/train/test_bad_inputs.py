@@ -14,7 +14,7 @@ from pacs_jax import config as config_lib
 from pacs_jax.data import sources
 from pacs_jax.models import hf
 from pacs_jax.storage import lock as workdir_lock
-from pacs_jax.trainer import health
+from pacs_jax.services import health
 from pacs_jax.trainer import loop
 from tests import child_env
 
@@ -131,7 +131,7 @@ def test_export_and_evaluate_of_a_workdir_without_checkpoints(tmp_path):
 def test_a_run_whose_updates_are_all_skipped_says_so(tmp_path, caplog):
   trainer = loop.Trainer(tiny(), str(tmp_path), devices=jax.devices()[:1])
   # NaN weights: every gradient is non-finite, so every update is skipped; the step says so, then the health check
-  # (trainer/health.py) stops the run at that step boundary, before saving.
+  # (services/health.py) stops the run at that step boundary, before saving.
   trainer.state = trainer.state.replace(params=jax.tree.map(lambda x: x * jnp.nan, trainer.state.params))
   with caplog.at_level(logging.WARNING), pytest.raises(health.Unhealthy, match="training stopped at step 1: the "
                                                        "weights were non-finite before any update") as stopped:

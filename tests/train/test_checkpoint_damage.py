@@ -16,7 +16,7 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax.storage import checkpoint as checkpoint_lib
-from pacs_jax.storage import export as export_lib
+from pacs_jax.storage import hf_export as export_lib
 from pacs_jax.trainer import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

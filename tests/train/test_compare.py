@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from pacs_jax.trainer import compare
+from pacs_jax.study import compare_runs as compare
 
 
 def write_run(directory, rewards, val_every=2):

@@ -15,7 +15,7 @@ import pytest
 
 from pacs_jax import config as config_lib
 from pacs_jax.compile import aot
-from pacs_jax.trainer import batching, loop
+from pacs_jax.trainer import loop, packing as batching
 from pacs_jax.trainer import programs as programs_lib
 from tests.compile_report import assert_every_program_compiled, by_name
 

@@ -9,10 +9,10 @@ import jax
 import pytest
 
 from pacs_jax import config as config_lib
-from pacs_jax.compile import split
+from pacs_jax.compile import aot_split as split
 from pacs_jax.rollout import placement
 from pacs_jax.trainer import split as trainer_split
-from pacs_jax.compile.report import step_seconds
+from pacs_jax.compile.aot_report import step_seconds
 from pacs_jax.compile.target import target
 from tests.train.test_compile_only import run_cli, tiny_tpu_config  # noqa: F401 (a fixture)
 

@@ -7,7 +7,8 @@ import os
 import jax
 
 from pacs_jax import config as config_lib
-from pacs_jax.trainer import console, loop
+from pacs_jax.services import console
+from pacs_jax.trainer import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from pacs_jax.trainer import compare
+from pacs_jax.study import compare_runs as compare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The table's columns a run decides (the step-time columns measure the machine): steps, reward (last 10%), val

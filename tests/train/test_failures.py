@@ -16,12 +16,12 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import errors
-from pacs_jax.data import synthetic
+from pacs_jax.data import synthetic_tasks as synthetic
 from pacs_jax.models import qwen2
 from pacs_jax.storage import checkpoint as checkpoint_lib
-from pacs_jax.storage import export as export_lib
+from pacs_jax.storage import hf_export as export_lib
 from pacs_jax.trainer import loop
-from pacs_jax.trainer.metrics import read_rows
+from pacs_jax.services.metrics import read_rows
 from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

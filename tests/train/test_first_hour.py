@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from pacs_jax.trainer import runtime
+from pacs_jax.services import runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = ["--config.steps=2", "--config.eval_every=1"]  # what the test adds to the README's train commands

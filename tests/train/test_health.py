@@ -9,7 +9,7 @@ import pytest
 
 from pacs_jax import config as config_lib
 from pacs_jax import errors
-from pacs_jax.trainer import health
+from pacs_jax.services import health
 from tests.train.test_failures import RUN, cli
 
 LOG_V = math.log(64)

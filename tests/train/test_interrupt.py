@@ -13,8 +13,8 @@ import types
 import pytest
 
 from pacs_jax import errors
-from pacs_jax.trainer import preemption
-from pacs_jax.trainer.metrics import read_rows
+from pacs_jax.services import preemption
+from pacs_jax.services.metrics import read_rows
 from tests.train.test_failures import PLATFORM_NOISE, ROOT, RUN, env
 
 # Each step's scoring takes a second longer, so that a Ctrl-C lands mid-step and a second one before it ends.

@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 
 from pacs_jax import config as config_lib
-from pacs_jax.data import synthetic
+from pacs_jax.data import synthetic_tasks as synthetic
 from pacs_jax.models import lora
-from pacs_jax.models import registry as model_registry
+from pacs_jax.models import families as model_registry
 from pacs_jax.rewards import math as rewards_lib
 from pacs_jax.trainer import loop, programs
 

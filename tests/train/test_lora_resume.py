@@ -12,9 +12,9 @@ import pytest
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.storage import export as export_lib
+from pacs_jax.storage import hf_export as export_lib
 from pacs_jax.trainer import programs as programs_lib
-from pacs_jax.trainer.metrics import read_rows
+from pacs_jax.services.metrics import read_rows
 from tests import kill_loop
 from tests import child_env
 

@@ -16,10 +16,10 @@ from flax import nnx
 from pacs_jax import config as config_lib
 from pacs_jax import errors
 from pacs_jax.models import hf
-from pacs_jax.models import registry as model_registry
+from pacs_jax.models import families as model_registry
 from pacs_jax.storage import checkpoint as checkpoint_lib
-from pacs_jax.trainer import batching, loop, stages
-from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import loop, packing as batching, stages
+from pacs_jax.trainer import train_state as state_lib
 from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

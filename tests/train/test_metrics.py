@@ -2,7 +2,7 @@
 
 import json
 
-from pacs_jax.trainer import metrics
+from pacs_jax.services import metrics
 
 
 def write(path, text):

@@ -9,7 +9,7 @@ import pytest
 
 from pacs_jax import config as config_lib
 from pacs_jax.trainer import loop
-from pacs_jax.trainer.metrics import METRICS_FILE, read_rows
+from pacs_jax.services.metrics import METRICS_FILE, read_rows
 from tests import tiny_config
 
 tiny = tiny_config.two_steps

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from pacs_jax import config as config_lib
-from pacs_jax.algos import advantages, grpo, registry
+from pacs_jax.algos import advantages, algorithms as registry, grpo
 from pacs_jax.trainer import loop
-from pacs_jax.trainer.metrics import METRICS_FILE, read_rows
+from pacs_jax.services.metrics import METRICS_FILE, read_rows
 from tests import tiny_config
 
 ESTIMATOR, OBJECTIVE = "group_median", "median_grpo"

@@ -6,7 +6,8 @@ import logging
 import numpy as np
 import pytest
 
-from pacs_jax.trainer import batching, equal_rewards, metrics
+from pacs_jax.trainer import equal_rewards, packing as batching
+from pacs_jax.services import metrics
 
 
 def packed(rewards):

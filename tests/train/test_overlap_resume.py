@@ -21,7 +21,7 @@ import pytest
 
 from pacs_jax import config as config_lib
 from pacs_jax.trainer import loop
-from pacs_jax.trainer import metrics as metrics_lib
+from pacs_jax.services import metrics as metrics_lib
 from tests import kill_loop
 from tests import child_env
 

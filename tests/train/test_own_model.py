@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from pacs_jax import config as config_lib
-from pacs_jax.storage import export as export_lib
+from pacs_jax.storage import hf_export as export_lib
 from pacs_jax.trainer import equal_rewards, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

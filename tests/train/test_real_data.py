@@ -76,7 +76,7 @@ def test_two_steps_on_deepscaler_with_math_verify(tmp_path, hf_model_dir, releas
   assert rows[1]["data/dropped_prompts"] > 0  # long DeepScaleR problems are filtered, not truncated
   assert metrics["response_length/mean"] > 0
   # The exported policy is a directory transformers loads.
-  from pacs_jax.storage import export as export_lib
+  from pacs_jax.storage import hf_export as export_lib
   out = export_lib.export(str(tmp_path), str(tmp_path / "hf"))
   transformers.Qwen2ForCausalLM.from_pretrained(out)
   transformers.AutoTokenizer.from_pretrained(out)

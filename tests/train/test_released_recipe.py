@@ -13,8 +13,8 @@ import pytest
 
 from pacs_jax import config as config_lib
 from pacs_jax.rollout import stop_tokens
-from pacs_jax.trainer import batching, loop
-from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import loop, packing as batching
+from pacs_jax.trainer import train_state as state_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RELEASED = [os.path.join(ROOT, "configs", f"{name}.py") for name in ("qwen7b_v5p", "qwen3b_v5p", "qwen3b_gpu",

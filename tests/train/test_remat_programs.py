@@ -17,12 +17,12 @@ import pytest
 from flax import nnx
 
 from pacs_jax import config as config_lib
-from pacs_jax.algos import ppo, registry as algo_registry
-from pacs_jax.models import registry
+from pacs_jax.algos import algorithms as algo_registry, ppo
+from pacs_jax.models import families as registry
 from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import scheduler
 from pacs_jax.rollout import sampling
-from pacs_jax.trainer import state as state_lib
+from pacs_jax.trainer import train_state as state_lib
 from pacs_jax.trainer import step as step_lib
 
 GROUPS, N, P, R = 4, 4, 6, 7

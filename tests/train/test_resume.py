@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pacs_jax.storage import export as export_lib
+from pacs_jax.storage import hf_export as export_lib
 from tests import kill_loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -10,9 +10,9 @@ import pytest
 
 import scripted_engine
 from pacs_jax import config as config_lib
-from pacs_jax.trainer import batching, loop
+from pacs_jax.trainer import loop, packing as batching
 from pacs_jax.trainer import programs as programs_lib
-from pacs_jax.trainer.metrics import METRICS_FILE, read_rows
+from pacs_jax.services.metrics import METRICS_FILE, read_rows
 from tests import tiny_config
 
 tiny = tiny_config.two_steps

@@ -4,7 +4,7 @@ tests/train/test_first_hour.py)."""
 
 import os
 
-from pacs_jax.trainer import runtime
+from pacs_jax.services import runtime
 
 
 def test_accelerator_device_nodes(tmp_path):

@@ -21,9 +21,9 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from pacs_jax import config as config_lib
-from pacs_jax.algos import ppo, registry as algo_registry
-from pacs_jax.models import hf, qwen2, registry
-from pacs_jax.trainer import state as state_lib
+from pacs_jax.algos import algorithms as algo_registry, ppo
+from pacs_jax.models import families as registry, hf, qwen2
+from pacs_jax.trainer import train_state as state_lib
 from pacs_jax.trainer import step as step_lib
 
 N_GROUPS, N, P, R = 4, 4, 5, 6

@@ -12,7 +12,8 @@ import jax
 import pytest
 
 from pacs_jax import config as config_lib
-from pacs_jax.trainer import loop, tracking
+from pacs_jax.trainer import loop
+from pacs_jax.services import tracking
 
 wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2  # noqa: E402

@@ -18,7 +18,7 @@ import numpy as np
 
 from pacs_jax.algos import batch as batch_lib
 from pacs_jax.algos import settings as settings_lib
-from pacs_jax.algos.batch import Batch, Reference  # noqa: F401  (algorithms name it `registry.Reference`)
+from pacs_jax.algos.batch import Batch, Reference  # noqa: F401  (algorithms name it `algorithms.Reference`)
 from pacs_jax.algos.objective import Objective
 from pacs_jax.algos.settings import Check, Settings
 

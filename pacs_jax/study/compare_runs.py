@@ -1,5 +1,5 @@
-"""Runs side by side: reward, validation accuracy, entropy, response length and step time of several workdirs
-(their metrics.jsonl) in one figure, and a summary table."""
+"""Runs side by side (`python -m pacs_jax.compare`, and the study's curves): reward, validation accuracy, entropy,
+response length and step time of several workdirs (their metrics.jsonl) in one figure, and a summary table."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from pacs_jax import paths
-from pacs_jax.trainer import metrics as metrics_lib
+from pacs_jax.services import metrics as metrics_lib
 
 VAL_PREFIX = "val/accuracy/"
 # (panel title, metric key; VAL_PREFIX = the mean over the validation sources of a row)

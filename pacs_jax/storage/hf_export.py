@@ -28,7 +28,7 @@ from pacs_jax import config as config_lib
 from pacs_jax import paths
 from pacs_jax import sharding
 from pacs_jax.data import tokenizers
-from pacs_jax.models import decoder, hf, lora, registry
+from pacs_jax.models import decoder, families, hf, lora
 from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import resume
@@ -107,7 +107,7 @@ def load_base(saved: dict, config: ModelConfig, record: dict | None, where: str)
   if cfg.model.hf_path:
     model, _ = hf.load_pretrained(cfg.model.hf_path, dtype=config.param_dtype)
   else:
-    model = sharding.create_sharded(lambda: registry.causal_lm(config, rngs=nnx.Rngs(cfg.seed)), None)
+    model = sharding.create_sharded(lambda: families.causal_lm(config, rngs=nnx.Rngs(cfg.seed)), None)
   return nnx.state(model, nnx.Param)
 
 
@@ -179,8 +179,8 @@ def _abstract_policy(config: ModelConfig, spec: lora.LoraSpec | None):
   """(graphdef, the checkpoint's trained parameters, abstract base or None) of the policy, abstract: a full run's
   parameters, or a LoRA run's adapters (fp32, as trained: any narrower dtype converts exactly) and its base."""
   if spec is None:
-    return *nnx.split(nnx.eval_shape(lambda: registry.causal_lm(config, rngs=nnx.Rngs(0))), nnx.Param), None
-  return lora.split(nnx.eval_shape(lambda: lora.add_adapters(registry.causal_lm(config, rngs=nnx.Rngs(0)), spec,
+    return *nnx.split(nnx.eval_shape(lambda: families.causal_lm(config, rngs=nnx.Rngs(0))), nnx.Param), None
+  return lora.split(nnx.eval_shape(lambda: lora.add_adapters(families.causal_lm(config, rngs=nnx.Rngs(0)), spec,
                                                               nnx.Rngs(0), dtype=jnp.float32)))
 
 

@@ -104,6 +104,16 @@ def init_opt_state(optimizer: optax.GradientTransformation, params: nnx.State, m
   return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
 
+def initial_state(params: nnx.State, optimizer: optax.GradientTransformation, critic_params: nnx.State | None,
+                  critic_optimizer: optax.GradientTransformation, mesh, seed: int) -> TrainState:
+  """A run's state at step 0: its optimizers' states created in the parameters' shardings, the RNG from `seed`."""
+  critic_opt_state = None
+  if critic_params is not None:
+    critic_opt_state = init_opt_state(critic_optimizer, critic_params, mesh)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=init_opt_state(optimizer, params, mesh),
+                    rng=initial_rng(seed), critic_params=critic_params, critic_opt_state=critic_opt_state)
+
+
 def initial_rng(seed: int) -> jax.Array:
   return jax.random.key_data(jax.random.key(seed))
 

@@ -8,10 +8,10 @@ import dataclasses
 from typing import Iterator
 
 from pacs_jax import paths
+from pacs_jax.services import metrics as metrics_lib
+from pacs_jax.services import preemption as preemption_lib
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import lock as lock_lib
-from pacs_jax.trainer import metrics as metrics_lib
-from pacs_jax.trainer import preemption as preemption_lib
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ import dataclasses
 import ml_collections
 
 from pacs_jax import config as config_lib
-from pacs_jax.algos import registry
+from pacs_jax.algos import algorithms
 from pacs_jax.study.warmup import WarmupSettings
 
 REFERENCE = "pacs"  # every other algorithm's pass@k is reported as its difference from this one's
@@ -17,7 +17,7 @@ ALGORITHMS = ("pacs", "grpo", "ppo")  # the paper's comparison
 
 def all_algorithms() -> tuple[str, ...]:
   """Every registered objective (`--algorithms all`): the paper's three first, then the others by name."""
-  return ALGORITHMS + tuple(sorted(set(registry.names()) - set(ALGORITHMS)))
+  return ALGORITHMS + tuple(sorted(set(algorithms.names()) - set(ALGORITHMS)))
 
 
 def algorithms_from_flag(values: list[str]) -> tuple[str, ...]:
@@ -25,9 +25,9 @@ def algorithms_from_flag(values: list[str]) -> tuple[str, ...]:
   the unknown ones."""
   if "all" in values:
     return all_algorithms()
-  unknown = sorted(set(values) - set(registry.names()))
+  unknown = sorted(set(values) - set(algorithms.names()))
   if unknown:
-    raise ValueError(f"--algorithms: {unknown} not among the registered objectives {list(registry.names())} or all")
+    raise ValueError(f"--algorithms: {unknown} not among the registered objectives {list(algorithms.names())} or all")
   return tuple(name for name in all_algorithms() if name in values)
 
 

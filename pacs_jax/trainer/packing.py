@@ -12,7 +12,7 @@ import numpy as np
 
 from pacs_jax.algos import batch as batch_lib
 from pacs_jax.rollout import interface as rollout_interface
-from pacs_jax.trainer import multihost
+from pacs_jax.services import multihost
 from pacs_jax.trainer import programs as programs_lib
 
 

@@ -24,7 +24,7 @@ import ml_collections
 from pacs_jax import sharding
 from pacs_jax.compile import aot
 from pacs_jax.compile.aot_measure import GB
-from pacs_jax.compile.report import Report, format_report, step_seconds
+from pacs_jax.compile.aot_report import Report, format_report, step_seconds
 from pacs_jax.compile.target import Target, TargetUnavailable, target
 from pacs_jax.rollout import placement
 

@@ -19,7 +19,7 @@ import numpy as np
 from absl import logging
 
 from pacs_jax import paths
-from pacs_jax.trainer import multihost
+from pacs_jax.services import multihost
 
 # The console line's metrics and their names there.
 CONSOLE_KEYS = {"reward/mean": "reward", "entropy": "entropy", "loss": "loss", "grad_norm": "grad_norm",

@@ -9,7 +9,7 @@ import sys
 
 from absl import logging
 
-from pacs_jax.trainer import multihost
+from pacs_jax.services import multihost
 
 EXIT_SECOND_INTERRUPT = 128 + signal.SIGINT  # a shell's status for a program ended by Ctrl-C
 

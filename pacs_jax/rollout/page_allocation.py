@@ -1,7 +1,7 @@
-"""Page allocation for the decode state's paged KV cache (`state.PagedCache`), on device and vectorised (no per-slot
-loops): take pages for slots that start a new page, return a finished slot's pages, place inserted prompts' rows in
-fresh pages, and the live-page count a decode step reads. The attention over pages is `models/paged.py`'s (the
-TPU kernel `models/paged_kernel.py`'s). Shapes: B slots, Z batch shards (B / Z slots each), M pages per slot,
+"""Page allocation for the decode state's paged KV cache (`decode_state.PagedCache`), on device and vectorised (no
+per-slot loops): take pages for slots that start a new page, return a finished slot's pages, place inserted prompts'
+rows in fresh pages, and the live-page count a decode step reads. The attention over pages is `models/paged.py`'s
+(the TPU kernel `models/paged_kernel.py`'s). Shapes: B slots, Z batch shards (B / Z slots each), M pages per slot,
 Q requests, T prompt bucket length, ps page size."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from jax import lax
 
 from pacs_jax.models import paged
 from pacs_jax.models.kv_cache import KVCache
-from pacs_jax.rollout.state import PagedCache
+from pacs_jax.rollout.decode_state import PagedCache
 
 
 def init(config, slots: int, cache_length: int, page_size: int, shards: int, pages_per_shard: int,
