@@ -26,10 +26,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
-from pacs_jax.algos import algorithms as registry, batch as batch_lib, correction
+from pacs_jax.algos import algorithms, batch as batch_lib, correction
 from pacs_jax.algos.objective import Objective
 from pacs_jax.models import decoder, lora
-from pacs_jax.models import families as model_registry
+from pacs_jax.models import families
 from pacs_jax.rollout import interface as rollout_interface
 from pacs_jax.rollout import local as local_rollout
 from pacs_jax.trainer import adapters as adapters_lib
@@ -39,12 +39,12 @@ from pacs_jax.trainer import step as step_lib
 
 def needs_frozen_ref(cfg: ml_collections.ConfigDict) -> bool:
   """A frozen copy of the initial policy is kept (PACS "frozen" reference, GRPO's KL loss)."""
-  return registry.of(cfg).reference(cfg) is registry.Reference.FROZEN
+  return algorithms.of(cfg).reference(cfg) is algorithms.Reference.FROZEN
 
 
 def needs_old_logprobs(cfg: ml_collections.ConfigDict) -> bool:
   """The sampling policy's log-probs are computed before the step's updates (ratios; PACS "rollout" reference)."""
-  return registry.of(cfg).needs_old_logprobs(cfg)
+  return algorithms.of(cfg).needs_old_logprobs(cfg)
 
 
 def updates_per_step(cfg: ml_collections.ConfigDict) -> int:
@@ -73,7 +73,7 @@ def make_optimizers(cfg: ml_collections.ConfigDict):
   scale = lora_lr_multiplier(cfg) if spec else 1.0
   saved = 1 / scale if spec and spec.modules_to_save else None
   optimizer = state_lib.make_optimizer(cfg.train, scale * cfg.train.lr, total_updates, saved)
-  algo, critic = registry.of(cfg), None
+  algo, critic = algorithms.of(cfg), None
   if algo.has_critic:
     critic = state_lib.make_optimizer(cfg.train, scale * algo.critic_lr(cfg), total_updates, saved)
   return optimizer, critic
@@ -113,7 +113,7 @@ def batch_layout(cfg: ml_collections.ConfigDict) -> batch_lib.BatchLayout:
   """The run's mini-batch format: its algorithm's fields, `mini_batch_prompts` groups of n rows in
   `micro_batches` micro-batches."""
   k = micro_batches(cfg)
-  return batch_lib.BatchLayout.of(cfg, registry.of(cfg).batch_fields(cfg), k,
+  return batch_lib.BatchLayout.of(cfg, algorithms.of(cfg).batch_fields(cfg), k,
                                   cfg.rollout.n * cfg.train.mini_batch_prompts // k)
 
 
@@ -136,15 +136,15 @@ def ends_step(mesh, value: bool) -> jax.Array:
 def abstract_policy(cfg: ml_collections.ConfigDict) -> decoder.CausalLM:
   """The policy's structure and shapes from `model.preset` (nothing allocated, no checkpoint read)."""
   mc = config_lib.preset_model_config(cfg)
-  return nnx.eval_shape(lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(0)))
+  return nnx.eval_shape(lambda: families.causal_lm(mc, rngs=nnx.Rngs(0)))
 
 
 def _abstract_parts(cfg: ml_collections.ConfigDict):
   """(policy graphdef, its trained params, critic graphdef, critic params, frozen part, reference graphdef), abstract;
   the critic's None without one."""
-  spec, algo, mc = config_lib.lora_spec(cfg), registry.of(cfg), config_lib.preset_model_config(cfg)
+  spec, algo, mc = config_lib.lora_spec(cfg), algorithms.of(cfg), config_lib.preset_model_config(cfg)
   graphdef, params, base, ref_graphdef = adapters_lib.abstract_policy(
-      lambda: model_registry.causal_lm(mc, rngs=nnx.Rngs(0)), spec)
+      lambda: families.causal_lm(mc, rngs=nnx.Rngs(0)), spec)
   critic_graphdef = critic_params = None
   if algo.has_critic:
     critic_graphdef, critic_params = adapters_lib.critic(lambda: algo.make_critic(mc, nnx.Rngs(1)), spec, 0)
@@ -226,7 +226,7 @@ def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, opt
   layout = batch_layout(cfg)
   abstract = layout.abstract(lambda ndim: minibatch_sharding(mesh, ndim))
   batch_shardings = {name: s.sharding for name, s in abstract.items()}
-  objective = registry.bind(cfg)  # what the traced programs read of the run: never `cfg` itself
+  objective = algorithms.bind(cfg)  # what the traced programs read of the run: never `cfg` itself
   # Rollout weights: sample-mode layout in the compute dtype. The model casts every weight to that
   # dtype before use, so sampling numerics are unchanged while memory and bandwidth drop.
   compute = config_lib.dtype(cfg.model.dtype)

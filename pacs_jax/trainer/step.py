@@ -66,7 +66,7 @@ def make_train_step(objective: Objective, graphdef, optimizer: optax.GradientTra
   """Builds the pure step `(state, minibatch, ends_step=True, base=NO_BASE)`: accumulate gradients over
   micro-batches, then one (possibly skipped) update; when `ends_step` (the training step's last mini-batch; by
   default the mini-batch is a whole training step), `state.step` + 1 and the next RNG key. `objective`: the run's
-  (`registry.bind(cfg)`).
+  (`algorithms.bind(cfg)`).
 
   `optimizer_metrics(opt_state)`: the metrics read from the optimizer state (skipped updates, learning rate).
   The models are the state's trained params on the frozen `base` (PPO's critic on its backbone, `critic_base`), and
