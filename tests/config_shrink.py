@@ -26,6 +26,7 @@ KEEP = (
     "validation_data_dir",
     "train.lr", "train.schedule", "train.warmup_steps", "train.min_lr_ratio", "train.weight_decay", "train.b1",
     "train.b2", "train.eps", "train.grad_clip", "train.verl_micro_batch_rows", "train.keep_logits",
+    "train.packing", "train.packing_rungs",
     "lora.alpha", "lora.targets", "lora.use_rslora", "lora.lr_multiplier", "lora.modules_to_save",
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.restore",
     "checkpoint.lock_stale_after_s", "checkpoint.allow_changes",
@@ -88,6 +89,8 @@ def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
       "rollout.page_size": 8, "rollout.kv_pages": 0,
       "train.batch_prompts": batch, "train.mini_batch_prompts": mini, "train.micro_batch_prompts": micro,
       "train.logits_chunk": 4 if c.train.logits_chunk else 0,  # 8 new tokens: still two chunks
+      # Packed rows of the tiny lengths (a config's own row length is sized for its own): P + R, or twice that.
+      "train.packing_row_tokens": 0 if not c.train.packing_row_tokens else 2 * (PROMPT_LENGTH + NEW_TOKENS),
       "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
       "reward_workers": min(c.reward_workers, 2),
       "lora.rank": min(c.lora.rank, 8),  # LoRA stays on (or off); the tiny model's k projection is [64, 32]

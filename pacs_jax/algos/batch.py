@@ -10,7 +10,9 @@ the shared ones below, plus what the algorithm declares (`Algorithm.extra_fields
 flags (the update that ends a training step) are arguments of the step, never fields.
 
 Shapes: k micro-batches, m rows per micro-batch, L = P + R tokens (prompt left-padded to P, response
-right-padded to R), R response positions.
+right-padded to R), R response positions. A packed layout (`BatchLayout.row_tokens`, trainer/sequence_packing.py)
+runs the model on b packed rows of T tokens ([k, b, T] fields, axis letter "T") and keeps of the padded rows only
+what the objectives read: their last 1 + R columns (L = 1 + R: the last prompt position and the response).
 """
 
 from __future__ import annotations
@@ -43,15 +45,21 @@ class Reference(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Field:
-  """One mini-batch field: [k, m, *axes] of `dtype`, axes letters "L" (tokens) or "R" (response positions)."""
+  """One mini-batch field: [k, m, *axes] of `dtype`, axes letters "L" (tokens) or "R" (response positions); a
+  packed row field ("T", the row's tokens) is [k, b, T] (b packed rows)."""
   name: str
   dtype: Any  # a numpy / jax.numpy dtype
   axes: tuple[str, ...]
   source: str
 
   def __post_init__(self):
-    if self.source not in SOURCES or not set(self.axes) <= {"L", "R"}:
-      raise ValueError(f"field {self.name!r}: source one of {SOURCES}, axes of 'L' / 'R', got {self}")
+    if self.source not in SOURCES or not set(self.axes) <= {"L", "R", "T"}:
+      raise ValueError(f"field {self.name!r}: source one of {SOURCES}, axes of 'L' / 'R' / 'T', got {self}")
+
+  @property
+  def packed(self) -> bool:
+    """A packed rows field ([k, b, T]), not one of the responses' rows ([k, m, ...])."""
+    return "T" in self.axes
 
 
 def per_response(name: str, dtype, source: str) -> Field:
@@ -72,16 +80,29 @@ BEHAVIOUR_LOGPROBS = per_response("behaviour_logprobs", jnp.float32, HOST)
 OLD_LOGPROBS = per_response("old_logprobs", jnp.float32, PASS)  # the sampling policy's (ratios, rollout ref)
 REF_LOGPROBS = per_response("ref_logprobs", jnp.float32, PASS)  # the reference policy's (`Algorithm.reference`)
 OLD_VALUES = per_response("old_values", jnp.float32, PASS)  # the critic's before the step's updates
+# Packed rows (trainer/sequence_packing.py): the model's inputs, b rows of T tokens, sequences end to end.
+TOKENS = Field("tokens", jnp.int32, ("T",), HOST)  # prompt then response tokens of each sequence, pad_id after
+SEGMENT_IDS = Field("segment_ids", jnp.int32, ("T",), HOST)  # 1, 2, ... per sequence in a row; 0 on padding
+POSITIONS = Field("positions", jnp.int32, ("T",), HOST)  # each token's position in its own sequence
+# For each response position, the flat packed position (row * T + column) whose hidden state predicts it (b * T:
+# none, 0 comes back): log-probs and values return to the responses' [m, R] layout through it.
+RESPONSE_INDEX = per_response("response_index", jnp.int32, HOST)
+PACKED_FIELDS = (TOKENS, SEGMENT_IDS, POSITIONS, RESPONSE_INDEX)
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
-  """One run's mini-batch format: its fields and sizes (k micro-batches of m rows, P + R tokens)."""
+  """One run's mini-batch format: its fields and sizes (k micro-batches of m rows, P + R tokens). Packed
+  (`row_tokens` T > 0): the model reads b = `packed_rows` rows of T tokens (`PACKED_FIELDS`; b is the step's rung
+  of `row_ladder`), and the "L" fields keep their last 1 + R columns."""
   fields: tuple[Field, ...]
   k: int
   m: int
   P: int
   R: int
+  row_tokens: int = 0  # T: packed rows' length; 0 = the padded layout
+  row_ladder: tuple[int, ...] = ()  # the packed row counts b compiled for (`sequence_packing.ladder`)
+  packed_rows: int = 0  # b of `abstract` (default: the ladder's top, every sequence in a row of its own)
 
   def __post_init__(self):  # (an algorithm's `extra_fields` may not reuse a name)
     names = [f.name for f in self.fields]
@@ -90,10 +111,22 @@ class BatchLayout:
       raise ValueError(f"mini-batch fields named twice: {twice} (of {names})")
 
   @classmethod
-  def of(cls, cfg: ml_collections.ConfigDict, fields: tuple[Field, ...], k: int, m: int) -> BatchLayout:
+  def of(cls, cfg: ml_collections.ConfigDict, fields: tuple[Field, ...], k: int, m: int, row_tokens: int = 0,
+         row_ladder: tuple[int, ...] = ()) -> BatchLayout:
     """`fields` (an algorithm's `batch_fields`) in k micro-batches of m rows, sized by `cfg`'s prompt and
-    response lengths."""
-    return cls(tuple(fields), k, m, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens)
+    response lengths; with `row_tokens`, packed (`PACKED_FIELDS` added)."""
+    if row_tokens:
+      fields = tuple(fields) + PACKED_FIELDS
+    return cls(tuple(fields), k, m, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens, row_tokens,
+               tuple(row_ladder))
+
+  @property
+  def packed(self) -> bool:
+    return self.row_tokens > 0
+
+  def with_rows(self, b: int) -> BatchLayout:
+    """This layout at b packed rows (`abstract`'s shapes)."""
+    return dataclasses.replace(self, packed_rows=b)
 
   def names(self, source: str | None = None) -> tuple[str, ...]:
     """The fields' names (those from `source` only, if given)."""
@@ -101,14 +134,15 @@ class BatchLayout:
 
   def row_shape(self, field: Field) -> tuple[int, ...]:
     """The per-row axes' sizes of `field`."""
-    sizes = {"L": self.P + self.R, "R": self.R}
+    sizes = {"L": 1 + self.R if self.packed else self.P + self.R, "R": self.R, "T": self.row_tokens}
     return tuple(sizes[a] for a in field.axes)
 
   def abstract(self, sharding: Callable[[int], jax.sharding.Sharding]) -> dict[str, jax.ShapeDtypeStruct]:
-    """{name: ShapeDtypeStruct [k, m, *per-row axes]}, each in `sharding(ndim)`."""
+    """{name: ShapeDtypeStruct [k, m, *per-row axes]} ([k, b, T] packed rows), each in `sharding(ndim)`."""
     out = {}
+    b = self.packed_rows or (self.row_ladder[-1] if self.row_ladder else self.m)
     for f in self.fields:
-      shape = (self.k, self.m) + self.row_shape(f)
+      shape = (self.k, b if f.packed else self.m) + self.row_shape(f)
       out[f.name] = jax.ShapeDtypeStruct(shape, f.dtype, sharding=sharding(len(shape)))
     return out
 

@@ -36,9 +36,10 @@ class Critic(nnx.Module):
                                   logical_axes=("embed", "value"))
     self.value_bias = nnx.Param(jnp.zeros((1,), config.param_dtype), logical_axes=("value",))
 
-  def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
-    """input_ids, attention_mask: [B, L] -> values [B, L] fp32."""
-    hidden = self.model(input_ids, attention_mask)  # [B, L, D]
+  def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None, **packed) -> jax.Array:
+    """input_ids, attention_mask: [B, L] -> values [B, L] fp32 (packed rows: `segment_ids` and `positions` as
+    `decoder.Backbone`)."""
+    hidden = self.model(input_ids, attention_mask, **packed)  # [B, L, D]
     # fp32 head: a D x 1 matmul costs nothing, and bf16 values would quantise the regression target.
     values = jnp.einsum("BLD,DO->BLO", hidden.astype(jnp.float32), self.value_kernel[...].astype(jnp.float32))
     return values[..., 0] + self.value_bias[...].astype(jnp.float32)[0]

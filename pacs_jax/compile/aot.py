@@ -21,6 +21,7 @@ from flax import nnx
 
 from pacs_jax import config as config_lib
 from pacs_jax import sharding
+from pacs_jax.algos import batch as batch_lib
 from pacs_jax.models import decoder, lora
 from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import interface
@@ -223,7 +224,8 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   batch_bytes = updates * per_chip_bytes(minibatch)
   if group != "rollout":
     mb_tokens = mb_rows * (P + R)
-    logprob_in = {k: minibatch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+    logprob_in = {k: minibatch[k] for k in ("input_ids", "attention_mask", "loss_mask")
+                  + tuple(f.name for f in batch_lib.PACKED_FIELDS) if k in minibatch}
     passes = logprob_passes if not has_base else int(programs_lib.needs_old_logprobs(cfg))
     run(ProgramReport("logprobs", "update", updates * passes, 2.0 * n_params * mb_tokens),
         lambda: progs.logprob_fn.lower(state.params, minibatch, *base),

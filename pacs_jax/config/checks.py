@@ -101,6 +101,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check_enum(t.schedule, LR_SCHEDULES, "train.schedule")
   _check(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0 (0 = no clipping), got {t.grad_clip}")
   _check(t.verl_micro_batch_rows >= 1, "train.verl_micro_batch_rows", f"must be >= 1, got {t.verl_micro_batch_rows}")
+  longest = c.data.max_prompt_length + c.rollout.max_new_tokens
+  _check(t.packing_row_tokens == 0 or t.packing_row_tokens >= longest, "train.packing_row_tokens",
+         f"must be 0 (P + R) or hold the longest sequence (max_prompt_length + max_new_tokens = {longest}), got "
+         f"{t.packing_row_tokens}")
+  _check(t.packing_rungs >= 1, "train.packing_rungs", f"must be >= 1, got {t.packing_rungs}")
   _check_sampling(c)
   algo.validate_settings(c, _check)  # the configured algorithm's own block; another's is never read
   algo.validate(c, _check, num_processes)

@@ -110,6 +110,14 @@ def default_config() -> ml_collections.ConfigDict:
   # rows per micro-batch and average the micro-batches, so their gradient is this many times the per-sequence
   # mean (before the clip); PACS's exact padding replication packs rows in groups of this many.
   c.train.verl_micro_batch_rows = 8
+  # Packed rows (docs/training.md, "Packing"): the log-prob passes and the update run each micro-batch's sequences
+  # end to end in rows of packing_row_tokens tokens (0: P + R, the longest sequence), never the padding, as the
+  # released runs' verl actor (use_remove_padding). The rows a micro-batch takes are a rung of a ladder of
+  # packing_rungs sizes (m / rungs ... m rows), so at most that many shapes compile. Exact: the same log-probs,
+  # losses and gradients as the padded rows (to float rounding).
+  c.train.packing = False
+  c.train.packing_row_tokens = 0
+  c.train.packing_rungs = 8
 
   # Each registered algorithm's own settings block (`c.<algorithm>`), built from its settings class (its module in
   # pacs_jax/algos/, with each field's default, documentation and checks): this file names no algorithm's fields.

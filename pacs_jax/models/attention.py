@@ -6,6 +6,8 @@ Shapes: B batch, T query length, S key length, N query heads, K kv heads, G = N 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -13,6 +15,22 @@ from jax import lax
 # A large finite negative: fully masked rows (left padding) then give a uniform softmax instead of NaN,
 # as transformers does with finfo.min.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Segments:
+  """The mask of an uncached pass over packed rows (several sequences end to end in a row): token t may see token
+  s iff s <= t and both carry the same segment id. ids [B, T] int32: 1, 2, ... per sequence, 0 on the row's
+  padding (which sees the padding before it: never an empty row). Flash kernels take the ids as they are; the
+  XLA path builds the [B, T, T] mask from them (`dense`)."""
+  ids: jax.Array
+
+  def dense(self) -> jax.Array:
+    """[B, T, T] bool: causal & same segment."""
+    T = self.ids.shape[-1]
+    causal = jnp.arange(T)[None, :, None] >= jnp.arange(T)[None, None, :]
+    return causal & (self.ids[:, :, None] == self.ids[:, None, :])
 
 
 def attend(q, k, v, mask):

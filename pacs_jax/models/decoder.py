@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pacs_jax import sharding
-from pacs_jax.models import layers, paged, rope
+from pacs_jax.models import attention, layers, paged, rope
 from pacs_jax.models.kv_cache import KVCache
 from pacs_jax.models.model_config import ModelConfig
 
@@ -34,8 +34,13 @@ class Backbone(nnx.Module):
     self.layers = layers.stacked_layers(c, layer, rngs)
     self.norm = layer.norm_cls(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, rngs=rngs)
 
-  def __call__(self, input_ids, attention_mask=None):
-    """input_ids, attention_mask: [B, T] (1 = real token, 0 = padding; left padding expected)."""
+  def __call__(self, input_ids, attention_mask=None, *, segment_ids=None, positions=None):
+    """input_ids, attention_mask: [B, T] (1 = real token, 0 = padding; left padding expected). Packed rows
+    (several sequences end to end) give `segment_ids` and `positions` [B, T] instead of the mask: each token
+    attends within its segment (`attention.Segments`), at its position in its own sequence."""
+    if segment_ids is not None:
+      hidden, _ = self._layers(input_ids, positions, attention.Segments(segment_ids), None)
+      return hidden
     B, T = input_ids.shape
     if attention_mask is None:
       attention_mask = jnp.ones((B, T), jnp.int32)

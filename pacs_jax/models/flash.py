@@ -18,6 +18,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import PartitionSpec as P
 
 from pacs_jax import sharding
+from pacs_jax.models import attention
 
 IMPLS = ("auto", "xla", "splash", "cudnn")
 # `jax.checkpoint` name of the splash forward's inputs and residuals (output, log-sum-exp): a remat policy
@@ -48,10 +49,13 @@ def resolve(impl: str, target: str | None = None, dtype=None) -> str:
   return kernel
 
 
-def segment_ids(mask: jax.Array) -> jax.Array:
-  """Segment ids [B, T] (1 = real token, 0 = padding) of an uncached mask [B, T, T] = causal & key is real:
-  token t is real iff it may attend to itself. Padding is its own segment, so a real query never sees a
-  padded key; a padded query sees the padded keys before it (never an empty row)."""
+def segment_ids(mask) -> jax.Array:
+  """Segment ids [B, T] of an uncached pass's mask: packed rows' own ids (`attention.Segments`), or those of a
+  padded mask [B, T, T] = causal & key is real (1 = real token, 0 = padding): token t is real iff it may attend
+  to itself. Padding is its own segment, so a real query never sees a padded key; a padded query sees the
+  padded keys before it (never an empty row)."""
+  if isinstance(mask, attention.Segments):
+    return mask.ids
   return jnp.diagonal(mask, axis1=1, axis2=2).astype(jnp.int32)
 
 

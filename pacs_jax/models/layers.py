@@ -111,7 +111,8 @@ class Attention(nnx.Module):
     return adapted(self, "o", out, jnp.einsum("BTNH,NHD->BTD", out, w), "BTNH,NHI->BTI", "BTI,ID->BTD")
 
   def __call__(self, x, cos, sin, mask, cache: KVCache | paged.PagedStep | None = None, layer=None):
-    """x: [B, T, D]; mask: [B, T, S] bool (True = may attend). Returns (y [B, T, D], cache).
+    """x: [B, T, D]; mask: [B, T, S] bool (True = may attend), or packed rows' `attention.Segments` (uncached).
+    Returns (y [B, T, D], cache).
 
     Without a cache, S = T and keys are this call's tokens. With prefill's dense cache (every layer's), this
     call's keys/values are written to rows [0, T) of layer `layer` (see `attention.write_kv`), and attention reads
@@ -138,13 +139,21 @@ class Attention(nnx.Module):
     q = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     impl = flash.resolve(c.attention_impl, dtype=q.dtype) if cache is None else "xla"
     if impl != "xla":
-      out = flash.attend(impl, q, k, v, mask)
-    elif c.attention_chunk and T > c.attention_chunk:
-      out = attention.attend_in_chunks(q, k, v, mask, c.attention_chunk)
+      out = flash.attend(impl, q, k, v, mask)  # a padded mask [B, T, T] or packed rows' `attention.Segments`
+    elif isinstance(mask, attention.Segments):
+      out = self._attend_xla(q, k, v, mask.dense())
     else:
-      out = attention.attend(q, k, v, mask)
+      out = self._attend_xla(q, k, v, mask)
     out = sharding.constrain(out.reshape(B, T, N, H), ("batch", None, "heads", None))
     return self._o_project(out), cache
+
+  def _attend_xla(self, q, k, v, mask):
+    """The XLA path: q [B, T, K, G, H], k, v [B, K, S, H], mask [B, T, S] -> [B, T, K, G, H], in blocks of
+    `attention_chunk` queries when T exceeds it."""
+    chunk = self.config.attention_chunk
+    if chunk and q.shape[1] > chunk:
+      return attention.attend_in_chunks(q, k, v, mask, chunk)
+    return attention.attend(q, k, v, mask)
 
 
 def silu(x):

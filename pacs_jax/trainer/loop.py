@@ -126,7 +126,7 @@ class Trainer:
     self.programs = programs_lib.make_programs(cfg, self.graphdef, self.critic_graphdef, self.optimizer,
                                                self.critic_optimizer, self.state_shardings,
                                                self.sampler.weight_shardings, run.frozen)
-    self.batch_layout = programs_lib.batch_layout(cfg)
+    self.batch_layout = programs_lib.batch_layout(cfg, self.mesh)
     self.checkpointer = checkpoint_lib.Checkpointer(paths.join(workdir, CHECKPOINT_DIR), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
 

@@ -14,6 +14,7 @@ from pacs_jax.algos import batch as batch_lib
 from pacs_jax.rollout import interface as rollout_interface
 from pacs_jax.services import multihost
 from pacs_jax.trainer import programs as programs_lib
+from pacs_jax.trainer import sequence_packing
 
 
 @dataclasses.dataclass
@@ -102,20 +103,44 @@ def to_minibatches(rollout: PackedRollout, layout: batch_lib.BatchLayout, mesh,
   """Splits local rows into mini-batches of whole groups: the `layout`'s host fields [k, m, ...] each, as global
   arrays over (data, fsdp)."""
   behaviour = {} if rollout.behaviour_logprobs is None else {"behaviour_logprobs": rollout.behaviour_logprobs}
-  arrays = layout.host_rows({"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
-                             "loss_mask": rollout.loss_mask, "rewards": rollout.rewards, **rollout.extra,
-                             **behaviour})
-  return split_rows(arrays, layout.k, mesh, num_minibatches)
+  arrays = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "loss_mask": rollout.loss_mask,
+            "rewards": rollout.rewards, **rollout.extra, **behaviour}
+  if layout.packed:
+    arrays = packed_rows(arrays, layout, num_minibatches)
+  return split_rows(layout.host_rows(arrays), layout.k, mesh, num_minibatches)
+
+
+def packed_rows(arrays: dict[str, np.ndarray], layout: batch_lib.BatchLayout,
+                num_minibatches: int) -> dict[str, np.ndarray]:
+  """The host rows of a packed layout: each micro-batch's sequences packed into b rows of T tokens
+  (`sequence_packing.pack`; `batch.PACKED_FIELDS`, [micro-batches * b local rows, T] and [rows, R]), b the step's
+  rung (the smallest that holds every micro-batch's, on every process), and input_ids / attention_mask cut to
+  their last 1 + R columns (what the objectives read of them)."""
+  ids, mask = arrays["input_ids"], arrays["attention_mask"]
+  R, T = layout.R, layout.row_tokens
+  chunks = num_minibatches * layout.k
+  m_local = ids.shape[0] // chunks
+  micro = [slice(c * m_local, (c + 1) * m_local) for c in range(chunks)]
+  needed = max(sequence_packing.rows_needed(mask[s], R, T) for s in micro)
+  processes = jax.process_count()
+  needed = int(multihost.gather_rows(np.asarray([[needed]], np.int64)).max())  # every process packs to one rung
+  b = sequence_packing.rung(needed * processes, layout.row_ladder) // processes
+  parts = [sequence_packing.pack(ids[s], mask[s], R, T, b, pad_id=0, row_offset=jax.process_index() * b)
+           for s in micro]
+  out = dict(arrays, input_ids=ids[:, -(R + 1):], attention_mask=mask[:, -(R + 1):])
+  for name in parts[0]:
+    out[name] = np.concatenate([p[name] for p in parts])
+  return out
 
 
 def split_rows(arrays: dict[str, np.ndarray], k: int, mesh, num_minibatches: int) -> list[batch_lib.Batch]:
-  """Host arrays {name: [rows, ...]} -> `num_minibatches` dicts of global arrays [k, m, ...] over (data, fsdp)."""
-  rows = next(iter(arrays.values())).shape[0]
-  per_mb = rows // num_minibatches
+  """Host arrays {name: [rows, ...]} -> `num_minibatches` dicts of global arrays [k, m, ...] over (data, fsdp)
+  (packed rows: [k, b, ...])."""
   out = []
   for j in range(num_minibatches):
     mb = {}
     for name, a in arrays.items():
+      per_mb = a.shape[0] // num_minibatches
       local = a[j * per_mb:(j + 1) * per_mb].reshape((k, per_mb // k) + a.shape[1:])
       global_shape = (local.shape[0], local.shape[1] * jax.process_count()) + local.shape[2:]
       mb[name] = jax.make_array_from_process_local_data(programs_lib.minibatch_sharding(mesh, local.ndim), local,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -33,6 +34,7 @@ from pacs_jax.models import families
 from pacs_jax.rollout import interface as rollout_interface
 from pacs_jax.rollout import local as local_rollout
 from pacs_jax.trainer import adapters as adapters_lib
+from pacs_jax.trainer import sequence_packing
 from pacs_jax.trainer import train_state as state_lib
 from pacs_jax.trainer import step as step_lib
 
@@ -109,18 +111,32 @@ def minibatch_sharding(mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, P(None, sharding.BATCH_AXES, *([None] * (ndim - 2))))
 
 
-def batch_layout(cfg: ml_collections.ConfigDict) -> batch_lib.BatchLayout:
+def row_tokens(cfg: ml_collections.ConfigDict) -> int:
+  """Packed rows' length T (`train.packing_row_tokens`, 0: P + R, the longest sequence), or 0 when not packed."""
+  if not cfg.train.packing:
+    return 0
+  return cfg.train.packing_row_tokens or cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+
+
+def batch_layout(cfg: ml_collections.ConfigDict, mesh=None) -> batch_lib.BatchLayout:
   """The run's mini-batch format: its algorithm's fields, `mini_batch_prompts` groups of n rows in
-  `micro_batches` micro-batches."""
+  `micro_batches` micro-batches; packed (`train.packing`), b rows of T tokens, b a rung of the ladder
+  (`sequence_packing.ladder`: multiples of the mesh's batch shards and of the processes)."""
   k = micro_batches(cfg)
-  return batch_lib.BatchLayout.of(cfg, algorithms.of(cfg).batch_fields(cfg), k,
-                                  cfg.rollout.n * cfg.train.mini_batch_prompts // k)
+  m = cfg.rollout.n * cfg.train.mini_batch_prompts // k
+  T = row_tokens(cfg)
+  ladder = ()
+  if T:
+    shards = 1 if mesh is None else math.prod(dict(mesh.shape)[a] for a in sharding.BATCH_AXES)
+    ladder = sequence_packing.ladder(m, math.lcm(shards, jax.process_count()), cfg.train.packing_rungs)
+  return batch_lib.BatchLayout.of(cfg, algorithms.of(cfg).batch_fields(cfg), k, m, T, ladder)
 
 
-def minibatch_shapes(cfg: ml_collections.ConfigDict, mesh) -> dict[str, jax.ShapeDtypeStruct]:
+def minibatch_shapes(cfg: ml_collections.ConfigDict, mesh, packed_rows: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
   """The arrays of one mini-batch as the train step receives them (`Trainer.update` fills the log-prob,
-  value and step-input fields before the first update)."""
-  return batch_layout(cfg).abstract(lambda ndim: minibatch_sharding(mesh, ndim))
+  value and step-input fields before the first update); packed, at `packed_rows` rows (default: the ladder's
+  top)."""
+  return batch_layout(cfg, mesh).with_rows(packed_rows).abstract(lambda ndim: minibatch_sharding(mesh, ndim))
 
 
 def ends_step_shape(mesh) -> jax.ShapeDtypeStruct:
@@ -223,7 +239,7 @@ def make_programs(cfg: ml_collections.ConfigDict, graphdef, critic_graphdef, opt
   and gets no gradient; the rollout weights are the trained params merged into it (a LoRA run's W + scale · A B,
   formed on device at each policy update; a full run's params as they are), cast to the compute dtype."""
   mesh = jax.tree.leaves(state_shardings)[0].mesh
-  layout = batch_layout(cfg)
+  layout = batch_layout(cfg, mesh)
   abstract = layout.abstract(lambda ndim: minibatch_sharding(mesh, ndim))
   batch_shardings = {name: s.sharding for name, s in abstract.items()}
   objective = algorithms.bind(cfg)  # what the traced programs read of the run: never `cfg` itself

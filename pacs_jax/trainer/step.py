@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from pacs_jax import sharding
 from pacs_jax.algos.batch import Batch
 from pacs_jax.algos.masked import masked_mean
 from pacs_jax.algos.objective import Objective
@@ -59,6 +60,51 @@ def response_values(critic, input_ids, attention_mask, response_len: int):
   return values[:, L - response_len - 1:L - 1]
 
 
+# Packed rows (trainer/sequence_packing.py): the model runs on b rows of T tokens, several sequences in a row; what
+# it computes comes back [m, R] per response through `response_index` (0 where a response has no position).
+
+
+def _unpack(x, index):
+  """x [b, T] on the packed positions -> [m, R] at `index` (flat packed positions; past the end: 0)."""
+  return jnp.take(x.reshape(-1), index, mode="fill", fill_value=0)
+
+
+def packed_response_logprobs(model, micro, response_len: int, temperature: float, with_entropy: bool = False,
+                             targets=None, logits_chunk: int = chunked_logprobs.DEFAULT_CHUNK_SIZE,
+                             keep_logits: bool = False):
+  """`response_logprobs` of a packed micro-batch: log-probs [m, R] (and entropies) of its responses' tokens (or
+  of `targets` [m, R]). Each packed position predicts the token its response position names (the targets placed
+  on the packed positions that `response_index` points at), the LM head runs on the b x T packed positions
+  only, and the results come back to the responses' layout (0 past each response's last position)."""
+  tokens = micro["tokens"]  # [b, T]
+  b, T = tokens.shape
+  index = micro["response_index"]  # [m, R]
+  targets = micro["input_ids"][:, -response_len:] if targets is None else targets  # [m, R]
+  hidden = model.model(tokens, segment_ids=micro["segment_ids"], positions=micro["positions"])  # [b, T, D]
+  row_targets = jnp.zeros((b * T,), targets.dtype).at[index.reshape(-1)].set(targets.reshape(-1), mode="drop")
+  row_targets = sharding.constrain(row_targets.reshape(b, T), ("batch", None))
+  out = chunked_logprobs.token_logprobs_from_hidden(hidden, model.logits, row_targets, temperature,
+                                                    chunk_size=logits_chunk or T, with_entropy=with_entropy,
+                                                    keep_logits=keep_logits)
+  return tuple(_unpack(x, index) for x in out) if with_entropy else _unpack(out, index)
+
+
+def micro_logprobs(model, micro, response_len: int, temperature: float, **kwargs):
+  """A micro-batch's response log-probs (`response_logprobs`, or `packed_response_logprobs` for packed rows)."""
+  if "segment_ids" in micro:
+    return packed_response_logprobs(model, micro, response_len, temperature, **kwargs)
+  return response_logprobs(model, micro["input_ids"], micro["attention_mask"], response_len, temperature, **kwargs)
+
+
+def micro_values(critic, micro, response_len: int):
+  """A micro-batch's values [m, R] of the states before each response token (`response_values`; packed rows:
+  at the packed positions that predict them)."""
+  if "segment_ids" in micro:
+    values = critic(micro["tokens"], segment_ids=micro["segment_ids"], positions=micro["positions"])  # [b, T]
+    return _unpack(values, micro["response_index"])
+  return response_values(critic, micro["input_ids"], micro["attention_mask"], response_len)
+
+
 def make_train_step(objective: Objective, graphdef, optimizer: optax.GradientTransformation,
                     critic_graphdef=None, critic_optimizer: optax.GradientTransformation | None = None,
                     optimizer_metrics: Callable[[Any], dict[str, jax.Array]] = state_lib.optimizer_metrics
@@ -80,9 +126,9 @@ def make_train_step(objective: Objective, graphdef, optimizer: optax.GradientTra
     def micro_loss(params, micro):
       model = adapters_lib.merge(graphdef, params, base)
       R = micro["loss_mask"].shape[-1]
-      logp, entropy = response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
-                                        with_entropy=True, targets=objective.logprob_targets(micro),
-                                        logits_chunk=objective.logits_chunk, keep_logits=objective.keep_logits)
+      logp, entropy = micro_logprobs(model, micro, R, temperature, with_entropy=True,
+                                     targets=objective.logprob_targets(micro), logits_chunk=objective.logits_chunk,
+                                     keep_logits=objective.keep_logits)
       # The entropy only carries gradient when it is part of the objective (GRPO's entropy bonus).
       loss, metrics = objective.loss(logp, entropy if objective.entropy_has_grad else jax.lax.stop_gradient(entropy),
                                      micro)
@@ -93,7 +139,7 @@ def make_train_step(objective: Objective, graphdef, optimizer: optax.GradientTra
     def critic_loss(critic_params, micro):
       critic = adapters_lib.merge(critic_graphdef, critic_params, adapters_lib.critic_base(base))
       R = micro["loss_mask"].shape[-1]
-      return objective.critic_loss(response_values(critic, micro["input_ids"], micro["attention_mask"], R), micro)
+      return objective.critic_loss(micro_values(critic, micro, R), micro)
 
     return micro_loss, critic_loss
 
@@ -146,6 +192,11 @@ def make_train_step(objective: Objective, graphdef, optimizer: optax.GradientTra
   return train_step
 
 
+# What the log-prob and value passes map over, one micro-batch at a time (and packed rows' inputs where present).
+_MODEL_INPUTS = ("input_ids", "attention_mask", "loss_mask")
+_PACKED_INPUTS = ("tokens", "segment_ids", "positions", "response_index")
+
+
 def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = chunked_logprobs.DEFAULT_CHUNK_SIZE,
                     targets: Callable[[Batch], jax.Array | None] | None = None) -> Callable[..., jax.Array]:
   """(params, minibatch [k, m, ...], base=NO_BASE) -> log-probs [k, m, R] of the responses (or of
@@ -157,10 +208,9 @@ def make_logprob_fn(graphdef, temperature: float, logits_chunk: int = chunked_lo
 
     def one(micro):  # merged inside the mapped function's trace, so no module crosses a trace boundary
       model = adapters_lib.merge(graphdef, params, base)
-      return response_logprobs(model, micro["input_ids"], micro["attention_mask"], R, temperature,
-                               targets=micro.get("targets"), logits_chunk=logits_chunk)
+      return micro_logprobs(model, micro, R, temperature, targets=micro.get("targets"), logits_chunk=logits_chunk)
 
-    mapped = {k: minibatch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+    mapped = {k: minibatch[k] for k in _MODEL_INPUTS + _PACKED_INPUTS if k in minibatch}
     tokens = targets(minibatch) if targets is not None else None
     if tokens is not None:
       mapped["targets"] = tokens
@@ -180,9 +230,9 @@ def make_value_fn(critic_graphdef, critic_mask: Callable[[Batch], jax.Array]) ->
 
     def one(micro):
       critic = adapters_lib.merge(critic_graphdef, critic_params, backbone)
-      values = response_values(critic, micro["input_ids"], micro["attention_mask"], R)
+      values = micro_values(critic, micro, R)
       return values * critic_mask(micro).astype(values.dtype)
 
-    return jax.lax.map(one, {k: minibatch[k] for k in ("input_ids", "attention_mask", "loss_mask")})
+    return jax.lax.map(one, {k: minibatch[k] for k in _MODEL_INPUTS + _PACKED_INPUTS if k in minibatch})
 
   return fn

@@ -75,4 +75,4 @@ def test_a_field_is_named_once_and_declared_in_the_tables_terms():
   with pytest.raises(ValueError, match="source one of"):
     batch_lib.Field("x", jnp.float32, ("R",), "elsewhere")
   with pytest.raises(ValueError, match="axes of"):
-    batch_lib.Field("x", jnp.float32, ("T",), batch_lib.HOST)
+    batch_lib.Field("x", jnp.float32, ("V",), batch_lib.HOST)

@@ -1,0 +1,112 @@
+"""Packed rows: a micro-batch's sequences (each prompt's real tokens, then its response's) end to end in rows of
+`T` tokens, so the log-prob passes and the update compute only the tokens that exist (as the released runs' verl
+actor with `use_remove_padding`), never the left padding of short prompts or the right padding of short
+responses.
+
+Each sequence keeps its own segment id (1, 2, ... in a row; 0 on the row's padding) and its own positions (0 at
+its first token), so attention never crosses from one sequence into another and every real token's hidden state
+is the padded layout's. `response_index` maps the packed layout back: for each response position j it names the
+packed position whose hidden state predicts response token j (the token before it), so log-probs and values
+come back [m, R] per response and the objectives read what they always read.
+
+The number of packed rows is a rung of a small fixed ladder (`ladder`), the same for every micro-batch of a step
+and for every process (`rows_for_step`), so the compiled programs take a handful of shapes, each compiled once.
+
+Shapes: m responses of a micro-batch, L = P + R tokens of the padded layout (prompt left-padded to P, response
+right-padded to R), b packed rows of T tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def sequence_spans(attention_mask: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray]:
+  """[m, L] padded attention mask -> (prompt lengths [m], response lengths [m]): its real tokens on each side of
+  the prompt / response boundary P = L - R (the response runs to its mask's end, its first EOS included)."""
+  P = attention_mask.shape[1] - R
+  prompt = (attention_mask[:, :P] > 0).sum(axis=1)
+  response = (attention_mask[:, P:] > 0).sum(axis=1)
+  return prompt.astype(np.int64), response.astype(np.int64)
+
+
+def place(lengths: np.ndarray, T: int) -> tuple[np.ndarray, np.ndarray, int]:
+  """First-fit decreasing: sequences of `lengths` [m] into rows of T tokens -> (row [m], offset [m], rows used).
+  Longest first (ties in order), each into the first row with room; deterministic."""
+  if lengths.size and lengths.max() > T:
+    raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit packed rows of {T} tokens")
+  row, offset = np.zeros(len(lengths), np.int64), np.zeros(len(lengths), np.int64)
+  used: list[int] = []  # tokens filled in each open row
+  for i in np.argsort(-lengths, kind="stable"):
+    for r, filled in enumerate(used):
+      if filled + lengths[i] <= T:
+        break
+    else:
+      r = len(used)
+      used.append(0)
+    row[i], offset[i] = r, used[r]
+    used[r] += int(lengths[i])
+  return row, offset, len(used)
+
+
+def rows_needed(attention_mask: np.ndarray, R: int, T: int) -> int:
+  """The packed rows one micro-batch's sequences ([m, L] padded attention mask) fill."""
+  prompt, response = sequence_spans(attention_mask, R)
+  return place(prompt + response, T)[2]
+
+
+def ladder(m: int, shards: int, rungs: int) -> tuple[int, ...]:
+  """The packed row counts a run compiles for: `rungs` steps from m / rungs up to m (every sequence in a row of
+  its own, the most a micro-batch of m can need), each rounded up to a multiple of `shards` (the rows are split
+  over the batch's devices)."""
+  return tuple(sorted({min(m, shards * math.ceil(m * i / rungs / shards)) for i in range(1, rungs + 1)}))
+
+
+def rung(needed: int, rungs: tuple[int, ...]) -> int:
+  """The smallest rung that holds `needed` rows."""
+  for b in rungs:
+    if b >= needed:
+      return b
+  raise ValueError(f"{needed} packed rows exceed the ladder's top rung {rungs[-1]}")
+
+
+def pack(input_ids: np.ndarray, attention_mask: np.ndarray, R: int, T: int, rows: int, pad_id: int,
+         row_offset: int = 0) -> dict[str, np.ndarray]:
+  """One micro-batch's padded rows (input_ids, attention_mask [m, L]) packed into `rows` rows of T tokens:
+  {tokens, segment_ids, positions: [rows, T] int32; response_index: [m, R] int32}.
+
+  response_index[i, j] is the flat position (row * T + column, rows counted from `row_offset`: this process's
+  first row of the global micro-batch) of the hidden state that predicts response token j of sequence i, for j
+  up to and including its response length ℓ (j = ℓ < R is the position after its last token: what verl's
+  remove-padding forward reads there, and PPO's critic values); `(row_offset + rows) * T`, past every row, for
+  the positions after that (their log-probs and values come back 0).
+  """
+  m, L = input_ids.shape
+  P = L - R
+  prompt, response = sequence_spans(attention_mask, R)
+  if np.any(prompt == 0):
+    raise ValueError(f"row {int(np.argmax(prompt == 0))} has an empty prompt: no token predicts its first response "
+                     "token")
+  row, offset, used = place(prompt + response, T)
+  if used > rows:
+    raise ValueError(f"the micro-batch's {m} sequences fill {used} packed rows of {T} tokens, more than {rows}")
+  tokens = np.full((rows, T), pad_id, np.int32)
+  segment_ids = np.zeros((rows, T), np.int32)
+  positions = np.zeros((rows, T), np.int32)
+  end = (row_offset + rows) * T
+  response_index = np.full((m, R), end, np.int32)
+  segments_in_row = np.zeros(rows, np.int32)
+  for i in range(m):
+    real = attention_mask[i] > 0
+    seq = np.concatenate([input_ids[i, :P][real[:P]], input_ids[i, P:][real[P:]]])  # prompt then response
+    r, c, n = row[i], offset[i], len(seq)
+    segments_in_row[r] += 1
+    tokens[r, c:c + n] = seq
+    segment_ids[r, c:c + n] = segments_in_row[r]
+    positions[r, c:c + n] = np.arange(n)
+    first = (row_offset + r) * T + c + prompt[i] - 1  # predicts response token 0
+    valid = min(response[i] + 1, R)
+    response_index[i, :valid] = first + np.arange(valid)
+  return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions, "response_index": response_index}
