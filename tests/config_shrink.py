@@ -31,7 +31,7 @@ KEEP = (
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.restore",
     "checkpoint.lock_stale_after_s", "checkpoint.allow_changes",
     "eval_every", "log_every", "reward_timeout_s", "reward.fn", "rollout.engine",
-    "hardware.*", "distributed.*", "health.*", "wandb.*",
+    "hardware.*", "compile.*", "distributed.*", "health.*", "wandb.*",
 )
 
 CPU_DEVICES = 8  # tests/conftest.py's simulated devices
@@ -91,6 +91,7 @@ def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
       "train.logits_chunk": 4 if c.train.logits_chunk else 0,  # 8 new tokens: still two chunks
       # Packed rows of the tiny lengths (a config's own row length is sized for its own): P + R, or twice that.
       "train.packing_row_tokens": 0 if not c.train.packing_row_tokens else 2 * (PROMPT_LENGTH + NEW_TOKENS),
+      "train.packing_rows": 0,  # a micro-batch's rows (a config's own budget is sized for its own batch)
       "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
       "reward_workers": min(c.reward_workers, 2),
       "lora.rank": min(c.lora.rank, 8),  # LoRA stays on (or off); the tiny model's k projection is [64, 32]

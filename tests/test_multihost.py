@@ -100,10 +100,12 @@ def test_two_processes_micro_batches_hold_whole_groups(tmp_path):
 @pytest.mark.slow
 def test_dynamic_sampling_on_two_processes_matches_one(tmp_path):
   """DAPO's refill (issue 32): the two processes select the same groups in global prompt order and each feeds its
-  share, so they train as one process does. n = 2 on the random model: steps refill and, capped at 2 rounds, fill."""
+  share, so they train as one process does. n = 2 on the random model: steps refill and, capped at 2 rounds, fill.
+  Packed rows (issue 42): each process packs its share into its own rows of one agreed rung, the log-probs come
+  back from the global rows' positions."""
   one, two = tmp_path / "one", tmp_path / "two"
   extra = ("--config.algorithm=dapo", "--config.rollout.n=2", "--config.dapo.max_num_gen_batches=2",
-           "--config.dapo.overlong_buffer_len=1")
+           "--config.dapo.overlong_buffer_len=1", "--config.train.packing=True")
   run_one(one, *extra)
   run_two(two, *extra)
   for a, b in zip(final_params(str(one), 2), final_params(str(two), 2)):

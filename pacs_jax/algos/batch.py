@@ -124,9 +124,15 @@ class BatchLayout:
   def packed(self) -> bool:
     return self.row_tokens > 0
 
-  def with_rows(self, b: int) -> BatchLayout:
-    """This layout at b packed rows (`abstract`'s shapes)."""
-    return dataclasses.replace(self, packed_rows=b)
+  def with_rows(self, b: int, merge: int = 1) -> BatchLayout:
+    """This layout at b packed rows (`abstract`'s shapes), `merge` micro-batches in each packed one."""
+    return dataclasses.replace(self.merged(merge), packed_rows=b)
+
+  def merged(self, f: int) -> BatchLayout:
+    """Packed micro-batches that each take f of this layout's (k / f of f x m responses), the same row budget."""
+    if self.k % f:
+      raise ValueError(f"{f} micro-batches per packed one do not divide k = {self.k}")
+    return dataclasses.replace(self, k=self.k // f, m=self.m * f)
 
   def names(self, source: str | None = None) -> tuple[str, ...]:
     """The fields' names (those from `source` only, if given)."""

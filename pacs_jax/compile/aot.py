@@ -11,6 +11,7 @@ trip counts are applied to the compiler's cost figures (see `hlo_cost`).
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable
 
@@ -26,6 +27,7 @@ from pacs_jax.models import decoder, lora
 from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import interface
 from pacs_jax.rollout import sampling as sampling_lib
+from pacs_jax.compile import length_profile
 from pacs_jax.compile.aot_measure import ProgramReport, measure, outputs_of, per_chip_bytes, persistent_cache_off
 from pacs_jax.compile.aot_report import Report, format_report
 from pacs_jax.compile.target import Target, TargetUnavailable, target
@@ -272,8 +274,79 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   unknown = sum(loop.trip_count is None for p in reports for loop in p.loops)
   if unknown:
     notes.append(f"{unknown} loops without a readable trip count are counted once")
+  profiles = []
+  if group != "rollout" and cfg.compile.length_profile:
+    profiles = update_at_profiles(cfg, mesh, lora_base, reports, log)
   return Report(config_name="", target=tgt, mesh_shape=dict(mesh.shape), programs=reports, resident=resident,
-                notes=notes)
+                notes=notes, profiles=profiles)
+
+
+# ----------------------------------------------------------------------------------------------
+# The update phase at length profiles (`compile.length_profile`)
+
+
+def update_cycles(reports: list[ProgramReport]) -> float:
+  """Estimated cycles per chip of one step's update phase (loops applied): each update program's cycles x its calls
+  per step (log-prob and value passes, step inputs, optimizer updates)."""
+  return sum(p.calls * p.cycles for p in reports if p.phase == "update" and not p.error)
+
+
+def update_programs(cfg: ml_collections.ConfigDict, mesh, lora_base, packed_rows: int,
+                    log: Callable[[str], None], merge: int = 1) -> list[ProgramReport]:
+  """The update phase's programs of `cfg` compiled at `packed_rows` packed rows (0: the config's own layout's top;
+  padded when `cfg.train.packing` is off), `merge` micro-batches in each packed one: their reports (not part of the
+  run's memory report)."""
+  state, _, _, progs = abstract_run(cfg, mesh, lora_base)
+  base = (lora_base[1],)
+  has_base = bool(jax.tree.leaves(base))
+  minibatch = programs_lib.minibatch_shapes(cfg, mesh, packed_rows, merge)
+  updates = programs_lib.updates_per_step(cfg)
+  passes = (int(programs_lib.needs_old_logprobs(cfg)) + int(programs_lib.needs_frozen_ref(cfg)) if not has_base
+            else int(programs_lib.needs_old_logprobs(cfg)))
+  todo = [("logprobs", updates * passes, lambda: progs.logprob_fn.lower(state.params, minibatch, *base))]
+  if has_base and programs_lib.needs_frozen_ref(cfg):
+    todo.append(("ref_logprobs", updates,
+                 lambda: progs.ref_logprob_fn.lower(base[0], minibatch, adapters_lib.NO_BASE)))
+  if progs.value_fn is not None:
+    todo.append(("values", updates, lambda: progs.value_fn.lower(state.critic_params, minibatch, *base)))
+  ends_step = programs_lib.ends_step_shape(mesh)
+  todo.append(("train_step", updates, lambda: progs.train_step.lower(state, minibatch, ends_step, *base)))
+  out = []
+  for name, calls, lower in todo:
+    if not calls:
+      continue
+    report = ProgramReport(name, "update", calls, 0.0)
+    how = f"packed, {merge} micro-batches in {packed_rows} rows" if cfg.train.packing else "padded"
+    log(f"compiling {name} ({how}) ...")
+    with jax.set_mesh(mesh), persistent_cache_off():
+      measure(report, lower, lambda c: 0.0)
+    out.append(report)
+  return out
+
+
+def update_at_profiles(cfg: ml_collections.ConfigDict, mesh, lora_base, reports: list[ProgramReport],
+                       log: Callable[[str], None]) -> list[dict]:
+  """The update phase per step (estimated cycles per chip) padded, and packed at `max` and at the config's
+  `compile.length_profile`: [{profile, layout, rows, real_share, packed_share, cycles, mean_prompt,
+  mean_response}]. The run's own programs (`reports`) are one of them."""
+  padded_cfg, packed_cfg = copy.deepcopy(cfg), copy.deepcopy(cfg)
+  padded_cfg.train.packing, packed_cfg.train.packing = False, True
+  layout = programs_lib.batch_layout(packed_cfg, mesh)
+  batch_rows = cfg.train.batch_prompts * cfg.rollout.n  # the step's rows: its micro-batches share one rung
+  own = update_cycles(reports)
+  out = [{"profile": "any", "layout": "padded", "rows": layout.m, "real_share": None, "packed_share": 1.0,
+          "cycles": own if not cfg.train.packing else update_cycles(
+              update_programs(padded_cfg, mesh, lora_base, 0, log))}]
+  for profile in dict.fromkeys([length_profile.MAX, length_profile.resolve(cfg.compile.length_profile)]):
+    rows = length_profile.step_rows(profile, layout, batch_rows, cfg.rollout.n, seed=cfg.seed)
+    top = rows.rows == layout.row_ladder[-1] and rows.merge == 1
+    cycles = own if (cfg.train.packing and top and programs_lib.row_tokens(cfg) == layout.row_tokens) else \
+        update_cycles(update_programs(packed_cfg, mesh, lora_base, rows.rows, log, rows.merge))
+    out.append({"profile": profile.name, "layout": "packed", "rows": rows.rows, "merge": rows.merge,
+                "real_share": rows.real_share,
+                "packed_share": rows.packed_share, "cycles": cycles, "mean_prompt": rows.mean_prompt,
+                "mean_response": rows.mean_response})
+  return out
 
 
 def main(cfg: ml_collections.ConfigDict, config_name: str = "", log=print) -> int:

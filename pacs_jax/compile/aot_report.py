@@ -19,6 +19,8 @@ class Report:
   programs: list[ProgramReport]
   resident: dict[str, dict[str, float]]  # phase -> {part: bytes per chip}
   notes: list[str]
+  # The update phase per step at length profiles, padded and packed (`aot.update_at_profiles`)
+  profiles: list[dict] = dataclasses.field(default_factory=list)
 
   def phase_total(self, phase: str) -> tuple[float, ProgramReport | None]:
     """(resident + the largest program's extra bytes, that program) of a phase."""
@@ -137,6 +139,7 @@ def format_report(report: Report) -> str:
   lines.append(f"FLOPs per step per {unit}: compiled {compiled / 1e15:.2f} PFLOP, model ({update} / 2N per token) "
                f"{model / 1e15:.2f} PFLOP")
   lines += kernel_lines(report)
+  lines += profile_lines(report)
   lines += [f"note: {n}" for n in report.notes]
   problems = report.problems()
   hbm = report.target.hbm_bytes
@@ -150,3 +153,23 @@ def format_report(report: Report) -> str:
   else:
     lines.append("no memory limit known (hardware.hbm_gb = 0): no verdict")
   return "\n".join(lines)
+
+
+def profile_lines(report: Report) -> list[str]:
+  """The update phase per step at each length profile, padded and packed (estimated cycles per chip, loops
+  applied), each packed figure against the padded one and against its share of real tokens."""
+  if not report.profiles:
+    return []
+  padded = next(p for p in report.profiles if p["layout"] == "padded")
+  base = padded["cycles"] or float("nan")
+  lines = [f"update phase per step by length profile (estimated cycles per {report.target.unit}, loops applied):",
+           f"  padded (every profile: {padded['rows']} rows of P + R per micro-batch): {base / 1e9:.4g} G"]
+  for p in report.profiles:
+    if p["layout"] != "packed":
+      continue
+    ratio = p["cycles"] / base
+    lines.append(f"  packed at {p['profile']} (prompts {p['mean_prompt']:.0f}, responses {p['mean_response']:.0f} tokens "
+                 f"on average; real tokens {100 * p['real_share']:.1f}% of the padded rows): {p['merge']} micro-batches in "
+                 f"{p['rows']} rows, {p['cycles'] / 1e9:.4g} G = {ratio:.3f}x padded, {ratio / p['real_share']:.2f}x the "
+                 "real tokens' share")
+  return lines

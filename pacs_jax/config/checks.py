@@ -106,6 +106,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
          f"must be 0 (P + R) or hold the longest sequence (max_prompt_length + max_new_tokens = {longest}), got "
          f"{t.packing_row_tokens}")
   _check(t.packing_rungs >= 1, "train.packing_rungs", f"must be >= 1, got {t.packing_rungs}")
+  micro_rows = (t.micro_batch_prompts or t.mini_batch_prompts) * c.rollout.n
+  _check(t.packing_rows == 0 or t.packing_rows >= micro_rows, "train.packing_rows",
+         f"must be 0 (a micro-batch's {micro_rows} rows) or at least that many (every sequence may need a row of its "
+         f"own), got {t.packing_rows}")
   _check_sampling(c)
   algo.validate_settings(c, _check)  # the configured algorithm's own block; another's is never read
   algo.validate(c, _check, num_processes)

@@ -115,8 +115,11 @@ def default_config() -> ml_collections.ConfigDict:
   # released runs' verl actor (use_remove_padding). The rows a micro-batch takes are a rung of a ladder of
   # packing_rungs sizes (m / rungs ... m rows), so at most that many shapes compile. Exact: the same log-probs,
   # losses and gradients as the padded rows (to float rounding).
+  # packing_rows: the rows one packed micro-batch may take (0: a padded micro-batch's, so packing never holds more
+  # than padding); where sequences are short one packed micro-batch takes several padded ones (a token budget).
   c.train.packing = False
   c.train.packing_row_tokens = 0
+  c.train.packing_rows = 0
   c.train.packing_rungs = 8
 
   # Each registered algorithm's own settings block (`c.<algorithm>`), built from its settings class (its module in
@@ -218,6 +221,13 @@ def default_config() -> ml_collections.ConfigDict:
   c.hardware.num_devices = 0  # accelerator chips of the target slice (0 = the devices present)
   c.hardware.hbm_gb = 0.0  # memory per chip, e.g. 95 on TPU v5p, 80 on H100
   c.hardware.num_processes = 0  # JAX processes (hosts) of the target slice, e.g. chips / 4 on v5p (0 = 1)
+
+  # `--compile_only`: the update phase is also costed at these response and prompt lengths, packed and padded
+  # (compile/length_profile.py): "rlvr" (a stand-in RLVR profile: responses of mean 0.3 x max_new_tokens, 5% at
+  # the cap, prompts of mean 150 tokens), "max" (every response at max: the worst case) or a past run's
+  # metrics.jsonl; "" = the run's own programs only.
+  c.compile = ml_collections.ConfigDict()
+  c.compile.length_profile = "rlvr"
 
   # Multi-host: empty = auto-detect on TPU VMs (or single process elsewhere).
   c.distributed = ml_collections.ConfigDict()

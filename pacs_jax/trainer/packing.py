@@ -106,31 +106,37 @@ def to_minibatches(rollout: PackedRollout, layout: batch_lib.BatchLayout, mesh,
   arrays = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "loss_mask": rollout.loss_mask,
             "rewards": rollout.rewards, **rollout.extra, **behaviour}
   if layout.packed:
-    arrays = packed_rows(arrays, layout, num_minibatches)
+    arrays, k = packed_rows(arrays, layout, num_minibatches)
+    return split_rows(layout.merged(layout.k // k).host_rows(arrays), k, mesh, num_minibatches)
   return split_rows(layout.host_rows(arrays), layout.k, mesh, num_minibatches)
 
 
 def packed_rows(arrays: dict[str, np.ndarray], layout: batch_lib.BatchLayout,
-                num_minibatches: int) -> dict[str, np.ndarray]:
-  """The host rows of a packed layout: each micro-batch's sequences packed into b rows of T tokens
-  (`sequence_packing.pack`; `batch.PACKED_FIELDS`, [micro-batches * b local rows, T] and [rows, R]), b the step's
-  rung (the smallest that holds every micro-batch's, on every process), and input_ids / attention_mask cut to
-  their last 1 + R columns (what the objectives read of them)."""
+                num_minibatches: int) -> tuple[dict[str, np.ndarray], int]:
+  """(the host rows of a packed layout, k' packed micro-batches per mini-batch): the step's micro-batches taken f at
+  a time (the most that fit the row budget, `sequence_packing.choose`), each one's sequences packed into b rows of
+  T tokens (`sequence_packing.pack`; `batch.PACKED_FIELDS`, [micro-batches * b local rows, T] and [rows, R]), f and b
+  the same on every process, and input_ids / attention_mask cut to their last 1 + R columns (what the objectives
+  read of them)."""
   ids, mask = arrays["input_ids"], arrays["attention_mask"]
   R, T = layout.R, layout.row_tokens
   chunks = num_minibatches * layout.k
   m_local = ids.shape[0] // chunks
-  micro = [slice(c * m_local, (c + 1) * m_local) for c in range(chunks)]
-  needed = max(sequence_packing.rows_needed(mask[s], R, T) for s in micro)
+  masks = [mask[c * m_local:(c + 1) * m_local] for c in range(chunks)]
+  needed = sequence_packing.rows_by_merge(masks, layout.k, R, T)
   processes = jax.process_count()
-  needed = int(multihost.gather_rows(np.asarray([[needed]], np.int64)).max())  # every process packs to one rung
-  b = sequence_packing.rung(needed * processes, layout.row_ladder) // processes
-  parts = [sequence_packing.pack(ids[s], mask[s], R, T, b, pad_id=0, row_offset=jax.process_index() * b)
-           for s in micro]
+  merges = sorted(needed)
+  agreed = multihost.gather_rows(np.asarray([[needed[f] for f in merges]], np.int64)).max(axis=0)  # every process's
+  f, b = sequence_packing.choose({f: int(n) * processes for f, n in zip(merges, agreed)}, layout.row_ladder[-1],
+                                 layout.row_ladder)
+  b //= processes
+  rows = m_local * f
+  parts = [sequence_packing.pack(ids[s:s + rows], mask[s:s + rows], R, T, b, pad_id=0,
+                                 row_offset=jax.process_index() * b) for s in range(0, ids.shape[0], rows)]
   out = dict(arrays, input_ids=ids[:, -(R + 1):], attention_mask=mask[:, -(R + 1):])
   for name in parts[0]:
     out[name] = np.concatenate([p[name] for p in parts])
-  return out
+  return out, layout.k // f
 
 
 def split_rows(arrays: dict[str, np.ndarray], k: int, mesh, num_minibatches: int) -> list[batch_lib.Batch]:

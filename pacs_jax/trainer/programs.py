@@ -128,15 +128,18 @@ def batch_layout(cfg: ml_collections.ConfigDict, mesh=None) -> batch_lib.BatchLa
   ladder = ()
   if T:
     shards = 1 if mesh is None else math.prod(dict(mesh.shape)[a] for a in sharding.BATCH_AXES)
-    ladder = sequence_packing.ladder(m, math.lcm(shards, jax.process_count()), cfg.train.packing_rungs)
+    budget = cfg.train.packing_rows or m  # rows per packed micro-batch: never more than the padded layout's, unless set
+    ladder = sequence_packing.ladder(budget, math.lcm(shards, jax.process_count()), cfg.train.packing_rungs)
   return batch_lib.BatchLayout.of(cfg, algorithms.of(cfg).batch_fields(cfg), k, m, T, ladder)
 
 
-def minibatch_shapes(cfg: ml_collections.ConfigDict, mesh, packed_rows: int = 0) -> dict[str, jax.ShapeDtypeStruct]:
+def minibatch_shapes(cfg: ml_collections.ConfigDict, mesh, packed_rows: int = 0,
+                     merge: int = 1) -> dict[str, jax.ShapeDtypeStruct]:
   """The arrays of one mini-batch as the train step receives them (`Trainer.update` fills the log-prob,
   value and step-input fields before the first update); packed, at `packed_rows` rows (default: the ladder's
-  top)."""
-  return batch_layout(cfg, mesh).with_rows(packed_rows).abstract(lambda ndim: minibatch_sharding(mesh, ndim))
+  top), `merge` micro-batches in each packed one."""
+  layout = batch_layout(cfg, mesh).with_rows(packed_rows, merge)
+  return layout.abstract(lambda ndim: minibatch_sharding(mesh, ndim))
 
 
 def ends_step_shape(mesh) -> jax.ShapeDtypeStruct:

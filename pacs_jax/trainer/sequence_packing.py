@@ -9,8 +9,12 @@ is the padded layout's. `response_index` maps the packed layout back: for each r
 packed position whose hidden state predicts response token j (the token before it), so log-probs and values
 come back [m, R] per response and the objectives read what they always read.
 
-The number of packed rows is a rung of a small fixed ladder (`ladder`), the same for every micro-batch of a step
-and for every process (`rows_for_step`), so the compiled programs take a handful of shapes, each compiled once.
+The number of packed rows b is a rung of a small fixed ladder (`ladder`) up to a row budget (by default a padded
+micro-batch's m rows, so packing never holds more than the padded layout), the same for every micro-batch of a step
+and every process, so the compiled programs take a handful of shapes, each compiled once. Where the sequences are
+short, one packed micro-batch takes several padded ones (`merges`: a token budget, as verl's dynamic batch size),
+whole prompt groups still; the gradient accumulation weighs micro-batches exactly, so any split gives the same
+update.
 
 Shapes: m responses of a micro-batch, L = P + R tokens of the padded layout (prompt left-padded to P, response
 right-padded to R), b packed rows of T tokens.
@@ -58,10 +62,35 @@ def rows_needed(attention_mask: np.ndarray, R: int, T: int) -> int:
 
 
 def ladder(m: int, shards: int, rungs: int) -> tuple[int, ...]:
-  """The packed row counts a run compiles for: `rungs` steps from m / rungs up to m (every sequence in a row of
-  its own, the most a micro-batch of m can need), each rounded up to a multiple of `shards` (the rows are split
-  over the batch's devices)."""
+  """The packed row counts a run compiles for: `rungs` steps from m / rungs up to m (the row budget: by default a
+  padded micro-batch's rows, every sequence in a row of its own), each rounded up to a multiple of `shards` (the
+  rows are split over the batch's devices)."""
   return tuple(sorted({min(m, shards * math.ceil(m * i / rungs / shards)) for i in range(1, rungs + 1)}))
+
+
+def merges(k: int) -> tuple[int, ...]:
+  """How many of a mini-batch's k micro-batches one packed micro-batch may take, largest first: the powers of two
+  that divide k."""
+  return tuple(f for f in (2 ** i for i in range(k.bit_length() - 1, -1, -1)) if k % f == 0)
+
+
+def rows_by_merge(masks: list[np.ndarray], k: int, R: int, T: int) -> dict[int, int]:
+  """{f: the most packed rows any merged micro-batch takes} for each merge f of `merges(k)`: micro-batches
+  (`masks`, the padded attention masks of a step's micro-batches in order, k per mini-batch) taken f at a time,
+  never across a mini-batch."""
+  out = {}
+  for f in merges(k):
+    out[f] = max(rows_needed(np.concatenate(masks[i:i + f]), R, T) for i in range(0, len(masks), f))
+  return out
+
+
+def choose(needed: dict[int, int], budget: int, rungs: tuple[int, ...]) -> tuple[int, int]:
+  """(merge f, rows b): the most micro-batches one packed micro-batch takes whose rows fit the `budget`, at the
+  smallest rung that holds them (f = 1 always fits: a padded micro-batch's sequences take at most its rows)."""
+  for f in sorted(needed, reverse=True):
+    if needed[f] <= budget:
+      return f, rung(needed[f], rungs)
+  raise ValueError(f"a micro-batch's sequences take {needed[1]} packed rows, more than the budget of {budget}")
 
 
 def rung(needed: int, rungs: tuple[int, ...]) -> int:

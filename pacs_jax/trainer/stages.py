@@ -103,8 +103,8 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
   with jax.set_mesh(mesh):
     minibatches = packing.to_minibatches(packed, layout, mesh, num_minibatches)
     behaviour = None
-    if ref in passes and ref_params is None:
-      behaviour = packing.rollout_reference(packed, layout.k, mesh, num_minibatches)
+    if ref in passes and ref_params is None:  # per micro-batch as packed (several padded ones may be one packed one)
+      behaviour = packing.rollout_reference(packed, minibatches[0]["loss_mask"].shape[0], mesh, num_minibatches)
     for j, mb in enumerate(minibatches):
       if old in passes:
         mb[old] = programs.logprob_fn(state.params, mb, base)

@@ -83,8 +83,12 @@ def packed_response_logprobs(model, micro, response_len: int, temperature: float
   hidden = model.model(tokens, segment_ids=micro["segment_ids"], positions=micro["positions"])  # [b, T, D]
   row_targets = jnp.zeros((b * T,), targets.dtype).at[index.reshape(-1)].set(targets.reshape(-1), mode="drop")
   row_targets = sharding.constrain(row_targets.reshape(b, T), ("batch", None))
+  # The LM head over the rows in chunks of at most `logits_chunk`, all of one size: T = 4,608 in chunks of 1,024 would
+  # be 5 with the last shifted back over 512 positions of the one before (see `chunked_logprobs._scan_chunks`);
+  # 5 of 922 compute 2 twice.
+  chunks = -(-T // (logits_chunk or T))
   out = chunked_logprobs.token_logprobs_from_hidden(hidden, model.logits, row_targets, temperature,
-                                                    chunk_size=logits_chunk or T, with_entropy=with_entropy,
+                                                    chunk_size=-(-T // chunks), with_entropy=with_entropy,
                                                     keep_logits=keep_logits)
   return tuple(_unpack(x, index) for x in out) if with_entropy else _unpack(out, index)
 

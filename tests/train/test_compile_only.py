@@ -37,6 +37,7 @@ def get_config():
   c.train.batch_prompts, c.train.mini_batch_prompts, c.train.micro_batch_prompts = 8, 4, 2
   c.rollout.slots = 32
   c.eval_every = 0
+  c.compile.length_profile = ""  # the update at length profiles: compiled by the `report` fixture alone
   return c
 """
 
@@ -50,7 +51,7 @@ def tiny_tpu_config(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(tiny_tpu_config):
-  cfg = config_lib.load_config_file(tiny_tpu_config)
+  cfg = config_lib.load_config_file(tiny_tpu_config, {"compile.length_profile": "rlvr"})
   with jax.default_matmul_precision("default"):  # the trainer's: Mosaic (splash attention) takes bf16 only so
     return aot.compile_run(cfg), cfg
 
@@ -68,6 +69,21 @@ def test_every_program_compiles_with_positive_consistent_figures(report):
   # Donation: the decode state is updated in place (aliased), not copied.
   decode = by_name(report, "decode")[0]
   assert decode.alias >= report.resident["rollout"]["decode state (KV cache)"] * 0.99
+
+
+def test_the_update_is_costed_padded_and_packed_at_max_and_rlvr(report):
+  """Issue 42: the update phase per step (estimated cycles, loops applied) padded and packed at both profiles, the
+  run's own programs one of them; at `rlvr` packed rows take fewer rows and cost less than the padded ones."""
+  report, cfg = report
+  got = {(p["layout"], p["profile"]): p for p in report.profiles}
+  assert set(got) == {("padded", "any"), ("packed", "max"), ("packed", "rlvr")}
+  padded, at_max, rlvr = got["padded", "any"], got["packed", "max"], got["packed", "rlvr"]
+  assert padded["cycles"] == pytest.approx(aot.update_cycles(report.programs))  # the run (padded) is one of them
+  assert at_max["rows"] == padded["rows"] == 16 and at_max["real_share"] == 1.0
+  assert rlvr["rows"] < 16 and rlvr["real_share"] < 0.6 and rlvr["cycles"] < padded["cycles"]
+  assert 0.9 * padded["cycles"] < at_max["cycles"] < 1.1 * padded["cycles"]
+  text = aot.format_report(report)
+  assert "update phase per step by length profile" in text and "packed at rlvr" in text
 
 
 def _compiler() -> dict:

@@ -30,6 +30,7 @@ def tiny_gpu_config(**overrides):
   cfg.train.batch_prompts, cfg.train.mini_batch_prompts, cfg.train.micro_batch_prompts = 8, 4, 2
   cfg.rollout.slots = 32
   cfg.eval_every = 0
+  cfg.compile.length_profile = ""  # (the update at length profiles: tests/train/test_compile_only.py)
   for field, value in overrides.items():
     config_lib.set_field(cfg, field, value)
   return cfg

@@ -3,6 +3,8 @@ values, losses and gradients for every objective, on 8 CPU devices, with respons
 whose responses all reach R, and prompts of every length; and the host packing itself (placement, ladder, the
 index back to the responses) on its own."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +38,10 @@ CASES = {
     "dapo": ("dapo", {}),
     "drgrpo": ("drgrpo", {}),
     "gspo": ("gspo", {}),
+    # A row budget of every response's row: the two micro-batches packed as one (a token budget), whose update is
+    # still the padded two's.
+    "pacs_merged": ("pacs", {"train.packing_rows": ROWS}),
+    "ppo_merged": ("ppo", {"train.packing_rows": ROWS}),
 }
 
 
@@ -85,6 +91,14 @@ def minibatch(cfg, mesh):
   return packing.to_minibatches(rollout, layout, mesh, 1)[0], layout
 
 
+@functools.cache
+def logprob_program(graphdef, with_targets: bool):
+  """One jitted log-prob pass for every case (padded and packed are two shapes of it): the objective's own
+  log-prob targets (PACS's padding replication) or the responses' tokens."""
+  targets = (lambda mb: mb["logprob_targets"]) if with_targets else None
+  return jax.jit(step_lib.make_logprob_fn(graphdef, 1.0, 4, targets))
+
+
 def run(cfg, mesh):
   """(old log-probs [k, m, R], values or None, the step's metrics, its gradient) of one mini-batch."""
   objective = algorithms.bind(cfg)
@@ -99,8 +113,8 @@ def run(cfg, mesh):
                                critic_opt_state=sgd.init(critic_params) if critic_params is not None else None)
   with jax.set_mesh(mesh):
     mb, layout = minibatch(cfg, mesh)
-    old = jax.jit(step_lib.make_logprob_fn(graphdef, objective.temperature, objective.logits_chunk,
-                                           objective.logprob_targets))(params, mb)
+    assert (objective.temperature, objective.logits_chunk) == (1.0, 4)
+    old = logprob_program(graphdef, objective.logprob_targets(mb) is not None)(params, mb)
     mb["old_logprobs"] = old
     if "ref_logprobs" in layout.names():  # the sampling policy's, or a frozen one of its own
       mb["ref_logprobs"] = old if objective.reference == batch_lib.Reference.ROLLOUT else old - 0.25
@@ -131,15 +145,20 @@ def test_packed_rows_give_the_padded_logprobs_losses_and_gradients(case, mesh):
   padded = run(config(name, overrides, False), mesh)
   packed = run(config(name, overrides, True), mesh)
   _, attention, response_mask, _ = rollout_rows()
-  k = 2
+  assert packed[0].shape[0] == (1 if "merged" in case else 2)  # micro-batches: 2 padded ones, packed as one
   # Every position an objective reads: the response, and the one after it (verl's padding term, PPO's values).
-  read = np.concatenate([np.ones((ROWS, 1)), response_mask[:, :-1]], axis=1).reshape(k, ROWS // k, R) > 0
-  np.testing.assert_allclose(packed[0][read], padded[0][read], atol=1e-5, rtol=0)
-  assert np.all(packed[0][~read] == 0)  # nothing is computed past a response
+  read = np.concatenate([np.ones((ROWS, 1)), response_mask[:, :-1]], axis=1) > 0
+  rows = lambda x: x.reshape(ROWS, R)
+  np.testing.assert_allclose(rows(packed[0])[read], rows(padded[0])[read], atol=1e-5, rtol=0)
+  assert np.all(rows(packed[0])[~read] == 0)  # nothing is computed past a response
   if padded[1] is not None:
-    np.testing.assert_allclose(packed[1][read], padded[1][read], atol=1e-5, rtol=0)
-  for key, value in padded[2].items():
-    np.testing.assert_allclose(packed[2][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(rows(packed[1])[read], rows(padded[1])[read], atol=1e-5, rtol=0)
+  # Merged, the micro-batches are others (one of 16 responses, not two of 8): the loss and the gradient are the
+  # whole mini-batch's either way, but a metric averaged per micro-batch with other weights than the loss's (PPO's
+  # token-mean KL under a per-sequence loss) is the split's, as with micro_batch_prompts doubled.
+  keys = [k for k in padded[2] if "merged" not in case or k in ("loss", "grad_norm", "critic/loss", "critic/grad_norm")]
+  for key in keys:
+    np.testing.assert_allclose(packed[2][key], padded[2][key], rtol=1e-5, atol=1e-6, err_msg=key)
   grads_padded, grads_packed = jax.tree.leaves(padded[3]), jax.tree.leaves(packed[3])
   scale = max(np.abs(g).max() for g in grads_padded)
   assert scale > 0
@@ -165,9 +184,13 @@ def test_host_packing_places_each_sequence_whole_and_indexes_its_response():
     sequence_packing.pack(input_ids, attention, R, T, needed - 1, pad_id=0)
 
 
-def test_the_ladder_is_few_sizes_in_multiples_of_the_shards_up_to_every_sequence_in_its_own_row():
+def test_the_ladder_is_few_sizes_in_multiples_of_the_shards_and_merges_fill_the_budget():
   assert sequence_packing.ladder(64, 8, 8) == (8, 16, 24, 32, 40, 48, 56, 64)
   assert sequence_packing.ladder(16, 8, 8) == (8, 16)
   assert sequence_packing.rung(17, (8, 16, 24)) == 24
   with pytest.raises(ValueError, match="top rung"):
     sequence_packing.rung(25, (8, 16, 24))
+  # Micro-batches merged while their rows fit the budget: the most that fit, at the rung that holds them.
+  assert sequence_packing.merges(8) == (8, 4, 2, 1) and sequence_packing.merges(6) == (2, 1)
+  assert sequence_packing.choose({1: 8, 2: 15, 4: 30}, 16, (4, 8, 12, 16)) == (2, 16)
+  assert sequence_packing.choose({1: 3, 2: 5}, 16, (4, 8, 12, 16)) == (2, 8)
