@@ -66,35 +66,26 @@ def metrics(workdir):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one_with_whole_groups_in_every_micro_batch(tmp_path):
+  """Two processes train as one: the same final parameters and process 0's metrics over the global batch. With
+  gradient accumulation each process feeds whole groups to every micro-batch: the micro-batches hold other prompts
+  than in the 1-process run, but the loss of the first step (before any update) and its gradient's norm are the
+  same (a group cut across processes or micro-batches would change the RLOO baselines and class weights, and so
+  the loss), and so is the update."""
   one, two = tmp_path / "one", tmp_path / "two"
-  run_one(one)
-  outs = run_two(two)
+  extra = ("--config.train.micro_batch_prompts=4",)
+  run_one(one, *extra)
+  outs = run_two(two, *extra)
   # Only process 0 logs; checkpoints are written collectively.
   assert "step     2" in outs[0] and "step     2" not in outs[1]
   for a, b in zip(final_params(str(one), 2), final_params(str(two), 2)):
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
   # Process 0's metrics cover the global batch, not just its own half.
-  for a, b in zip(metrics(one), metrics(two)):
+  rows_one, rows_two = metrics(one), metrics(two)
+  for a, b in zip(rows_one, rows_two):
     assert a["reward/mean"] == b["reward/mean"] and a["response_length/mean"] == b["response_length/mean"]
-
-
-@pytest.mark.slow
-def test_two_processes_micro_batches_hold_whole_groups(tmp_path):
-  """With gradient accumulation each process feeds whole groups to every micro-batch.
-
-  The micro-batches hold other prompts than in the 1-process run, but the loss of the first step (before
-  any update) and its gradient's norm are the same: a group cut across processes or micro-batches would
-  change the RLOO baselines and class weights, and so the loss.
-  """
-  one, two = tmp_path / "one", tmp_path / "two"
-  extra = ("--config.steps=1", "--config.train.micro_batch_prompts=4")
-  run_one(one, *extra)
-  run_two(two, *extra)
-  (a,), (b,) = metrics(one), metrics(two)
-  assert a["reward/mean"] == b["reward/mean"]
   for key in ("loss", "grad_norm", "pacs/score_mean", "pacs/weight_mean"):
-    np.testing.assert_allclose(b[key], a[key], rtol=1e-6, err_msg=key)
+    np.testing.assert_allclose(rows_two[0][key], rows_one[0][key], rtol=1e-6, err_msg=key)
 
 
 @pytest.mark.slow
