@@ -21,6 +21,8 @@ class Report:
   notes: list[str]
   # The update phase per step at length profiles, padded and packed (`aot.update_at_profiles`)
   profiles: list[dict] = dataclasses.field(default_factory=list)
+  # The rollout with its paged attention kernel at length profiles (`aot.rollout_at_profiles`)
+  rollout_costs: list = dataclasses.field(default_factory=list)
 
   def phase_total(self, phase: str) -> tuple[float, ProgramReport | None]:
     """(resident + the largest program's extra bytes, that program) of a phase."""
@@ -140,6 +142,7 @@ def format_report(report: Report) -> str:
                f"{model / 1e15:.2f} PFLOP")
   lines += kernel_lines(report)
   lines += profile_lines(report)
+  lines += rollout_lines(report)
   lines += [f"note: {n}" for n in report.notes]
   problems = report.problems()
   hbm = report.target.hbm_bytes
@@ -172,4 +175,20 @@ def profile_lines(report: Report) -> list[str]:
                  f"on average; real tokens {100 * p['real_share']:.1f}% of the padded rows): {p['merge']} micro-batches in "
                  f"{p['rows']} rows, {p['cycles'] / 1e9:.4g} G = {ratio:.3f}x padded, {ratio / p['real_share']:.2f}x the "
                  "real tokens' share")
+  return lines
+
+
+def rollout_lines(report: Report) -> list[str]:
+  """The rollout per step at each length profile: the compiler's decode time plus the paged kernel's reads, beside
+  the HBM roofline of the same work, in seconds and generated tokens per second per chip."""
+  if not report.rollout_costs:
+    return []
+  lines = [f"rollout per step by length profile (decode with its paged attention kernel, per {report.target.unit}):"]
+  sec = lambda x: f"{x:.2f} s" if x >= 0.1 else f"{x * 1e3:.3g} ms"
+  for c in report.rollout_costs:
+    lines.append(
+        f"  {c.profile}: {c.steps} decode steps ({c.mean_busy:.0f} slots busy on average), {sec(c.estimate_s)} = "
+        f"{sec(c.outside_s)} outside the kernel + {sec(c.kernel_s)} in it ({c.kernel_bytes / GB:.3g} GB of live KV "
+        f"rows); {c.tokens_per_s(c.estimate_s):,.0f} tokens/s per {report.target.unit}, roofline (weights and live KV "
+        f"once per step) {c.tokens_per_s(c.roofline_s):,.0f}: {c.estimate_s / c.roofline_s:.2f}x its time")
   return lines

@@ -86,6 +86,32 @@ def test_the_update_is_costed_padded_and_packed_at_max_and_rlvr(report):
   assert "update phase per step by length profile" in text and "packed at rlvr" in text
 
 
+def test_the_rollout_estimate_counts_the_paged_kernels_reads(report):
+  """Issue 42: the rollout per step at `max` and `rlvr` is the compiler's decode time outside the paged kernel plus the
+  live KV rows the kernel reads (which the compiler gives no time) at the HBM rate, beside its roofline."""
+  from pacs_jax.compile import length_profile, rollout_cost
+  report, cfg = report
+  costs = {c.profile: c for c in report.rollout_costs}
+  assert set(costs) == {"max", "rlvr"}
+  top = by_name(report, "decode")[-1]
+  for name, c in costs.items():
+    prompts, responses = length_profile.sample(length_profile.resolve(name), cfg.train.batch_prompts, cfg.rollout.n,
+                                               cfg.data.max_prompt_length, cfg.rollout.max_new_tokens, cfg.seed)
+    live, busy = rollout_cost.schedule(prompts, responses, cfg.rollout.slots)
+    assert c.steps == len(live) and c.tokens == responses.sum() and c.kernel_bytes > 0 and c.kernel_s > 0
+    assert c.outside_s == pytest.approx(c.steps * top.optimal_s / 16)  # 16 steps a call
+    assert c.estimate_s == c.outside_s + c.kernel_s and c.roofline_s < c.estimate_s
+    # The live rows' K and V, every layer, in the compute dtype (bf16), split over the 4 chips.
+    mc = config_lib.model_config(cfg)
+    assert c.kernel_bytes == pytest.approx(live.sum() * mc.num_hidden_layers * 2 * mc.num_key_value_heads *
+                                           mc.head_size * 2 / 4)
+  # Every slot busy at max (all responses as long), fewer at rlvr's mixed lengths; fewer steps.
+  assert costs["max"].mean_busy == cfg.rollout.slots and costs["rlvr"].steps < costs["max"].steps
+  text = aot.format_report(report)
+  line = next(l for l in text.splitlines() if l.strip().startswith("rlvr:") and "decode steps" in l)
+  assert "in it (" in line and "GB of live KV rows" in line and "roofline" in line
+
+
 def _compiler() -> dict:
   from importlib import metadata
   return {name: metadata.version(name) for name in ("jaxlib", "libtpu")}
