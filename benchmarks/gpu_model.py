@@ -16,6 +16,7 @@ Each phase runs in its own process so that the device's peak memory is the phase
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -147,6 +148,10 @@ def model_figures(policy, cfg) -> dict:
 
 
 def update_phase(cfg, repeats: int) -> dict:
+  # Every row full (random tokens, every mask 1): the padded rows, the worst case the MFU figures are for (packed rows
+  # at every response's max length cost 1.01x these: docs/tpu.md, "Length profiles").
+  cfg = copy.deepcopy(cfg)
+  cfg.train.packing = False
   mesh, state, policy, _, progs = setup(cfg)
   n_params = aot.matmul_params(policy)
   shapes = programs_lib.minibatch_shapes(cfg, mesh)
