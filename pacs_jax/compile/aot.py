@@ -298,7 +298,7 @@ def rollout_at_profiles(cfg: ml_collections.ConfigDict, tgt: Target, reports: li
   kv_per_token = pages.shape[0] * pages.shape[3] * pages.shape[4] * np.dtype(pages.dtype).itemsize
   n, P, R = cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
   out = []
-  for profile in dict.fromkeys([length_profile.MAX, length_profile.resolve(cfg.compile.length_profile or "max")]):
+  for profile in dict.fromkeys([length_profile.MAX, length_profile.resolve(cfg.compile.length_profile)]):
     prompts, responses = length_profile.sample(profile, cfg.train.batch_prompts, n, P, R, seed=cfg.seed)
     out.append(rollout_cost.cost(profile.name, prompts, responses, engine.max_concurrent_decodes, step_s,
                                  kv_per_token, rollout_weights, len(tgt.devices), rates[1]))
@@ -364,7 +364,7 @@ def update_at_profiles(cfg: ml_collections.ConfigDict, mesh, lora_base, reports:
   for profile in dict.fromkeys([length_profile.MAX, length_profile.resolve(cfg.compile.length_profile)]):
     rows = length_profile.step_rows(profile, layout, batch_rows, cfg.rollout.n, seed=cfg.seed)
     top = rows.rows == layout.row_ladder[-1] and rows.merge == 1
-    cycles = own if (cfg.train.packing and top and programs_lib.row_tokens(cfg) == layout.row_tokens) else \
+    cycles = own if (cfg.train.packing and top) else \
         update_cycles(update_programs(packed_cfg, mesh, lora_base, rows.rows, log, rows.merge))
     out.append({"profile": profile.name, "layout": "packed", "rows": rows.rows, "merge": rows.merge,
                 "real_share": rows.real_share,

@@ -16,11 +16,12 @@ cap exactly at R, the rest from a gamma of shape 2 with the mean that makes the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import numpy as np
 
+from pacs_jax import paths
+from pacs_jax.services import metrics
 from pacs_jax.trainer import sequence_packing
 
 PROFILES = ("max", "rlvr")
@@ -49,11 +50,9 @@ def resolve(value: str) -> LengthProfile:
     return MAX
   if value == "rlvr":
     return RLVR
-  if not os.path.exists(value):
+  if not paths.exists(value):
     raise ValueError(f"compile.length_profile: {value!r} is neither one of {PROFILES} nor a metrics.jsonl file")
-  with open(value) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  rows = [r for r in rows if "response_length/mean" in r][-50:]
+  rows = [r for r in metrics.read_rows(value) if "response_length/mean" in r][-50:]
   if not rows:
     raise ValueError(f"compile.length_profile: {value} has no row with response_length/mean")
   mean = float(np.mean([r["response_length/mean"] for r in rows]))
@@ -100,8 +99,7 @@ def step_rows(profile: LengthProfile, layout, batch_rows: int, n: int, seed: int
   prompts, responses = sample(profile, batch_rows // n, n, P, R, seed)
   lengths = prompts + responses
   ladder = layout.row_ladder or sequence_packing.ladder(m, 1, 8)
-  needed = {f: max(sequence_packing.place(lengths[i:i + f * m], T)[2] for i in range(0, batch_rows, f * m))
-            for f in sequence_packing.merges(layout.k)}
+  needed = sequence_packing.rows_by_merge(lengths, m, layout.k, T)
   merge, rows = sequence_packing.choose(needed, ladder[-1], ladder)
   padded_tokens = float(batch_rows * (P + R))
   return StepRows(profile, rows, merge, float(lengths.sum()) / padded_tokens,

@@ -106,8 +106,8 @@ def to_minibatches(rollout: PackedRollout, layout: batch_lib.BatchLayout, mesh,
   arrays = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "loss_mask": rollout.loss_mask,
             "rewards": rollout.rewards, **rollout.extra, **behaviour}
   if layout.packed:
-    arrays, k = packed_rows(arrays, layout, num_minibatches)
-    return split_rows(layout.merged(layout.k // k).host_rows(arrays), k, mesh, num_minibatches)
+    arrays, k = packed_rows(arrays, layout, num_minibatches)  # k: packed micro-batches (merging changes no row shape)
+    return split_rows(layout.host_rows(arrays), k, mesh, num_minibatches)
   return split_rows(layout.host_rows(arrays), layout.k, mesh, num_minibatches)
 
 
@@ -120,10 +120,9 @@ def packed_rows(arrays: dict[str, np.ndarray], layout: batch_lib.BatchLayout,
   read of them)."""
   ids, mask = arrays["input_ids"], arrays["attention_mask"]
   R, T = layout.R, layout.row_tokens
-  chunks = num_minibatches * layout.k
-  m_local = ids.shape[0] // chunks
-  masks = [mask[c * m_local:(c + 1) * m_local] for c in range(chunks)]
-  needed = sequence_packing.rows_by_merge(masks, layout.k, R, T)
+  m_local = ids.shape[0] // (num_minibatches * layout.k)
+  prompt, response = sequence_packing.sequence_spans(mask, R)
+  needed = sequence_packing.rows_by_merge(prompt + response, m_local, layout.k, T)
   processes = jax.process_count()
   merges = sorted(needed)
   agreed = multihost.gather_rows(np.asarray([[needed[f] for f in merges]], np.int64)).max(axis=0)  # every process's

@@ -74,14 +74,11 @@ def merges(k: int) -> tuple[int, ...]:
   return tuple(f for f in (2 ** i for i in range(k.bit_length() - 1, -1, -1)) if k % f == 0)
 
 
-def rows_by_merge(masks: list[np.ndarray], k: int, R: int, T: int) -> dict[int, int]:
-  """{f: the most packed rows any merged micro-batch takes} for each merge f of `merges(k)`: micro-batches
-  (`masks`, the padded attention masks of a step's micro-batches in order, k per mini-batch) taken f at a time,
-  never across a mini-batch."""
-  out = {}
-  for f in merges(k):
-    out[f] = max(rows_needed(np.concatenate(masks[i:i + f]), R, T) for i in range(0, len(masks), f))
-  return out
+def rows_by_merge(lengths: np.ndarray, m: int, k: int, T: int) -> dict[int, int]:
+  """{f: the most packed rows any merged micro-batch takes} for each merge f of `merges(k)`: a step's sequences
+  (`lengths`, prompt + response tokens of each row in order) in micro-batches of m rows, k a mini-batch, taken f at
+  a time (never across a mini-batch)."""
+  return {f: max(place(lengths[i:i + f * m], T)[2] for i in range(0, len(lengths), f * m)) for f in merges(k)}
 
 
 def choose(needed: dict[int, int], budget: int, rungs: tuple[int, ...]) -> tuple[int, int]:
