@@ -103,6 +103,7 @@ class BatchLayout:
   row_tokens: int = 0  # T: packed rows' length; 0 = the padded layout
   row_ladder: tuple[int, ...] = ()  # the packed row counts b compiled for (`sequence_packing.ladder`)
   packed_rows: int = 0  # b of `abstract` (default: the ladder's top, every sequence in a row of its own)
+  group: int = 1  # n: rows of one prompt's group (consecutive), which a packed micro-batch keeps whole
 
   def __post_init__(self):  # (an algorithm's `extra_fields` may not reuse a name)
     names = [f.name for f in self.fields]
@@ -118,7 +119,7 @@ class BatchLayout:
     if row_tokens:
       fields = tuple(fields) + PACKED_FIELDS
     return cls(tuple(fields), k, m, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens, row_tokens,
-               tuple(row_ladder))
+               tuple(row_ladder), group=cfg.rollout.n)
 
   @property
   def packed(self) -> bool:

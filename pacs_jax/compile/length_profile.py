@@ -99,7 +99,7 @@ def step_rows(profile: LengthProfile, layout, batch_rows: int, n: int, seed: int
   prompts, responses = sample(profile, batch_rows // n, n, P, R, seed)
   lengths = prompts + responses
   ladder = layout.row_ladder or sequence_packing.ladder(m, 1, 8)
-  needed = sequence_packing.rows_by_merge(lengths, m, layout.k, T)
+  needed = sequence_packing.rows_by_merge(lengths, n, m, layout.k, T)
   merge, rows = sequence_packing.choose(needed, ladder[-1], ladder)
   padded_tokens = float(batch_rows * (P + R))
   return StepRows(profile, rows, merge, float(lengths.sum()) / padded_tokens,

@@ -98,40 +98,66 @@ def behaviour_logprobs(completions: list[rollout_interface.Completion], R: int) 
   return out
 
 
-def to_minibatches(rollout: PackedRollout, layout: batch_lib.BatchLayout, mesh,
-                   num_minibatches: int) -> list[batch_lib.Batch]:
+def to_minibatches(rollout: PackedRollout, layout: batch_lib.BatchLayout, mesh, num_minibatches: int,
+                   plan: tuple[int, int] | None = None) -> list[batch_lib.Batch]:
   """Splits local rows into mini-batches of whole groups: the `layout`'s host fields [k, m, ...] each, as global
-  arrays over (data, fsdp)."""
+  arrays over (data, fsdp). Packed, the rows must be in `arrange`'s order with its `plan` (f, b); without one they
+  are arranged here (the mini-batches then hold the rows in that order)."""
+  if layout.packed and plan is None:
+    rollout, plan = arrange(rollout, layout, num_minibatches)
   behaviour = {} if rollout.behaviour_logprobs is None else {"behaviour_logprobs": rollout.behaviour_logprobs}
   arrays = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "loss_mask": rollout.loss_mask,
             "rewards": rollout.rewards, **rollout.extra, **behaviour}
   if layout.packed:
-    arrays, k = packed_rows(arrays, layout, num_minibatches)  # k: packed micro-batches (merging changes no row shape)
+    arrays, k = packed_rows(arrays, layout, num_minibatches, *plan)  # k: packed micro-batches (merging changes no row shape)
     return split_rows(layout.host_rows(arrays), k, mesh, num_minibatches)
   return split_rows(layout.host_rows(arrays), layout.k, mesh, num_minibatches)
 
 
-def packed_rows(arrays: dict[str, np.ndarray], layout: batch_lib.BatchLayout,
-                num_minibatches: int) -> tuple[dict[str, np.ndarray], int]:
-  """(the host rows of a packed layout, k' packed micro-batches per mini-batch): the step's micro-batches taken f at
-  a time (the most that fit the row budget, `sequence_packing.choose`), each one's sequences packed into b rows of
-  T tokens (`sequence_packing.pack`; `batch.PACKED_FIELDS`, [micro-batches * b local rows, T] and [rows, R]), f and b
-  the same on every process, and input_ids / attention_mask cut to their last 1 + R columns (what the objectives
-  read of them)."""
-  ids, mask = arrays["input_ids"], arrays["attention_mask"]
-  R, T = layout.R, layout.row_tokens
-  m_local = ids.shape[0] // (num_minibatches * layout.k)
-  prompt, response = sequence_packing.sequence_spans(mask, R)
-  needed = sequence_packing.rows_by_merge(prompt + response, m_local, layout.k, T)
+def arrange(rollout: PackedRollout, layout: batch_lib.BatchLayout, num_minibatches: int
+            ) -> tuple[PackedRollout, tuple[int, int] | None]:
+  """A packed layout's plan for this step: (the rollout's rows in the order they pack, (f, b)): f of the step's
+  micro-batches taken at a time (the most that fit the row budget, `sequence_packing.choose`), their groups dealt
+  so each packed micro-batch holds about the same tokens (`sequence_packing.balanced_order`; a group never leaves
+  its mini-batch), b rows each (the smallest rung that holds every one), f and b agreed over the processes
+  (each deals its own rows). The padded layout: (the rollout as it is, None)."""
+  if not layout.packed:
+    return rollout, None
+  R, T, n = layout.R, layout.row_tokens, layout.group
+  m_local = rollout.input_ids.shape[0] // (num_minibatches * layout.k)
+  prompt, response = sequence_packing.sequence_spans(rollout.attention_mask, R)
+  lengths = prompt + response
+  needed = sequence_packing.rows_by_merge(lengths, n, m_local, layout.k, T)
   processes = jax.process_count()
   merges = sorted(needed)
   agreed = multihost.gather_rows(np.asarray([[needed[f] for f in merges]], np.int64)).max(axis=0)  # every process's
-  f, b = sequence_packing.choose({f: int(n) * processes for f, n in zip(merges, agreed)}, layout.row_ladder[-1],
+  f, b = sequence_packing.choose({f: int(rows) * processes for f, rows in zip(merges, agreed)}, layout.row_ladder[-1],
                                  layout.row_ladder)
-  b //= processes
-  rows = m_local * f
-  parts = [sequence_packing.pack(ids[s:s + rows], mask[s:s + rows], R, T, b, pad_id=0,
-                                 row_offset=jax.process_index() * b) for s in range(0, ids.shape[0], rows)]
+  order = sequence_packing.balanced_order(lengths, n, m_local, layout.k, f)
+  return take(rollout, order), (f, b // processes)
+
+
+def take(rollout: PackedRollout, order: np.ndarray) -> PackedRollout:
+  """The rollout's rows in `order` (every per-row field; itself if `order` is the identity)."""
+  if np.array_equal(order, np.arange(len(order))):
+    return rollout
+  rows = lambda a: None if a is None else (np.asarray(a)[order] if isinstance(a, np.ndarray) else [a[i] for i in order])
+  return dataclasses.replace(
+      rollout, **{f.name: rows(getattr(rollout, f.name)) for f in dataclasses.fields(rollout) if f.name != "extra"},
+      extra={name: a[order] for name, a in rollout.extra.items()})
+
+
+def packed_rows(arrays: dict[str, np.ndarray], layout: batch_lib.BatchLayout, num_minibatches: int, f: int,
+                b: int) -> tuple[dict[str, np.ndarray], int]:
+  """(the host rows of a packed layout, k' = k / f packed micro-batches per mini-batch): the local rows (in
+  `arrange`'s order) taken f x m at a time, each such micro-batch's sequences packed into this process's b rows of
+  T tokens (`sequence_packing.pack`; `batch.PACKED_FIELDS`, [micro-batches * b local rows, T] and [rows, R]), and
+  input_ids / attention_mask cut to their last 1 + R columns (what the objectives read of them)."""
+  ids, mask = arrays["input_ids"], arrays["attention_mask"]
+  R, T = layout.R, layout.row_tokens
+  per_packed = ids.shape[0] // (num_minibatches * layout.k) * f  # local rows of one packed micro-batch
+  parts = [sequence_packing.pack(ids[s:s + per_packed], mask[s:s + per_packed], R, T, b, pad_id=0,
+                                 row_offset=jax.process_index() * b) for s in range(0, ids.shape[0], per_packed)]
   out = dict(arrays, input_ids=ids[:, -(R + 1):], attention_mask=mask[:, -(R + 1):])
   for name in parts[0]:
     out[name] = np.concatenate([p[name] for p in parts])

@@ -13,8 +13,8 @@ The number of packed rows b is a rung of a small fixed ladder (`ladder`) up to a
 micro-batch's m rows, so packing never holds more than the padded layout), the same for every micro-batch of a step
 and every process, so the compiled programs take a handful of shapes, each compiled once. Where the sequences are
 short, one packed micro-batch takes several padded ones (`merges`: a token budget, as verl's dynamic batch size),
-whole prompt groups still; the gradient accumulation weighs micro-batches exactly, so any split gives the same
-update.
+whole prompt groups still, dealt so that the merged micro-batches hold about the same tokens (`balanced_order`);
+the gradient accumulation weighs micro-batches exactly, so any split gives the same update.
 
 Shapes: m responses of a micro-batch, L = P + R tokens of the padded layout (prompt left-padded to P, response
 right-padded to R), b packed rows of T tokens.
@@ -74,11 +74,42 @@ def merges(k: int) -> tuple[int, ...]:
   return tuple(f for f in (2 ** i for i in range(k.bit_length() - 1, -1, -1)) if k % f == 0)
 
 
-def rows_by_merge(lengths: np.ndarray, m: int, k: int, T: int) -> dict[int, int]:
+def balanced_order(lengths: np.ndarray, n: int, m: int, k: int, f: int) -> np.ndarray:
+  """The row order [rows] that merges f micro-batches at a time: each mini-batch's (k micro-batches of m rows)
+  groups of n rows dealt to its k / f packed micro-batches, the same number of groups in each, the longest group
+  (prompt + response tokens) first into the one holding the fewest tokens so far (verl's balanced partitions for
+  its dynamic batch size, with equal counts: every packed micro-batch keeps f x m responses), in their own order
+  within each. A group never leaves its mini-batch, so the update is the same; the packed micro-batches need
+  about the same rows, so the step's rung (their most) wastes less. f = 1 keeps each padded micro-batch's own
+  groups (an unmerged packed update is the padded one micro-batch by micro-batch, its metrics too), as does
+  f = k (one packed micro-batch) or groups that straddle micro-batches (m not a multiple of n)."""
+  order = np.arange(len(lengths))
+  bins = k // f
+  if f == 1 or bins == 1 or m % n:
+    return order
+  per_bin = f * m // n  # groups in each packed micro-batch
+  for start in range(0, len(lengths), k * m):
+    tokens = lengths[start:start + k * m].reshape(-1, n).sum(axis=1)  # [groups of the mini-batch]
+    held, members = np.zeros(bins), [[] for _ in range(bins)]
+    for g in np.argsort(-tokens, kind="stable"):
+      open_bins = [b for b in range(bins) if len(members[b]) < per_bin]
+      b = min(open_bins, key=lambda b: held[b])
+      held[b] += tokens[g]
+      members[b].append(g)
+    groups = np.concatenate([sorted(b) for b in members])
+    order[start:start + k * m] = start + (groups[:, None] * n + np.arange(n)).reshape(-1)
+  return order
+
+
+def rows_by_merge(lengths: np.ndarray, n: int, m: int, k: int, T: int) -> dict[int, int]:
   """{f: the most packed rows any merged micro-batch takes} for each merge f of `merges(k)`: a step's sequences
-  (`lengths`, prompt + response tokens of each row in order) in micro-batches of m rows, k a mini-batch, taken f at
-  a time (never across a mini-batch)."""
-  return {f: max(place(lengths[i:i + f * m], T)[2] for i in range(0, len(lengths), f * m)) for f in merges(k)}
+  (`lengths`, prompt + response tokens of each row, groups of n rows in order) in micro-batches of m rows, k a
+  mini-batch, taken f at a time in `balanced_order` (never across a mini-batch)."""
+  out = {}
+  for f in merges(k):
+    ordered = lengths[balanced_order(lengths, n, m, k, f)]
+    out[f] = max(place(ordered[i:i + f * m], T)[2] for i in range(0, len(lengths), f * m))
+  return out
 
 
 def choose(needed: dict[int, int], budget: int, rungs: tuple[int, ...]) -> tuple[int, int]:

@@ -101,7 +101,8 @@ def update(programs: programs_lib.Programs, state: state_lib.TrainState, ref_par
   old, ref, values = batch_lib.OLD_LOGPROBS.name, batch_lib.REF_LOGPROBS.name, batch_lib.OLD_VALUES.name
   passes = layout.names(batch_lib.PASS)
   with jax.set_mesh(mesh):
-    minibatches = packing.to_minibatches(packed, layout, mesh, num_minibatches)
+    packed, plan = packing.arrange(packed, layout, num_minibatches)  # packed: rows in the order they pack
+    minibatches = packing.to_minibatches(packed, layout, mesh, num_minibatches, plan)
     behaviour = None
     if ref in passes and ref_params is None:  # per micro-batch as packed (several padded ones may be one packed one)
       behaviour = packing.rollout_reference(packed, minibatches[0]["loss_mask"].shape[0], mesh, num_minibatches)

@@ -42,7 +42,12 @@ CASES = {
     # still the padded two's.
     "pacs_merged": ("pacs", {"train.packing_rows": ROWS}),
     "ppo_merged": ("ppo", {"train.packing_rows": ROWS}),
+    # Four micro-batches of one group, packed two at a time: the groups dealt to balance the two packed ones' tokens
+    # (`sequence_packing.balanced_order`), not in their order.
+    "grpo_merged_balanced": ("grpo", {"train.micro_batch_prompts": 1, "train.packing_rows": 2 * N}),
 }
+MICRO_BATCHES = {"pacs_merged": 1, "ppo_merged": 1}  # packed micro-batches of the step's one mini-batch (else 2)
+BATCH_SHARDS = {"grpo_merged_balanced": 4}  # a micro-batch of one group's 4 rows over 4 devices (else 8)
 
 
 def rollout_rows(seed=0):
@@ -81,14 +86,17 @@ def config(name, overrides, packed):
 
 
 def minibatch(cfg, mesh):
-  """The step's one mini-batch through the host path (`packing.to_minibatches`)."""
+  """(The step's one mini-batch through the host path (`packing.arrange`, `packing.to_minibatches`), its layout,
+  its rows' order: the rollout's row of each)."""
   input_ids, attention, response_mask, rewards = rollout_rows()
   objective = algorithms.bind(cfg)
   rollout = packing.PackedRollout(input_ids, attention, response_mask, rewards, ["a"] * ROWS, ["stop"] * ROWS,
                                   extra=objective.host_inputs(input_ids, attention, R),
-                                  behaviour_logprobs=np.zeros((ROWS, R), np.float32))
+                                  behaviour_logprobs=np.zeros((ROWS, R), np.float32),
+                                  scores=np.arange(ROWS, dtype=np.float32))  # each row's own number
   layout = programs_lib.batch_layout(cfg, mesh)
-  return packing.to_minibatches(rollout, layout, mesh, 1)[0], layout
+  arranged, plan = packing.arrange(rollout, layout, 1)
+  return packing.to_minibatches(arranged, layout, mesh, 1, plan)[0], layout, arranged.scores.astype(int)
 
 
 @functools.cache
@@ -112,7 +120,7 @@ def run(cfg, mesh):
                                rng=state_lib.initial_rng(0), critic_params=critic_params,
                                critic_opt_state=sgd.init(critic_params) if critic_params is not None else None)
   with jax.set_mesh(mesh):
-    mb, layout = minibatch(cfg, mesh)
+    mb, layout, order = minibatch(cfg, mesh)
     assert (objective.temperature, objective.logits_chunk) == (1.0, 4)
     old = logprob_program(graphdef, objective.logprob_targets(mb) is not None)(params, mb)
     mb["old_logprobs"] = old
@@ -131,7 +139,7 @@ def run(cfg, mesh):
     grads = jax.tree.map(lambda a, b: np.asarray(a - b), params, new_state.params)
     if critic_params is not None:
       grads = (grads, jax.tree.map(lambda a, b: np.asarray(a - b), critic_params, new_state.critic_params))
-  return np.asarray(old), None if values is None else np.asarray(values), jax.device_get(metrics), grads
+  return np.asarray(old), None if values is None else np.asarray(values), jax.device_get(metrics), grads, order
 
 
 @pytest.fixture(scope="module")
@@ -142,13 +150,22 @@ def mesh():
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_packed_rows_give_the_padded_logprobs_losses_and_gradients(case, mesh):
   name, overrides = CASES[case]
+  if case in BATCH_SHARDS:
+    mesh = sharding.make_mesh(data=1, fsdp=BATCH_SHARDS[case], devices=jax.devices()[:BATCH_SHARDS[case]])
   padded = run(config(name, overrides, False), mesh)
   packed = run(config(name, overrides, True), mesh)
   _, attention, response_mask, _ = rollout_rows()
-  assert packed[0].shape[0] == (1 if "merged" in case else 2)  # micro-batches: 2 padded ones, packed as one
+  assert packed[0].shape[0] == MICRO_BATCHES.get(case, 2)  # packed micro-batches
+  order = packed[4]  # the rollout's row of each packed row: groups whole, dealt over the packed micro-batches
+  assert np.array_equal(padded[4], np.arange(ROWS)) and sorted(order) == list(range(ROWS))
+  assert ("balanced" in case) == (not np.array_equal(order, np.arange(ROWS)))
+  assert np.all(order.reshape(GROUPS, N) // N == order.reshape(GROUPS, N)[:, :1] // N)
   # Every position an objective reads: the response, and the one after it (verl's padding term, PPO's values).
-  read = np.concatenate([np.ones((ROWS, 1)), response_mask[:, :-1]], axis=1) > 0
+  read = (np.concatenate([np.ones((ROWS, 1)), response_mask[:, :-1]], axis=1) > 0)[order]
   rows = lambda x: x.reshape(ROWS, R)
+  padded = (padded[0].reshape(ROWS, R)[order],) + tuple(padded[1:])
+  if padded[1] is not None:
+    padded = (padded[0], padded[1].reshape(ROWS, R)[order]) + padded[2:]
   np.testing.assert_allclose(rows(packed[0])[read], rows(padded[0])[read], atol=1e-5, rtol=0)
   assert np.all(rows(packed[0])[~read] == 0)  # nothing is computed past a response
   if padded[1] is not None:
@@ -194,3 +211,13 @@ def test_the_ladder_is_few_sizes_in_multiples_of_the_shards_and_merges_fill_the_
   assert sequence_packing.merges(8) == (8, 4, 2, 1) and sequence_packing.merges(6) == (2, 1)
   assert sequence_packing.choose({1: 8, 2: 15, 4: 30}, 16, (4, 8, 12, 16)) == (2, 16)
   assert sequence_packing.choose({1: 3, 2: 5}, 16, (4, 8, 12, 16)) == (2, 8)
+
+
+def test_merged_micro_batches_get_groups_dealt_by_their_tokens():
+  # Groups of 2 rows, one per padded micro-batch, 4 of them in a mini-batch: two long groups, then two short ones.
+  lengths = np.asarray([10, 10, 10, 10, 1, 1, 1, 1])
+  order = sequence_packing.balanced_order(lengths, n=2, m=2, k=4, f=2)
+  assert list(order) == [0, 1, 4, 5, 2, 3, 6, 7]  # a long and a short group in each packed micro-batch
+  assert sequence_packing.rows_by_merge(lengths, 2, 2, 4, T=22) == {4: 2, 2: 1, 1: 1}  # in order, f = 2 takes 2
+  for f in (1, 4):  # a padded micro-batch's own groups; one packed micro-batch: nothing to deal
+    assert list(sequence_packing.balanced_order(lengths, 2, 2, 4, f)) == list(range(8))
