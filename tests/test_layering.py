@@ -28,6 +28,7 @@ LAYERS = {
     "pacs_jax.rewards": 1,  # verifiers: import neither models nor train
     "pacs_jax.data": 2,  # records, prompts, the Grain pipeline (the synthetic tasks' verifier is in rewards)
     "pacs_jax.models": 3,
+    "pacs_jax.envs": 3,  # tool-integrated RL: the sandbox, conversations (over data rows, scored by rewards)
     "pacs_jax.rollout": 4,
     "pacs_jax.algos": 4,
     "pacs_jax.config": 5,  # the run config: its enums come from algos, run -> model config uses models
