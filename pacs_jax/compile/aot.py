@@ -280,7 +280,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
   if group != "rollout" and cfg.compile.length_profile:
     profiles = update_at_profiles(cfg, mesh, lora_base, reports, log)
   return Report(config_name="", target=tgt, mesh_shape=dict(mesh.shape), programs=reports, resident=resident,
-                notes=notes, profiles=profiles, rollout_costs=rollout_costs)
+                notes=notes, profiles=profiles, rollout_costs=rollout_costs, packed=bool(cfg.train.packing))
 
 
 def rollout_at_profiles(cfg: ml_collections.ConfigDict, tgt: Target, reports: list[ProgramReport], decode_state,
@@ -352,7 +352,9 @@ def update_at_profiles(cfg: ml_collections.ConfigDict, mesh, lora_base, reports:
                        log: Callable[[str], None]) -> list[dict]:
   """The update phase per step (estimated cycles per chip) padded, and packed at `max` and at the config's
   `compile.length_profile`: [{profile, layout, rows, real_share, packed_share, cycles, mean_prompt,
-  mean_response}]. The run's own programs (`reports`) are one of them."""
+  mean_response, seconds, run}]: `seconds` the run's update phase's compiler time scaled by the cycles, `run` the
+  entries of the run's own layout (padded, or packed at each profile). The run's own programs (`reports`) are one
+  of them."""
   padded_cfg, packed_cfg = copy.deepcopy(cfg), copy.deepcopy(cfg)
   padded_cfg.train.packing, packed_cfg.train.packing = False, True
   layout = programs_lib.batch_layout(packed_cfg, mesh)
@@ -370,6 +372,10 @@ def update_at_profiles(cfg: ml_collections.ConfigDict, mesh, lora_base, reports:
                 "real_share": rows.real_share,
                 "packed_share": rows.packed_share, "cycles": cycles, "mean_prompt": rows.mean_prompt,
                 "mean_response": rows.mean_response})
+  seconds = sum(p.calls * (p.optimal_s or 0.0) for p in reports if p.phase == "update")  # the run's update phase
+  for entry in out:
+    entry["seconds"] = seconds * entry["cycles"] / own if own else None
+    entry["run"] = (entry["layout"] == "packed") == bool(cfg.train.packing)
   return out
 
 

@@ -23,6 +23,7 @@ class Report:
   profiles: list[dict] = dataclasses.field(default_factory=list)
   # The rollout with its paged attention kernel at length profiles (`aot.rollout_at_profiles`)
   rollout_costs: list = dataclasses.field(default_factory=list)
+  packed: bool = False  # the run's update runs packed rows (`train.packing`): its cost follows the profile
 
   def phase_total(self, phase: str) -> tuple[float, ProgramReport | None]:
     """(resident + the largest program's extra bytes, that program) of a phase."""
@@ -143,6 +144,7 @@ def format_report(report: Report) -> str:
   lines += kernel_lines(report)
   lines += profile_lines(report)
   lines += rollout_lines(report)
+  lines += rl_step_lines(rl_step_estimates(report), shared=True)
   lines += [f"note: {n}" for n in report.notes]
   problems = report.problems()
   hbm = report.target.hbm_bytes
@@ -191,4 +193,45 @@ def rollout_lines(report: Report) -> list[str]:
         f"{sec(c.outside_s)} outside the kernel + {sec(c.kernel_s)} in it ({c.kernel_bytes / GB:.3g} GB of live KV "
         f"rows); {c.tokens_per_s(c.estimate_s):,.0f} tokens/s per {report.target.unit}, roofline (weights and live KV "
         f"once per step) {c.tokens_per_s(c.roofline_s):,.0f}: {c.estimate_s / c.roofline_s:.2f}x its time")
+  return lines
+
+
+def rl_step_estimates(trainer: Report, rollout: Report | None = None, push_s: float = 0.0) -> list[dict]:
+  """The whole RL step per length profile, estimated seconds: [{profile, update_s, rollout_s, sync_s,
+  overlapped_s}]. The update: the run's update phase (padded, or packed at the profile as the run packs) at its
+  compiler time scaled by its estimated cycles (`profiles`); the rollout: the decode with its paged kernel
+  (`rollout_costs`) plus the rollout's other programs (prefill, insert, ...) at their compiler times. `rollout`
+  None: one slice runs both phases in turn (sync; one_step_off there is about the same, the rollout's host work
+  beside the update its only gain), overlapped None; else the split's rollout group, the next rollout and its
+  weight push (`push_s`) beside the update. [] where a figure is missing (a GPU compiled for without one, a packed
+  update without `compile.length_profile`)."""
+  source = rollout or trainer
+  other = step_seconds(source, "rollout") - step_seconds(source, "rollout", "decode")
+  updates = {p["profile"]: p["seconds"] for p in trainer.profiles if p.get("run") and p.get("seconds")}
+  padded = None if trainer.packed else step_seconds(trainer, "update")  # the same at every profile
+  out = []
+  for cost in source.rollout_costs:
+    update = updates.get(cost.profile, padded)
+    if update is None:
+      continue
+    sample = cost.estimate_s + other
+    out.append({"profile": cost.profile, "update_s": update, "rollout_s": sample,
+                "sync_s": sample + push_s + update,
+                "overlapped_s": None if rollout is None else max(sample + push_s, update)})
+  return out
+
+
+def rl_step_lines(estimates: list[dict], shared: bool) -> list[str]:
+  if not estimates:
+    return []
+  if shared:
+    return ["whole RL step by length profile (estimated seconds; sync, and one_step_off on these chips about the "
+            "same):"] + [f"  {e['profile']}: update {e['update_s']:.1f} + rollout {e['rollout_s']:.1f} = "
+                         f"{e['sync_s']:.1f} s" for e in estimates]
+  lines = ["whole RL step by length profile (estimated seconds; rollout with its paged kernel, update at the "
+           "profile's rows):", f"  {'profile':<12}{'update s':>10}{'rollout s':>11}{'sync s':>9}{'overlapped s':>14}"
+           f"{'gain':>7}"]
+  for e in estimates:
+    lines.append(f"  {e['profile']:<12}{e['update_s']:>10.1f}{e['rollout_s']:>11.1f}{e['sync_s']:>9.1f}"
+                 f"{e['overlapped_s']:>14.1f}{e['sync_s'] / e['overlapped_s']:>6.2f}x")
   return lines

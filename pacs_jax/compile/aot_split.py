@@ -22,7 +22,7 @@ import dataclasses
 import ml_collections
 
 from pacs_jax import sharding
-from pacs_jax.compile import aot
+from pacs_jax.compile import aot, aot_report
 from pacs_jax.compile.aot_measure import GB
 from pacs_jax.compile.aot_report import Report, format_report, step_seconds
 from pacs_jax.compile.target import Target, TargetUnavailable, target
@@ -50,6 +50,10 @@ class SplitReport:
     """The rollout's optimal seconds with responses a mean `fraction` of max_new_tokens long (module docstring)."""
     decode = step_seconds(self.rollout, "rollout", "decode")
     return step_seconds(self.rollout, "rollout") - decode + decode * max(fraction, 1.0 / self.waves)
+
+  def estimates(self) -> list[dict]:
+    """The whole RL step at the length profiles (`aot_report.rl_step_estimates`): the rollout with its kernel."""
+    return aot_report.rl_step_estimates(self.trainer, self.rollout, self.push_s or 0.0)
 
   def step_s(self, fraction: float = 1.0) -> tuple[float, float]:
     """(sync, overlapped) optimal seconds per step."""
@@ -103,6 +107,7 @@ def format_split(report: SplitReport, num_processes: int) -> str:
     label = "every one at max (worst case)" if fraction == 1.0 else f"{fraction:g} (floor: 1 of {report.waves} waves)"
     lines.append(f"  {label:<40}{report.rollout_s(fraction):>10.1f}{sync:>9.1f}{overlapped:>14.1f}"
                  f"{sync / overlapped:>6.2f}x")
+  lines += aot_report.rl_step_lines(report.estimates(), shared=False)
   why = placement.process_layout(report.trainer.target.devices, report.rollout.target.devices)
   if why:
     lines.append(f"note: training on this split is refused ({num_processes} hosts): {why}")

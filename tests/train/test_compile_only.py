@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from pacs_jax import config as config_lib
-from pacs_jax.compile import aot
+from pacs_jax.compile import aot, aot_report
+from pacs_jax.compile.aot_report import step_seconds
 from pacs_jax.trainer import loop, packing as batching
 from pacs_jax.trainer import programs as programs_lib
 from tests.compile_report import assert_every_program_compiled, by_name
@@ -84,6 +85,14 @@ def test_the_update_is_costed_padded_and_packed_at_max_and_rlvr(report):
   assert 0.9 * padded["cycles"] < at_max["cycles"] < 1.1 * padded["cycles"]
   text = aot.format_report(report)
   assert "update phase per step by length profile" in text and "packed at rlvr" in text
+  # The whole RL step at each profile (the run is padded: its update the padded one's time at both).
+  assert padded["run"] and not rlvr["run"] and padded["seconds"] == pytest.approx(step_seconds(report, "update"))
+  steps = {e["profile"]: e for e in aot_report.rl_step_estimates(report)}
+  assert set(steps) == {"max", "rlvr"} and steps["rlvr"]["rollout_s"] < steps["max"]["rollout_s"]
+  for e in steps.values():
+    assert e["update_s"] == pytest.approx(padded["seconds"]) and e["sync_s"] == pytest.approx(e["update_s"] + e["rollout_s"])
+    assert e["overlapped_s"] is None
+  assert "whole RL step by length profile" in text
 
 
 def test_the_rollout_estimate_counts_the_paged_kernels_reads(report):

@@ -54,6 +54,14 @@ def test_the_step_estimates_add_up(split_report):
   assert report.rollout_s(0.5) < rollout and report.rollout_s(0.25) == pytest.approx(report.rollout_s(0.5))
   text = split.format_split(report, num_processes=1)
   assert "every one at max (worst case)" in text and "both groups fit" in text
+  # At the length profiles (issue 42; here `max` alone, compile.length_profile ""): the rollout group's decode
+  # with its kernel, the trainer's padded update.
+  steps = {e["profile"]: e for e in report.estimates()}
+  assert set(steps) == {"max"} and steps["max"]["rollout_s"] > rollout - step_seconds(report.rollout, "rollout", "decode")
+  for e in steps.values():
+    assert e["update_s"] == pytest.approx(update) and e["sync_s"] == pytest.approx(e["rollout_s"] + push + update)
+    assert e["overlapped_s"] == pytest.approx(max(e["rollout_s"] + push, update))
+  assert "whole RL step by length profile" in text
 
 
 def test_compile_only_on_a_split_prints_the_groups_and_the_estimates(tiny_tpu_config, tmp_path):  # noqa: F811
