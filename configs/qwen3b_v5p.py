@@ -17,6 +17,11 @@ def get_config(algorithm: str = "pacs"):
   c.mesh.fsdp = 16  # weights and Adam state sharded 16 ways, batch rows over fsdp
   c.mesh.tensor = 2  # 16 query / 2 kv heads split over 2 chips: halves attention and KV cache per chip
   c.train.micro_batch_prompts = 8  # 64 rows of 4,608 tokens per micro-batch = 4 rows per fsdp shard; 1 prompt per host
+  # Packed rows (released: `packing`): up to 80 rows, 5 per fsdp shard, where a padded micro-batch takes 64. The
+  # row quantum is one 4,608-token row per shard (16 rows), so at 64 two merged micro-batches of long-tailed
+  # responses (30% real tokens) take 48 of 128 rows; at 80, four take 80 of 256 (31%: 1.06x the real
+  # tokens' share at the `rlvr` profile, docs/tpu.md "Length profiles").
+  c.train.packing_rows = 80
   # Splash attention (attention_impl "auto" on TPU) and no matmul re-run in the backward pass: the compiled
   # train step does 1.17x (1.56x with XLA attention) the model's 6N FLOPs per token,
   # 32.9 GB per chip at its peak (docs/benchmarks.md; benchmarks/train_step_compile_tpu.py).

@@ -17,6 +17,11 @@ def get_config(algorithm: str = "pacs"):
   c.mesh.fsdp = 32
   c.mesh.tensor = 2  # 28 query / 4 kv heads
   c.train.micro_batch_prompts = 16  # 128 rows per micro-batch = 4 rows per fsdp shard; 1 prompt per host
+  # Packed rows (released: `packing`): up to 160 rows, 5 per fsdp shard, where a padded micro-batch takes 128. The
+  # row quantum is one 4,608-token row per shard (32 rows), so at 128 two merged micro-batches of long-tailed
+  # responses (30% real tokens) take 96 of 256 rows; at 160, four take 160 of 512 (31%: 1.06x the real
+  # tokens' share at the `rlvr` profile, docs/tpu.md "Length profiles").
+  c.train.packing_rows = 160
   # Splash attention (attention_impl "auto" on TPU) and no matmul re-run in the backward pass: the compiled
   # train step does 1.10x (1.43x with XLA attention) the model's 6N FLOPs per token,
   # 42.6 GB per chip at its peak (docs/benchmarks.md; benchmarks/train_step_compile_tpu.py).
