@@ -25,10 +25,13 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_ci_tests_a_clone_with_nothing_beside_it():
-  """A user's clone has no ../shared: CI runs the README's test command in a fresh clone in an empty folder."""
+  """A user's clone has no ../shared: CI runs the README's test command in a fresh clone in an empty folder,
+  removed when CI ends."""
   ci = open(os.path.join(ROOT, ".ci", "run")).read()
   clone = ci.index("git clone")
-  assert 'clone="$(mktemp -d)/' in ci and ci.index('cd "$clone"') < ci.index(readme_commands()[1]), ci
+  assert 'scratch="$(mktemp -d)"' in ci and 'clone="$scratch/' in ci, ci
+  assert ci.index('cd "$clone"') < ci.index(readme_commands()[1]), ci
+  assert """trap 'rm -rf "$scratch"' EXIT""" in ci  # the clone and its venv (7 GiB) go when CI ends
   assert clone < ci.index(readme_commands()[1])
 
 
