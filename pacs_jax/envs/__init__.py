@@ -1,3 +1,4 @@
-"""Environments of tool-integrated RL (issue 43): what answers a model's turn between its turns. Today the sandbox
-(envs/sandbox.py), which runs a turn's ```python``` block in a process of its own under limits and returns its
-output, or how it failed, as the next observation; the conversation environments that drive it come next."""
+"""Environments of tool-integrated RL (issue 43): what answers a model's turn between its turns. The sandbox
+(envs/sandbox.py) runs a turn's ```python``` block in a process of its own under limits and returns its output, or
+how it failed; the conversation environments (envs/env.py: `SingleTurn`, today's task, and `PythonTool`) start an
+episode from a data row, answer each turn with an observation, end it at an answer or a limit and score it."""
