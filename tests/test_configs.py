@@ -192,6 +192,17 @@ def test_validate_names_the_mesh_when_it_cannot_be_laid_out():
     config_lib.validate(cfg)
 
 
+def test_the_packed_row_budget_is_whole_rows_per_device():
+  """qwen3b_v5p packs up to 80 rows, 5 on each of its 16 batch shards; on 32 (tensor 1) 80 rows would not split."""
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen3b_v5p.py"))
+  config_lib.validate(cfg, num_devices=32, num_processes=8, check_paths=False)
+  cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1
+  with pytest.raises(config_lib.ConfigError, match=r"config\.train\.packing_rows: .* multiple of 32, got 80"):
+    config_lib.validate(cfg, num_devices=32, num_processes=8, check_paths=False)
+  cfg.train.packing_rows = 0  # a padded micro-batch's 64 rows
+  config_lib.validate(cfg, num_devices=32, num_processes=8, check_paths=False)
+
+
 def test_validate_names_the_gpu_target_fields():
   def error(**fields):
     cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "qwen3b_gpu.py"))

@@ -3,6 +3,8 @@ message (ConfigError); `validate_eval` checks evaluation's config, `advisories` 
 
 from __future__ import annotations
 
+import math
+
 import os
 
 import ml_collections
@@ -198,6 +200,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     micro_rows = micro * c.rollout.n
     _check(micro_rows % batch_shards == 0, "train.micro_batch_prompts",
            f"micro-batch rows ({micro} prompts x n={c.rollout.n} = {micro_rows}) must be divisible by data*fsdp = {batch_shards}")
+    shards = math.lcm(batch_shards, num_processes)  # the packed rows' quantum (`programs.batch_layout`)
+    _check(not t.packing or t.packing_rows % shards == 0, "train.packing_rows",
+           f"packed rows are split over data*fsdp = {batch_shards} devices and {num_processes} processes: must be a "
+           f"multiple of {shards}, got {t.packing_rows}")
   _check_topology(c)
   if devices is not None:
     check_mesh_layout(c, devices)
