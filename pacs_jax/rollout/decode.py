@@ -79,13 +79,15 @@ def prefix_of_requests(cache: KVCache, logits: jax.Array, true_lengths: jax.Arra
 
 
 def insert_rows(state: DecodeState, prefix: Prefix, slots: jax.Array, budgets: jax.Array,
-                eos_ids: jax.Array, cache_rows: jax.Array | None = None) -> DecodeState:
+                eos_ids: jax.Array, cache_rows: jax.Array | None = None,
+                pause_ids: jax.Array | None = None) -> DecodeState:
   """Writes prefix rows [Q] into decode slots [Q]; a slot index >= B is a padding row and is dropped.
   `cache_rows` [Q]: request r's rows are prefix.cache's row cache_rows[r] (see `prefix_of_requests`); None:
   row r.
 
   Each request gets the pages its prompt rows fill (a request its shard has no pages for is dropped; the
-  scheduler checks first), and a request that is already done gives them back at once.
+  scheduler checks first), and a request that is already done gives them back at once (one whose first token is
+  a pause id stops there holding them, as in decode: `stops`).
   """
   L = cache_length(state)
   cache, slots = pages_lib.insert(state.cache, prefix.cache, prefix.lengths, slots, cache_rows)
@@ -94,8 +96,14 @@ def insert_rows(state: DecodeState, prefix: Prefix, slots: jax.Array, budgets: j
     return buf.at[slots].set(rows.astype(buf.dtype), mode="drop")
 
   sampled = prefix.steps > 0
-  done = (sampled & is_eos(prefix.tokens, eos_ids)) | (prefix.steps >= budgets) | (prefix.lengths >= L)
-  return DecodeState(cache=pages_lib.release(cache, put(jnp.zeros_like(state.active), done)),
+  if pause_ids is None:  # no pause ids: the program as compiled before slots could pause
+    done = (sampled & is_eos(prefix.tokens, eos_ids)) | (prefix.steps >= budgets) | (prefix.lengths >= L)
+    released = done
+  else:
+    stopped, paused = stops(prefix.tokens, prefix.steps, prefix.lengths, budgets, L, eos_ids, pause_ids)
+    done = (sampled & stopped) | (prefix.steps >= budgets) | (prefix.lengths >= L)
+    released = done & ~(sampled & paused)
+  return DecodeState(cache=pages_lib.release(cache, put(jnp.zeros_like(state.active), released)),
                      lengths=put(state.lengths, prefix.lengths), tokens=put(state.tokens, prefix.tokens),
                      keys=put(state.keys, prefix.keys), steps=put(state.steps, prefix.steps),
                      budgets=put(state.budgets, budgets), active=put(state.active, ~done))
@@ -125,14 +133,27 @@ def _paged_forward(model: CausalLM, state: DecodeState, page_budget: int | None)
   return logits, cache.replace(pages=step.pages, page_table=table, free_count=free_count), stepped
 
 
+def stops(tokens: jax.Array, steps: jax.Array, lengths: jax.Array, budgets: jax.Array, L: int,
+          eos_ids: jax.Array, pause_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """Which slots stop after sampling `tokens` [B] (with `steps` generated and `lengths` filled rows [B]):
+  (stopped [B], paused [B]) bool. A slot stops at an EOS or pause id, at its budget, or with its cache full; it
+  pauses (keeps its pages, so `continuation` can feed it more tokens after its KV prefix) at a pause id while its
+  cache still has a row for that token. A paused slot is stopped too; only stopped, unpaused slots give pages back.
+  """
+  paused = jnp.zeros_like(tokens, bool) if pause_ids is None else is_eos(tokens, pause_ids) & (lengths < L)
+  stopped = paused | is_eos(tokens, eos_ids) | (steps >= budgets) | (lengths >= L)
+  return stopped, paused
+
+
 def decode_step(model: CausalLM, state: DecodeState, sampling: sampling_lib.SamplingMethod,
-                eos_ids: jax.Array, page_budget: int | None = None) -> tuple[DecodeState, StepOutput]:
+                eos_ids: jax.Array, page_budget: int | None = None,
+                pause_ids: jax.Array | None = None) -> tuple[DecodeState, StepOutput]:
   """Feeds every slot's pending token and samples the next one; only active slots emit and advance.
 
-  A slot stops at an EOS id, at its budget, or when its cache is full. Attention reads `page_budget` live
-  (slot, page) pairs per shard (default: every page; see `page_allocation.live_pages_needed`). An active slot that
-  gets no page waits (emits nothing, does not advance), and a finished slot's pages go back to its shard's pool in
-  the same step.
+  A slot stops at an EOS id, at its budget, or when its cache is full, and pauses at any of `pause_ids` (a
+  tool-call stop: see `stops`). Attention reads `page_budget` live (slot, page) pairs per shard (default: every
+  page; see `page_allocation.live_pages_needed`). An active slot that gets no page waits (emits nothing, does not
+  advance), and a finished (not paused) slot's pages go back to its shard's pool in the same step.
   """
   L = cache_length(state)
   logits, cache, emitted = _paged_forward(model, state, page_budget)
@@ -140,16 +161,18 @@ def decode_step(model: CausalLM, state: DecodeState, sampling: sampling_lib.Samp
   tokens, logprobs = sampling.sample_with_logprobs(logits, step_keys(state.keys, state.steps))
   steps = state.steps + emitted
   lengths = state.lengths + emitted
-  finished = emitted & (is_eos(tokens, eos_ids) | (steps >= state.budgets) | (lengths >= L))
-  state = state.replace(cache=pages_lib.release(cache, finished), lengths=lengths,
+  stopped, paused = stops(tokens, steps, lengths, state.budgets, L, eos_ids, pause_ids)
+  finished = emitted & stopped
+  state = state.replace(cache=pages_lib.release(cache, finished & ~paused), lengths=lengths,
                         tokens=jnp.where(emitted, tokens, state.tokens), steps=steps, active=state.active & ~finished)
   return state, StepOutput(tokens=tokens, logprobs=logprobs, emitted=emitted, logits=logits)
 
 
 def decode_chunk(model: CausalLM, state: DecodeState, num_steps: int, stop_after_finished: jax.Array,
                  sampling: sampling_lib.SamplingMethod, eos_ids: jax.Array,
-                 page_budget: int | None = None) -> tuple[DecodeState, ChunkOutput]:
-  """Up to `num_steps` decode steps in one device call (`lax.while_loop`).
+                 page_budget: int | None = None,
+                 pause_ids: jax.Array | None = None) -> tuple[DecodeState, ChunkOutput]:
+  """Up to `num_steps` decode steps in one device call (`lax.while_loop`); slots pause at `pause_ids` (`stops`).
 
   Stops early when no slot is active or once `stop_after_finished` slots have finished, so the host can refill
   them. Each step reads `page_budget` live (slot, page) pairs per shard (default: every page): the loop stops
@@ -170,7 +193,7 @@ def decode_chunk(model: CausalLM, state: DecodeState, num_steps: int, stop_after
 
   def body(carry):
     i, state, (out_tokens, out_logprobs, out_emitted), finished, _, fewest = carry
-    new_state, step = decode_step(model, state, sampling, eos_ids, page_budget=J)
+    new_state, step = decode_step(model, state, sampling, eos_ids, page_budget=J, pause_ids=pause_ids)
     fewest = jnp.minimum(fewest, new_state.cache.free_count)
     column = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x[:, None], i, axis=1)
     out = (column(out_tokens, step.tokens), column(out_logprobs, step.logprobs), column(out_emitted, step.emitted))

@@ -113,6 +113,18 @@ class FirstTokens:
   logprobs: jax.Array  # [Q] fp32
 
 
+@flax.struct.dataclass
+class ContinuedTokens:
+  """Continued slots' first tokens and the slots afterwards (`Engine.continue_slots`), one row per request."""
+  tokens: jax.Array  # [Q] int32 sampled from the last inserted token's logits
+  logprobs: jax.Array  # [Q] fp32 of `tokens`
+  continued: jax.Array  # [Q] bool: False for a refused request (its slot is as it was) and for padding
+  active: jax.Array  # [Q] bool: the slot goes on generating (decode feeds `tokens` next)
+  paused: jax.Array  # [Q] bool: `tokens` is a pause id: the slot may be continued again
+  lengths: jax.Array  # [Q] int32: the slot's filled cache rows afterwards
+  free_pages: jax.Array  # [Z] int32: free pages of each batch shard's pool afterwards
+
+
 @dataclasses.dataclass
 class DecodeStats:
   """What a rollout's decode calls read and held (`scheduler.generate(stats=...)` adds to it)."""

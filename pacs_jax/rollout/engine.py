@@ -8,6 +8,7 @@ Shapes: B slots (or prompts in a prefill), T prompt bucket length, Q requests, V
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Sequence
 
@@ -23,11 +24,12 @@ from pacs_jax.models.kv_cache import KVCache
 from pacs_jax.models.decoder import CausalLM
 from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.rollout import budget as budget_lib
+from pacs_jax.rollout import continuation as continuation_lib
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import decode as decode_lib
 from pacs_jax.rollout import page_allocation as pages_lib
 from pacs_jax.rollout import decode_state as state_lib
-from pacs_jax.rollout.decode_state import ChunkOutput, DecodeState, FirstTokens
+from pacs_jax.rollout.decode_state import ChunkOutput, ContinuedTokens, DecodeState, FirstTokens
 
 def _i32(*shape) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, jnp.int32)
@@ -42,9 +44,10 @@ class Engine:
   are right-padded to power-of-two buckets so prefill compiles a few shapes only.
 
   `prefill_batch` and `insert_requests` put many prompts into many slots; `decode` runs many steps per device
-  call (`scheduler.generate` drives them). EOS ids are traced arguments and sampling methods static ones, so
-  changing the method compiles decode once more. `sampling` and `eos_ids` are the defaults of the lowering hooks
-  and of `single.SingleRequest`.
+  call (`scheduler.generate` drives them); `continue_slots` feeds tokens into slots paused at a pause id (a
+  conversation's next turn) after their KV prefix, in buckets of inserted tokens like the prompts'. EOS ids are
+  traced arguments and sampling methods static ones, so changing the method compiles decode once more. `sampling`
+  and `eos_ids` are the defaults of the lowering hooks and of `single.SingleRequest`.
   """
 
   def __init__(self, model: CausalLM, *, max_concurrent_decodes: int, max_prefill_length: int,
@@ -73,6 +76,11 @@ class Engine:
     self.steps_per_call = steps_per_call
     self.seed = seed
     self.prefill_buckets = budget_lib.pow2_ladder(min_prefill_bucket, max_prefill_length)
+    # A continuation feeds the pending token and its inserted tokens: at most every row of a slot.
+    self.continue_buckets = budget_lib.pow2_ladder(min_prefill_bucket, self.cache_length - 1)
+    # Token positions the model ran over (padding included), per program: the prefix of a continued slot is never
+    # run again, so "continue" grows by the inserted tokens' buckets only.
+    self.positions_run: collections.Counter = collections.Counter()
     if page_size < 1:
       raise ValueError(f"rollout.page_size must be >= 1, got {page_size}")
     self.page_size = page_size
@@ -105,6 +113,8 @@ class Engine:
                                         donate_argnums=(0,))
     self._decode_jit = jax.jit(self._decode_impl, static_argnames=("num_steps", "sampling", "page_budget"),
                                donate_argnums=(1,))
+    self._continue_jit = jax.jit(self._continue_impl, static_argnames=("sampling",), donate_argnums=(1,))
+    self._release_jit = jax.jit(self._release_impl, donate_argnums=(0,))
     self._init_jit = jax.jit(self._init_impl)
 
   @property
@@ -198,7 +208,7 @@ class Engine:
     with self.mesh_context():
       return self._insert_requests_jit.lower(state, cache, logits, _i32(B), _i32(Q), _i32(Q),
                                              jax.ShapeDtypeStruct((), jnp.uint32), _i32(Q), _i32(Q), _i32(Q),
-                                             _i32(decode_lib.eos_array(self.eos_ids).shape[0]),
+                                             _i32(decode_lib.eos_array(self.eos_ids).shape[0]), None,
                                              sampling=sampling or self.sampling)
 
   def lower_decode(self, params, state, page_budget: int | None = None, sampling=None, num_steps: int | None = None):
@@ -206,8 +216,17 @@ class Engine:
     per shard, default the top of `page_budgets`) for `params` and `state`, which may be abstract."""
     with self.mesh_context():
       return self._decode_jit.lower(params, state, np.int32(0), decode_lib.eos_array(self.eos_ids),
-                                    num_steps=num_steps or self.steps_per_call, sampling=sampling or self.sampling,
-                                    page_budget=self.policy.clamp(page_budget))
+                                    None, num_steps=num_steps or self.steps_per_call,
+                                    sampling=sampling or self.sampling, page_budget=self.policy.clamp(page_budget))
+
+  def lower_continue(self, params, state, requests: int, bucket: int, sampling=None):
+    """The continue program for `requests` slots with up to `bucket` inserted tokens each (`continue_slots`);
+    `params` and `state` may be abstract."""
+    Q = requests
+    eos = _i32(decode_lib.eos_array(self.eos_ids).shape[0])
+    with self.mesh_context():
+      return self._continue_jit.lower(params, state, _i32(Q), _i32(Q, bucket), _i32(Q), _i32(Q), eos, None,
+                                      sampling=sampling or self.sampling)
 
   # -- prompts ----------------------------------------------------------------------------------
 
@@ -224,6 +243,18 @@ class Engine:
     row[0, :true_length] = tokens
     return row
 
+  def continue_bucket_length(self, inserted: int) -> int:
+    """The continue bucket (padded count of inserted tokens) for `inserted` tokens."""
+    if not 0 <= inserted <= self.continue_buckets[-1]:
+      raise ValueError(f"{inserted} inserted tokens is not in [0, {self.continue_buckets[-1]}] (a slot holds "
+                       f"{self.cache_length} rows, the pending token included)")
+    return next(b for b in self.continue_buckets if b >= inserted)
+
+  def continuation_fits(self, rows: int, inserted: int) -> bool:
+    """Whether a slot with `rows` filled rows (`ChunkOutput.lengths`) holds its pending token and `inserted`
+    more: otherwise `continue_slots` refuses it (host arithmetic, to check before the call)."""
+    return rows + 1 + inserted <= self.cache_length
+
   # -- jitted bodies ----------------------------------------------------------------------------
 
   def _prefill_impl(self, params, tokens, true_lengths):
@@ -231,24 +262,35 @@ class Engine:
     return self.constrain(cache), logits
 
   def _insert_requests_impl(self, state, cache, logits, true_lengths, rows, slots, seed, prompt_index,
-                            sample_index, budgets, eos_ids, sampling):
+                            sample_index, budgets, eos_ids, pause_ids, sampling):
     """Inserts Q requests from B prefilled prompts (several samples may share a prompt row)."""
     key_data = decode_lib.request_keys(seed, prompt_index, sample_index)
     # The insert reads each request's prompt rows layer by layer: no [layers, Q, ...] copy of them.
     prefix = decode_lib.prefix_of_requests(cache, logits, true_lengths, rows, key_data, sampling)
-    state = self.constrain(decode_lib.insert_rows(state, prefix, slots, budgets, eos_ids, rows))
+    state = self.constrain(decode_lib.insert_rows(state, prefix, slots, budgets, eos_ids, rows, pause_ids))
     return (state, *self.replicate((prefix.tokens, prefix.logprobs)))
 
-  def _decode_impl(self, params, state, stop_after_finished, eos_ids, num_steps, sampling, page_budget):
+  def _decode_impl(self, params, state, stop_after_finished, eos_ids, pause_ids, num_steps, sampling, page_budget):
     state, out = decode_lib.decode_chunk(self.model(params), state, num_steps, stop_after_finished, sampling,
-                                         eos_ids, page_budget)
+                                         eos_ids, page_budget, pause_ids)
     return self.constrain(state), self.replicate(out)
+
+  def _continue_impl(self, params, state, slots, tokens, lengths, budgets, eos_ids, pause_ids, sampling):
+    state, out = continuation_lib.continue_slots(self.model(params), state, slots, tokens, lengths, budgets,
+                                                 sampling, eos_ids, pause_ids)
+    return self.constrain(state), self.replicate(out)
+
+  def _release_impl(self, state, slots):
+    """Slots [B] bool give their pages back and stop."""
+    return self.constrain(state.replace(cache=pages_lib.release(state.cache, slots),
+                                        active=state.active & ~slots))
 
   # -- batched calls for the continuous-batching loop -------------------------------------------
 
   def prefill_batch(self, params, tokens: np.ndarray, true_lengths: np.ndarray):
     """Right-padded prompts [B, T] (T a bucket length) -> (cache [layers, B, K, T, H], last-token
     logits [B, V] fp32); see `decode.prefill_forward`."""
+    self.positions_run["prefill"] += int(np.size(tokens))
     with self.mesh_context():
       return self._prefill_jit(params, tokens, true_lengths)
 
@@ -256,29 +298,58 @@ class Engine:
                       true_lengths: np.ndarray, rows: np.ndarray, slots: np.ndarray, seed: int,
                       prompt_index: np.ndarray, sample_index: np.ndarray, budgets: np.ndarray,
                       sampling: sampling_lib.SamplingMethod, eos_ids: Sequence[int],
-                      requests: Sequence[int]) -> tuple[DecodeState, FirstTokens]:
+                      requests: Sequence[int], pause_ids: Sequence[int] = ()) -> tuple[DecodeState, FirstTokens]:
     """Inserts Q requests into `slots` [Q] from prompts prefilled together (`prefill_batch`'s cache and
     logits): request r continues prompt `rows[r]`, samples with key data `request_keys(seed, prompt_index[r],
-    sample_index[r])` and generates at most `budgets[r]` tokens; a slot >= B marks a padding request, dropped.
-    The first tokens come back on device, tagged with the caller's `requests` ids."""
+    sample_index[r])` and generates at most `budgets[r]` tokens; a slot >= B marks a padding request, dropped; a
+    first token in `pause_ids` pauses its slot as decode does. The first tokens come back on device, tagged with
+    the caller's `requests` ids."""
     with self.mesh_context():
       state, first, logprobs = self._insert_requests_jit(
           decode_state, cache, logits, true_lengths, rows, slots, np.uint32(seed & 0xFFFFFFFF), prompt_index,
-          sample_index, budgets, decode_lib.eos_array(eos_ids), sampling=sampling)
+          sample_index, budgets, decode_lib.eos_array(eos_ids), _pause_array(pause_ids), sampling=sampling)
     return state, FirstTokens(requests=tuple(requests), tokens=first, logprobs=logprobs)
 
   def decode(self, params, decode_state: DecodeState, stop_after_finished: int,
              sampling: sampling_lib.SamplingMethod, eos_ids: Sequence[int],
-             page_budget: int | None = None) -> tuple[DecodeState, ChunkOutput]:
+             page_budget: int | None = None, pause_ids: Sequence[int] = ()) -> tuple[DecodeState, ChunkOutput]:
     """Up to `steps_per_call` decode steps in one call at a budget of `page_budget` live pages per shard
-    (default: the top of `page_budgets`; see `decode.decode_chunk` and `budget.PagePolicy.page_budget`). The
-    output is replicated for the host."""
+    (default: the top of `page_budgets`; see `decode.decode_chunk` and `budget.PagePolicy.page_budget`). A slot
+    that samples one of `pause_ids` (a tool-call stop; a traced argument like `eos_ids`) stops but keeps its pages,
+    for `continue_slots`. The output is replicated for the host."""
     with self.mesh_context():
       return self._decode_jit(params, decode_state, np.int32(stop_after_finished), decode_lib.eos_array(eos_ids),
-                              num_steps=self.steps_per_call, sampling=sampling,
+                              _pause_array(pause_ids), num_steps=self.steps_per_call, sampling=sampling,
                               page_budget=self.policy.clamp(page_budget))
+
+  def continue_slots(self, params, decode_state: DecodeState, slots: np.ndarray, tokens: np.ndarray,
+                     lengths: np.ndarray, budgets: np.ndarray, sampling: sampling_lib.SamplingMethod,
+                     eos_ids: Sequence[int], pause_ids: Sequence[int] = ()) -> tuple[DecodeState, ContinuedTokens]:
+    """Feeds paused slots [Q] their inserted tokens [Q, T] (the first lengths[q] of row q; T a continue bucket)
+    after their KV prefix, and samples on from the last one (`continuation.continue_slots`; padding: slot B,
+    `continuation.pad_continuations` lays them out). Each slot's budget becomes budgets[q] (< 0: unchanged). A
+    request that does not fit its slot's rows (`continuation_fits`) or its shard's free pages is refused and its
+    slot left as it was: `ContinuedTokens.continued` says which went ahead. Other slots are untouched."""
+    self.positions_run["continue"] += int(np.shape(tokens)[0] * (np.shape(tokens)[1] + 1))
+    with self.mesh_context():
+      return self._continue_jit(params, decode_state, slots, tokens, lengths, budgets, decode_lib.eos_array(eos_ids),
+                                _pause_array(pause_ids), sampling=sampling)
+
+  def release_slots(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
+    """Ends `slots` (e.g. paused ones whose conversation is over): their pages go back to their pools."""
+    mask = np.zeros((self.max_concurrent_decodes,), bool)
+    mask[list(slots)] = True
+    with self.mesh_context():
+      return self._release_jit(decode_state, mask)
 
   def compiled_count(self) -> int:
     """Number of compiled programs across the engine's jitted functions (to check weight swaps hit the cache)."""
-    fns = (self._prefill_jit, self._insert_requests_jit, self._decode_jit, self._init_jit)
+    fns = (self._prefill_jit, self._insert_requests_jit, self._decode_jit, self._init_jit, self._continue_jit,
+           self._release_jit)
     return sum(f._cache_size() for f in fns)
+
+
+def _pause_array(pause_ids: Sequence[int]) -> np.ndarray | None:
+  """`pause_ids` as a traced argument (`decode.eos_array`), or None without any: the single-turn programs are then
+  the ones compiled before slots could pause (no pause test in them at all)."""
+  return decode_lib.eos_array(pause_ids) if len(pause_ids) else None

@@ -23,13 +23,14 @@ from pacs_jax.rollout.decode_state import DecodeState, DecodeStats, FirstTokens
 def prefill_insert(engine: Engine, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],
                    prompt_rows: Sequence[int], slots: Sequence[int], prompt_index: Sequence[int],
                    sample_index: Sequence[int], budgets: Sequence[int], seed: int,
-                   sampling: sampling_lib.SamplingMethod,
-                   eos_ids: Sequence[int]) -> tuple[DecodeState, list[FirstTokens]]:
+                   sampling: sampling_lib.SamplingMethod, eos_ids: Sequence[int],
+                   pause_ids: Sequence[int] = ()) -> tuple[DecodeState, list[FirstTokens]]:
   """Prefills distinct `prompts` and inserts requests r into `slots[r]` from `prompts[prompt_rows[r]]`.
 
   One prefill per prompt-length bucket; prompt rows and requests are padded to powers of two
   (padding requests target slot B and are dropped). The first tokens come back as device arrays, one
-  `FirstTokens` per bucket, so the caller can read them after queueing more work.
+  `FirstTokens` per bucket, so the caller can read them after queueing more work. A first token in `pause_ids`
+  pauses its slot (`Engine.decode`).
   """
   by_bucket: dict[int, list[int]] = collections.defaultdict(list)
   for i, p in enumerate(prompts):
@@ -53,7 +54,8 @@ def prefill_insert(engine: Engine, params, decode_state: DecodeState, prompts: S
         decode_state, cache, logits, lengths, column((b for b, _ in req), 0),
         column((slots[r] for _, r in req), engine.max_concurrent_decodes), seed,
         column((prompt_index[r] for _, r in req), 0), column((sample_index[r] for _, r in req), 0),
-        column((budgets[r] for _, r in req), 0), sampling, eos_ids, requests=[r for _, r in req])
+        column((budgets[r] for _, r in req), 0), sampling, eos_ids, requests=[r for _, r in req],
+        pause_ids=pause_ids)
     firsts.append(first)
   return decode_state, firsts
 
