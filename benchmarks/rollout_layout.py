@@ -64,7 +64,10 @@ def main(_):
   for tensor in (int(t) for t in _TENSOR.value):
     for slots in (int(s) for s in _SLOTS.value):
       print(f"compiling the rollout at tensor {tensor}, {slots} slots ...", flush=True)
-      rows.append(layout_costs(cfg, tgt, tensor, slots))
+      try:
+        rows.append(layout_costs(cfg, tgt, tensor, slots))
+      except config_lib.ConfigError as e:  # a layout the slice cannot hold: said, and the others go on
+        print(f"  not a layout of this slice: {e}", flush=True)
   profiles = list(dict.fromkeys(p for r in rows for p in r["costs"]))
   head = f"{'tensor':>6}{'slots':>7}{'/chip':>7}{'GB/chip':>9}{'fits':>6}"
   head += "".join(f"{p + ' s':>12}{'tok/s/chip':>12}{'/roofline':>10}" for p in profiles)
