@@ -48,7 +48,10 @@ def _abstract(cfg, topology: str):
   frozen, base = aot.lora_run_base(cfg, mesh)
   state, policy, _, progs = aot.abstract_run(cfg, mesh, (frozen, base))
   tokens = cfg.train.mini_batch_prompts * cfg.rollout.n * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
-  return mesh, state, base, policy, progs, programs_lib.minibatch_shapes(cfg, mesh), tokens / len(devices)
+  # Packed, the rows of a full-length step (a padded micro-batch's m; the released configs' top rung is larger, for
+  # merged short micro-batches): the same work as the padded step and MaxText's, which the ratios compare.
+  full = programs_lib.batch_layout(cfg, mesh).m if cfg.train.packing else 0
+  return mesh, state, base, policy, progs, programs_lib.minibatch_shapes(cfg, mesh, full), tokens / len(devices)
 
 
 def _compile(name: str, model_flops: float, mesh, lower):
