@@ -19,7 +19,6 @@ import urllib.request
 from collections.abc import Iterator
 
 import fsspec
-import gcsfs
 from etils import epath
 
 # Several processes share a workdir (trainer, export, Orbax's tensorstore writes): a cached listing
@@ -54,13 +53,10 @@ STORAGE_RETRIES = Retries(attempts=5, first_delay_s=1.0, max_delay_s=8.0)
 PROBE_TIMEOUT_S = 10.0  # one request that says whether the store answers at all (`unreachable`)
 
 
-class _GCSFileSystem(gcsfs.GCSFileSystem):
-  """gcsfs with STORAGE_RETRIES.attempts per request (its retry decorator fixes the count at class definition)."""
-  _request = gcsfs.retry.retry_request(retries=STORAGE_RETRIES.attempts)(gcsfs.GCSFileSystem._request.__wrapped__)
-
-
+# gcsfs (with google-auth and cryptography: seconds of import) loads on a run's first gs:// path, not at import:
+# fsspec imports a class registered by name when the protocol is first used.
 for _protocol in ("gs", "gcs"):  # (etils.epath and Orbax open gs:// paths through fsspec's registry)
-  fsspec.register_implementation(_protocol, _GCSFileSystem, clobber=True)
+  fsspec.register_implementation(_protocol, "pacs_jax.gcs_retries.GCSFileSystem", clobber=True)
 
 
 def is_remote(path: PathLike) -> bool:

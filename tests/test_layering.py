@@ -22,6 +22,7 @@ LAYERS = {
     # (test_the_public_api_is_imported_on_first_use).
     "pacs_jax": 0,
     "pacs_jax.paths": 0,  # local / gs:// files
+    "pacs_jax.gcs_retries": 1,  # gcsfs with the retry count, loaded on the first gs:// path
     "pacs_jax.plugins": 0,  # functions named in a config ("package.module:function")
     "pacs_jax.sharding": 1,  # meshes and partition rules
     "pacs_jax.gpu_targets": 1,  # GPU target descriptions and their abstract devices
