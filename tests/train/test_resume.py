@@ -2,6 +2,10 @@
 checkpoint) or stopped with SIGTERM (preemption) and restarted each time ends bitwise equal to an uninterrupted
 run, parameters and metrics rows (timings aside), with no row duplicated or cut off.
 
+The runs train packed (`train.packing`, as every released config does; issue 42): the packed path resumes bitwise
+too. The padded path's are killed and checked bitwise in test_lora_resume.py (one path for full and LoRA runs) and
+test_overlap_resume.py.
+
 The kill moments come from a seeded generator: a failure reproduces with the same moments (up to timing).
 """
 
@@ -25,7 +29,8 @@ TIMING_PREFIXES = ("timing/", "throughput/")
 STEPS = 20
 # A tiny_cpu run: validation every 5 steps and a checkpoint every 3, so kills land in both.
 ARGS = [f"--config.steps={STEPS}", "--config.eval_every=5", "--config.checkpoint.every=3",
-        "--config.train.batch_prompts=8", "--config.train.mini_batch_prompts=4", "--config.data.synthetic_val_size=8"]
+        "--config.train.batch_prompts=8", "--config.train.mini_batch_prompts=4", "--config.data.synthetic_val_size=8",
+        "--config.train.packing=True"]
 
 
 def trainer_cmd(workdir, *extra):
