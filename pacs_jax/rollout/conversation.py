@@ -12,13 +12,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from pacs_jax.envs import env as env_lib
 from pacs_jax.envs.env import Environment, Episode, StepResult
 from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import continuation
@@ -36,57 +35,10 @@ class Conversation:
   episode: Episode
 
 
-def admit_slots(pages_needed: Iterable[int], occupied: np.ndarray, free_pages: np.ndarray) -> list[int]:
-  """Slots for queued requests, in queue order, while one fits: request i (needing pages_needed[i] pages for its
-  prompt) goes into the free slot whose batch shard has the most free pages (the lowest such slot), if that shard
-  keeps a page for each of its occupied slots and one more after it (none if it has none occupied): headroom, so
-  growing rows rarely all wait.
-
-  The same choice as `scheduler.generate`'s, so a rollout without pauses makes the same calls. occupied [B] bool
-  (paused slots are occupied: they hold their pages), free_pages [Z]; neither is changed."""
-  per_shard = len(occupied) // len(free_pages)
-  pages = np.array(free_pages, np.int64)
-  busy = np.bincount(np.flatnonzero(occupied) // per_shard, minlength=len(pages))
-  free = [int(s) for s in np.flatnonzero(~np.asarray(occupied, bool))]
-  slots = []
-  for need in pages_needed:
-    if not free:
-      break
-    slot = max(free, key=lambda s: (pages[s // per_shard], -s))
-    shard = slot // per_shard
-    if pages[shard] - need < (busy[shard] + 1 if busy[shard] else 0):
-      break
-    pages[shard] -= need
-    busy[shard] += 1
-    free.remove(slot)
-    slots.append(slot)
-  return slots
-
-
 def pages_to_continue(rows: int, inserted: int, page_size: int) -> int:
   """Pages a paused slot with `rows` filled rows takes to be continued with `inserted` tokens (its pending token
   and those go into rows rows.., as `continuation.grow_pages` takes them)."""
   return -(-(rows + 1 + inserted) // page_size) - -(-rows // page_size)
-
-
-def end_episode(env: Environment, episode: Episode, result: StepResult, reason: str) -> None:
-  """Ends an episode that `env` would go on with but the rollout cannot (the observation has no room in the response,
-  or the response stopped for good), as `PythonTool` ends one past its token limit: the observation this step added
-  is dropped (with the characters and tokens the environment counted for it) and the reward is the environment's
-  scorer on the last turn (`env.score`; an environment without one scores 0.0, its error says so)."""
-  stats = episode.stats
-  if result.observation is not None and episode.observations[-1:] == [result.observation]:
-    episode.observations.pop()
-    counted = int(result.info.get("observation_tokens", 0))
-    stats.observation_chars = max(0, stats.observation_chars - len(result.observation))
-    stats.observation_tokens = max(0, stats.observation_tokens - counted)
-    stats.tokens = max(0, stats.tokens - counted)
-  score = getattr(env, "score", None)
-  if score is None:
-    reward, error = 0.0, f"{type(env).__name__} has no scorer (`score`) for a conversation ended by the rollout"
-  else:
-    [(reward, error)] = env_lib.score_all(score, [(episode.data_source, episode.turns[-1], episode.answer)])
-  env_lib.finish(episode, reason, reward, error, {**result.info, **env_lib.counts(episode)})
 
 
 @dataclasses.dataclass
@@ -181,14 +133,14 @@ class _Loop:
       return self.close(talk, slot, for_room=False)
     if slot is None:  # the response stopped for good (an EOS id, its budget, its slot's rows): nothing goes on
       reason = "answer" if talk.tokens[-1] in self.eos else "tokens"
-      end_episode(self.env, talk.episode, result, reason)
+      self.env.end(talk.episode, result, reason)
       return self.close(talk, None, for_room=reason == "tokens")
     if result.observation is None:
       raise ValueError(f"{type(self.env).__name__}.step: an episode that goes on needs an observation")
     inserted = [int(t) for t in self.encode(result.observation)]
     if (len(talk.tokens) + len(inserted) >= talk.budget
         or not self.engine.continuation_fits(int(self.rows[slot]), len(inserted))):
-      end_episode(self.env, talk.episode, result, "tokens")  # no row left for the model's next token
+      self.env.end(talk.episode, result, "tokens")  # no row left for the model's next token
       return self.close(talk, slot, for_room=True)
     self.ready.append((slot, inserted))
 
@@ -245,7 +197,7 @@ class _Loop:
   def admit(self):
     """Queued requests into free slots (one prefill per prompt-length bucket): their `FirstTokens`, on device."""
     heads = (budget_lib.prompt_pages(len(self.prompts[p]), self.engine.page_size) for (p, _), _ in self.queue)
-    slots = admit_slots(heads, np.array([t is not None for t in self.talks]), self.free_pages)
+    slots = scheduler.admit_slots(heads, np.array([t is not None for t in self.talks]), self.free_pages)
     if not slots:
       return []
     entering = [self.queue.popleft() for _ in slots]
@@ -341,7 +293,7 @@ def converse(engine: Engine, params, env: Environment, prompts: Sequence[Sequenc
   `max_new_tokens` tokens (one for all or one per prompt; default the engine's `max_decode_length`), the model's and
   the inserted ones together: what its row in the training batch must hold. Its last turn is still stepped (recorded
   and scored); where the environment would go on but the response cannot (or an observation has no room left for
-  the model's next token), the rollout ends the episode (`end_episode`, reason "tokens").
+  the model's next token), the rollout ends the episode (`env.end`, reason "tokens").
 
   finish_reason: "length" when the conversation ran out of room (its budget or rows, an observation that did not
   fit, the environment's own token limit), else "eos". Without pause ids no turn pauses and the calls (and results)

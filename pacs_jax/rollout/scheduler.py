@@ -7,7 +7,7 @@ Shapes: B slots (or prompts in a prefill), T prompt bucket length, Q requests, Z
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -58,6 +58,31 @@ def prefill_insert(engine: Engine, params, decode_state: DecodeState, prompts: S
         pause_ids=pause_ids)
     firsts.append(first)
   return decode_state, firsts
+
+
+def admit_slots(pages_needed: Iterable[int], occupied: np.ndarray, free_pages: np.ndarray) -> list[int]:
+  """Slots for queued requests, in queue order, while one fits: request i (needing pages_needed[i] pages for its
+  prompt) goes into the free slot whose batch shard has the most free pages (the lowest such slot), if that shard
+  keeps a page for each of its occupied slots and one more after it (none if it has none occupied): headroom, so
+  rows that grow rarely all wait at once. occupied [B] bool (a paused conversation's slot is occupied: it holds
+  its pages), free_pages [Z]; neither is changed."""
+  per_shard = len(occupied) // len(free_pages)
+  pages = np.array(free_pages, np.int64)
+  busy = np.bincount(np.flatnonzero(occupied) // per_shard, minlength=len(pages))
+  free = [int(s) for s in np.flatnonzero(~np.asarray(occupied, bool))]
+  slots = []
+  for need in pages_needed:
+    if not free:
+      break
+    slot = max(free, key=lambda s: (pages[s // per_shard], -s))  # the free slot on the shard with the most pages
+    shard = slot // per_shard
+    if pages[shard] - need < (busy[shard] + 1 if busy[shard] else 0):
+      break
+    pages[shard] -= need
+    busy[shard] += 1
+    free.remove(slot)
+    slots.append(slot)
+  return slots
 
 
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 1,
@@ -118,29 +143,13 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
   logprobs: dict[tuple[int, int], list[float]] = {}
   done: dict[tuple[int, int], Completion] = {}
   state = engine.init_decode_state()
-  slots_per_shard = B // engine.page_shards
   free_pages = np.full(engine.page_shards, engine.pages_per_shard - 1, np.int64)
 
   def admit() -> tuple[list[tuple[int, int]], list[int]]:
-    """Queued requests for free slots, in order, each into a slot whose shard has pages for its prompt and
-    still one more for each of its busy slots (headroom, so rows that grow rarely all wait at once)."""
-    take, slots = [], []
-    free = [i for i, r in enumerate(slot_request) if r is None]
-    busy = np.bincount([i // slots_per_shard for i, r in enumerate(slot_request) if r is not None],
-                       minlength=engine.page_shards)
-    while queue and free:
-      need = budget_lib.prompt_pages(len(prompts[queue[0][0]]), engine.page_size)
-      # The free slot on the shard with the most free pages.
-      slot = max(free, key=lambda i: (free_pages[i // slots_per_shard], -i))
-      d = slot // slots_per_shard
-      if free_pages[d] - need < (busy[d] + 1 if busy[d] else 0):
-        break
-      free_pages[d] -= need
-      busy[d] += 1
-      free.remove(slot)
-      take.append(queue.popleft())
-      slots.append(slot)
-    return take, slots
+    """Queued requests for free slots, in order (`admit_slots`)."""
+    needs = (budget_lib.prompt_pages(len(prompts[p]), engine.page_size) for p, _ in queue)
+    slots = admit_slots(needs, np.array([r is not None for r in slot_request]), free_pages)
+    return [queue.popleft() for _ in slots], slots
 
   def finish(slot: int):
     nonlocal used
