@@ -13,6 +13,7 @@ import ml_collections
 
 from pacs_jax import sharding
 from pacs_jax.algos import algorithms as registry
+from pacs_jax.data import synthetic_tasks
 
 # Kept exactly as the config sets them. A trailing ".*" keeps a whole group: `hardware` and `distributed`
 # describe the target machine, not what a step computes. Every registered algorithm's settings block (pacs,
@@ -31,6 +32,7 @@ KEEP = (
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.restore",
     "checkpoint.lock_stale_after_s", "checkpoint.allow_changes",
     "eval_every", "log_every", "reward_timeout_s", "reward.fn", "rollout.engine",
+    "env.name", "env.max_turns", "env.cpu_seconds", "env.wall_seconds", "env.memory_mb", "env.output_bytes",
     "hardware.*", "compile.*", "distributed.*", "health.*", "wandb.*",
 )
 
@@ -38,6 +40,9 @@ CPU_DEVICES = 8  # tests/conftest.py's simulated devices
 STEPS = 2
 PROMPT_LENGTH, NEW_TOKENS = 16, 8
 CHUNK = 8  # attention_chunk at tiny lengths: 24-token rows still attend in 3 blocks
+# A tool config (env.name "python_tool") shrinks to the tool demo's task, whose words only its tokenizer has, at
+# lengths that hold a call, its observation and the answer.
+TOOL_TASK, TOOL_NEW_TOKENS = "synthetic/mul53", 64
 
 
 def _fields(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
@@ -74,17 +79,20 @@ def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
   slots = 0
   if c.rollout.slots:  # as many slots per rollout row as the config has: requests still queue
     slots = max(8, 8 * round(c.rollout.slots * batch / t.batch_prompts / 8))
+  tools = c.env.name != "single_turn"
+  task = TOOL_TASK if tools else "synthetic/mod3"
   rules = {
       "steps": STEPS,
-      "model.preset": "tiny", "model.hf_path": "", "model.vocab_size": 64,
+      "model.preset": "tiny", "model.hf_path": "",
+      "model.vocab_size": len(synthetic_tasks.TOOL_VOCAB if tools else synthetic_tasks.VOCAB),
       "model.attention_chunk": CHUNK if c.model.attention_chunk else 0,
       "model.attention_impl": "auto",  # the kernel of the machine the test runs on (CPU: xla)
-      "tokenizer": "synthetic",
-      "data.train": "synthetic/mod3", "data.val": "synthetic/mod3" if c.data.val or c.data.val_dir else "",
+      "tokenizer": "synthetic_tools" if tools else "synthetic",
+      "data.train": task, "data.val": task if c.data.val or c.data.val_dir else "",
       "data.val_dir": "",
       "data.synthetic_train_size": max(64, 2 * batch), "data.synthetic_val_size": 8,
       "data.max_prompt_length": PROMPT_LENGTH, "data.instruction": "",
-      "rollout.max_new_tokens": NEW_TOKENS, "rollout.slots": slots,
+      "rollout.max_new_tokens": TOOL_NEW_TOKENS if tools else NEW_TOKENS, "rollout.slots": slots,
       # Pages of 8 rows (3 a slot at these lengths); a pool sized for the full model's lengths means nothing here.
       "rollout.page_size": 8, "rollout.kv_pages": 0,
       "train.batch_prompts": batch, "train.mini_batch_prompts": mini, "train.micro_batch_prompts": micro,
@@ -95,6 +103,7 @@ def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
       "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
       "reward_workers": min(c.reward_workers, 2),
       "lora.rank": min(c.lora.rank, 8),  # LoRA stays on (or off); the tiny model's k projection is [64, 32]
+      "env.workers": min(c.env.workers, 2),
   }
   fields = _fields(c)
   unknown = [f for f in fields if not _kept(f) and f not in rules]

@@ -11,6 +11,7 @@ import ml_collections
 
 from pacs_jax import paths
 from pacs_jax.algos import algorithms, correction
+from pacs_jax.config import env_checks
 from pacs_jax.config.defaults import default_config
 from pacs_jax.config.files import get_field
 from pacs_jax.data import prompts
@@ -165,6 +166,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(algo.sampling_rounds(algo.bind(c)) == 1, "rollout.mode",
            f"{c.rollout.mode} needs one rollout per step; {c.algorithm} samples dynamically (its refills draw prompts)")
 
+  env_checks.validate_env(c, _check, num_processes, lambda: algo.sampling_rounds(algo.bind(c)))
   _check(c.rollout.kv_pages >= 0, "rollout.kv_pages", f"must be >= 0 (0 = enough for every slot), got {c.rollout.kv_pages}")
   _check_lora(c)
   if not c.model.hf_path and c.lora.rank:  # the preset's shapes are known without reading anything
@@ -180,7 +182,8 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
   _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", f"must be in [0, 1], got {t.min_lr_ratio}")
   for field in ("model.hf_path", "tokenizer"):
     spec = c.model.hf_path if field == "model.hf_path" else c.tokenizer
-    if check_paths and spec and spec != "synthetic" and paths.looks_local(spec) and not os.path.isdir(spec):
+    built_in = spec in ("synthetic", "synthetic_tools")
+    if check_paths and spec and not built_in and paths.looks_local(spec) and not os.path.isdir(spec):
       _check(False, field, f"{spec!r} is not a directory (relative to {os.getcwd()}); give a local Hugging Face "
                            "model directory or a hub id such as Qwen/Qwen2.5-3B")
   num_devices, devices = _trainer_share(c, num_devices, devices, num_processes)

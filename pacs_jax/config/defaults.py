@@ -30,7 +30,8 @@ def default_config() -> ml_collections.ConfigDict:
   c.model.remat_policy = "nothing"  # with remat: "nothing" (keep layer inputs) | "matmuls" (no matmul re-run)
   c.model.vocab_size = 0  # >0 overrides the preset's vocab (the synthetic task's tokenizer is small)
 
-  # Tokenizer: "synthetic" (built in, for the synthetic task) or a path (defaults to model.hf_path).
+  # Tokenizer: "synthetic" (built in, for the synthetic task), "synthetic_tools" (the same 64 ids and the words of a
+  # tool call, for the tool task synthetic/mul53) or a path (defaults to model.hf_path).
   c.tokenizer = ""
 
   c.data = ml_collections.ConfigDict()
@@ -86,6 +87,22 @@ def default_config() -> ml_collections.ConfigDict:
   #     to and including the token that stopped the response.
   #   "151643,151645": exactly these ids, as "chat" otherwise.
   c.rollout.stop_tokens = "released"
+
+  # The environment a response is a conversation with (envs/env.py, docs/tools.md): "single_turn" (today's task: one
+  # response, scored by reward.fn) or "python_tool" (tool-integrated reasoning: a turn's last ```python block runs in
+  # a sandbox, its output returns as the chat template's tool turn, and the model goes on; a turn without one is the
+  # answer, scored by reward.fn). A conversation's model turns and observations share rollout.max_new_tokens; the
+  # observations are in the context but out of every loss (loss mask 0). python_tool runs with rollout.mode "sync"
+  # on one process, the in-process rollout, on shared devices.
+  c.env = ml_collections.ConfigDict()
+  c.env.name = "single_turn"
+  c.env.max_turns = 4  # the model's turns per conversation; a code block in the last one ends it unrun
+  # The sandbox's limits on one program (envs/sandbox.py), and the processes running programs at once.
+  c.env.cpu_seconds = 2.0
+  c.env.wall_seconds = 4.0
+  c.env.memory_mb = 512
+  c.env.output_bytes = 4096  # of its output that comes back; a program printing more is stopped
+  c.env.workers = 4
 
   c.train = ml_collections.ConfigDict()
   c.train.batch_prompts = 1024  # prompts per step (each sampled rollout.n times)

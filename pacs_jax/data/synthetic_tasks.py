@@ -27,6 +27,13 @@ MAX_NUMBER = 54  # numbers 0..54 are tokens: 4 special + 5 words + 55 numbers = 
 VOCAB = SPECIAL_TOKENS + WORDS + tuple(str(i) for i in range(MAX_NUMBER + 1))
 # Synthetic prompts carry no instruction suffix (its words are not in the tiny vocabulary).
 INSTRUCTION = ""
+# The tool task's tokenizer ("synthetic_tools"): the same 64 ids, then the words of a Python tool call and of its
+# observation (envs/env.py's QWEN25 template and sandbox.format_observation). Decoding joins words with spaces, so
+# the call's opening word carries the newline the code-block format needs and its closing one the newline before the
+# fence: the turn `OPEN 7 * 9 % 53 CLOSE` decodes to "```python\nprint( 7 * 9 % 53 )\n```", a program printing 10.
+TOOL_OPEN, TOOL_CLOSE = "```python\nprint(", ")\n```"
+TOOL_WORDS = (TOOL_OPEN, TOOL_CLOSE, "*", "%", "<tool_response>", "</tool_response>", "```output", "```")
+TOOL_VOCAB = VOCAB + TOOL_WORDS
 
 # Qwen-style chat template without the default system prompt (its words are not in the vocabulary).
 CHAT_TEMPLATE = (
@@ -37,13 +44,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
-  """The 64-token word-level tokenizer as a `transformers.PreTrainedTokenizerFast`."""
+def build_tokenizer(vocab: tuple[str, ...] = VOCAB):
+  """The 64-token word-level tokenizer (or the tool task's, `vocab=TOOL_VOCAB`) as a `PreTrainedTokenizerFast`."""
   # Imported here so that the verifier (run in reward worker processes) does not load transformers.
   from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
   from transformers import PreTrainedTokenizerFast
 
-  backend = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(VOCAB)}, unk_token=UNK))
+  backend = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(vocab)}, unk_token=UNK))
   backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # decoding joins words with single spaces
   backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
   tokenizer = PreTrainedTokenizerFast(
@@ -192,6 +199,34 @@ class GradedSumTask:
     return verifier.score_residue(response_text, answer, self.modulus)
 
 
+@dataclasses.dataclass(frozen=True)
+class ProductTask:
+  """`a * b mod m` (the tool task, configs/tiny_tools_cpu.py): a product table the tiny model cannot hold, which one
+  tool call (`TOOL_OPEN a * b % m TOOL_CLOSE`) computes; any representative is correct."""
+  name: str = "mul53"
+  modulus: int = 53
+  max_operand: int = MAX_NUMBER
+
+  def __post_init__(self):
+    check_numbers(self.modulus, self.max_operand)
+
+  @property
+  def data_source(self) -> str:
+    return DATA_SOURCE_PREFIX + self.name
+
+  def records(self, n: int, seed: int) -> list[dict]:
+    """`n` problems drawn with `seed`; answers are the least residues."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for a, b in rng.integers(2, self.max_operand + 1, size=(n, 2)).tolist():
+      out.append({"data_source": self.data_source, "problem": f"{a} * {b} mod {self.modulus}",
+                  "answer": str(a * b % self.modulus)})
+    return out
+
+  def score(self, response_text: str, answer: str) -> float:
+    return verifier.score_residue(response_text, answer, self.modulus)
+
+
 def num_terms(problem: str) -> int:
   """The difficulty of a `GradedSumTask` problem: its number of terms."""
   return problem.count("+") + 1
@@ -202,10 +237,11 @@ TASKS = {
     "mod4": SyntheticTask("mod4", modulus=verifier.MODULI["mod4"], max_operand=7),
     "mod2": SyntheticTask("mod2", modulus=verifier.MODULI["mod2"], max_operand=MAX_NUMBER),
     "sum11": GradedSumTask("sum11", modulus=verifier.MODULI["sum11"]),  # the laptop study's task (docs/study.md)
+    "mul53": ProductTask("mul53", modulus=verifier.MODULI["mul53"]),  # the tool task (TOOL_VOCAB's words)
 }
 DEFAULT_TASK = "mod3"
 
 
-def get_task(name_or_data_source: str) -> SyntheticTask | GradedSumTask:
+def get_task(name_or_data_source: str) -> SyntheticTask | GradedSumTask | ProductTask:
   """A built-in task by name (`mod4`) or data source (`synthetic/mod4`)."""
   return TASKS[verifier.task_name(name_or_data_source)]

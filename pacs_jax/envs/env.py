@@ -201,6 +201,25 @@ class Environment(abc.ABC):
   def step_many(self, episodes: Sequence[Episode], turn_texts: Sequence[str]) -> list[StepResult]:
     """One StepResult per episode, in order."""
 
+  def end(self, episode: Episode, result: StepResult, reason: str) -> None:
+    """Ends an episode this environment would go on with (`result`: its last step's) but the rollout cannot (the
+    observation has no room in the response, or the response stopped for good), as `PythonTool` ends one past its
+    token limit: the observation that step added is dropped (with the characters and tokens counted for it) and the
+    reward is the environment's scorer on the last turn (`self.score`; without one 0.0, its error says so)."""
+    stats = episode.stats
+    if result.observation is not None and episode.observations[-1:] == [result.observation]:
+      episode.observations.pop()
+      counted = int(result.info.get("observation_tokens", 0))
+      stats.observation_chars = max(0, stats.observation_chars - len(result.observation))
+      stats.observation_tokens = max(0, stats.observation_tokens - counted)
+      stats.tokens = max(0, stats.tokens - counted)
+    score = getattr(self, "score", None)
+    if score is None:
+      reward, error = 0.0, f"{type(self).__name__} has no scorer (`score`) for a conversation ended by the rollout"
+    else:
+      [(reward, error)] = score_all(score, [(episode.data_source, episode.turns[-1], episode.answer)])
+    finish(episode, reason, reward, error, {**result.info, **counts(episode)})
+
 
 def check_step(episodes: Sequence[Episode], turn_texts: Sequence[str]):
   if len(episodes) != len(turn_texts):

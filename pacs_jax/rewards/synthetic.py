@@ -10,8 +10,8 @@ DATA_SOURCE_PREFIX = "synthetic/"
 ENDOFTEXT, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
 EOS_TOKENS = (IM_END, ENDOFTEXT)
 # The built-in tasks' moduli by name: `a mod m` (or `a + b mod m`) in Z/mZ; `sum11`: sums of 1 to 4 terms mod 11
-# (the laptop study's graded task).
-MODULI = {"mod3": 3, "mod4": 4, "mod2": 2, "sum11": 11}
+# (the laptop study's graded task); `mul53`: `a * b mod 53` (the tool task).
+MODULI = {"mod3": 3, "mod4": 4, "mod2": 2, "sum11": 11, "mul53": 53}
 
 _SPECIAL_RE = re.compile("|".join(re.escape(t) for t in (IM_START, UNK)))
 _STOP_RE = re.compile("|".join(re.escape(t) for t in EOS_TOKENS))

@@ -118,6 +118,8 @@ class Rollout(Protocol):
   samples another. `ahead_of_time()`: the in-process engine's sizes and lowering hooks (`AheadOfTime`), or None for
   an engine that has none (an external server): `--compile_only` and split devices need one.
 
+  `converse` (optional, `Conversing`): multi-turn conversations with an environment (`runs_conversations`).
+
   `rollout.engine` names the run's implementation: "local" (`local.LocalRollout`) or "package.module:factory",
   a factory taking `programs.make_rollout`'s keyword arguments (`engine_factory`).
   """
@@ -144,6 +146,29 @@ class Rollout(Protocol):
     alone (`prompt_ids`, default the prompts' indices); at most `max_new_tokens` tokens (one for all or one per
     prompt); `on_finish()` is called as each response finishes."""
     ...
+
+
+@runtime_checkable
+class Conversing(Protocol):
+  """What a rollout that runs conversations adds to `Rollout` (optional: `local.LocalRollout` has it; a rollout
+  without it cannot run `env.name` "python_tool"). `converse` samples `n` conversations per prompt with the weights
+  it holds, each episode started from its data row (`rows[i]`, `{problem, answer, data_source}`) by `env`; a model
+  turn ends at any of `pause_ids` and the environment's observation continues the same slot (`conversation.converse`
+  of the in-process engine). Returns objects with `completion` (a `Completion`: the model's turns and the inserted
+  observations, `loss_mask` 0 on the inserted tokens, stamped with the version) and `episode` (`envs.env.Episode`:
+  its turns, reward and stats), ordered by (prompt, sample)."""
+
+  def converse(self, prompts: Sequence[Sequence[int]], rows: Sequence[Any], env: Any, *,
+               encode: Callable[[str], Sequence[int]], decode: Callable[[Sequence[int]], str],
+               pause_ids: Sequence[int], eos_ids: Sequence[int] = (), n: int = 1,
+               max_new_tokens: int | Sequence[int] | None = None,
+               sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), seed: int = 0,
+               prompt_ids: Sequence[int] | None = None, env_workers: int = 4) -> list[Any]: ...
+
+
+def runs_conversations(rollout: Any) -> bool:
+  """Whether `rollout` has the optional `Conversing.converse`."""
+  return callable(getattr(rollout, "converse", None))
 
 
 @runtime_checkable

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 
+from pacs_jax.rollout import conversation
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import scheduler
 from pacs_jax.rollout.engine import Engine
@@ -68,6 +70,24 @@ class LocalRollout:
                                      sampling=sampling, seed=seed, eos_ids=self.eos_ids, prompt_ids=prompt_ids,
                                      on_finish=on_finish)
     return [dataclasses.replace(c, policy_version=version) for c in completions]
+
+  def converse(self, prompts: Sequence[Sequence[int]], rows: Sequence[Mapping[str, Any]], env, *,
+               encode: Callable[[str], Sequence[int]], decode: Callable[[Sequence[int]], str],
+               pause_ids: Sequence[int], eos_ids: Sequence[int] = (), n: int = 1,
+               max_new_tokens: int | Sequence[int] | None = None,
+               sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), seed: int = 0,
+               prompt_ids: Sequence[int] | None = None, env_workers: int = 4) -> list[conversation.Conversation]:
+    """`interface.Conversing.converse` by `conversation.converse` on this engine with the weights it holds, each
+    completion stamped with `version`."""
+    params, version = self._params, self.version
+    if params is None:
+      raise RuntimeError("LocalRollout.converse before set_weights (or after release): no weights to sample with")
+    out = conversation.converse(self._engine, params, env, prompts, rows, encode=encode, decode=decode,
+                                pause_ids=pause_ids, eos_ids=eos_ids, n=n, max_new_tokens=max_new_tokens,
+                                sampling=sampling, seed=seed, prompt_ids=prompt_ids, env_workers=env_workers)
+    for talk in out:
+      talk.completion = dataclasses.replace(talk.completion, policy_version=version)
+    return out
 
   def ahead_of_time(self) -> AheadOfTime:
     """The engine's sizes and `lower_*` hooks, for `--compile_only`."""

@@ -29,12 +29,13 @@ EXPECTED_CHANGES = ("steps", "checkpoint.restore", "checkpoint.allow_changes")
 DATA_ORDER_FIELDS = ("seed", "data.train", "data.synthetic_train_size", "data.max_prompt_length",
                      "data.skip_bad_rows", "train.batch_prompts")
 # Fields whose change makes a checkpoint's run another experiment: the data (the prompt order above, the validation
-# set and the instruction) and the rollout programs (group size, response budget, sampling). A resume that changes
-# one is refused unless checkpoint.allow_changes names its section ("data", "rollout").
+# set and the instruction) and the rollout programs (group size, response budget, sampling, the environment a
+# response is a conversation with). A resume that changes one is refused unless checkpoint.allow_changes names its
+# section ("data", "rollout").
 CONFIG_SECTIONS = {
     "data": DATA_ORDER_FIELDS + ("data.val", "data.val_dir", "data.val_max_examples", "data.instruction"),
     "rollout": ("rollout.n", "rollout.max_new_tokens", "rollout.val_max_new_tokens", "rollout.temperature",
-                "rollout.top_p", "rollout.top_k", "rollout.stop_tokens"),
+                "rollout.top_p", "rollout.top_k", "rollout.stop_tokens", "env.name", "env.max_turns"),
 }
 # The lora fields that decide what a LoRA checkpoint's adapters are (lora.lr_multiplier is a learning rate).
 LORA_FIELDS = ("rank", "alpha", "targets", "use_rslora", "modules_to_save")

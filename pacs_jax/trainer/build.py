@@ -28,6 +28,8 @@ def load_tokenizer(cfg: ml_collections.ConfigDict):
   name = cfg.tokenizer or cfg.model.hf_path
   if not name or name == "synthetic":
     return synthetic_tasks.build_tokenizer()
+  if name == "synthetic_tools":  # the tool task's: the same 64 ids and the words of a tool call
+    return synthetic_tasks.build_tokenizer(synthetic_tasks.TOOL_VOCAB)
   return tokenizers.load_tokenizer(hf.resolve_path(name))
 
 

@@ -34,6 +34,7 @@ from pacs_jax.storage.workdir import CHECKPOINT_DIR
 from pacs_jax.trainer import build, dynamic_sampling, overlap, packing, split, stages
 from pacs_jax.trainer import equal_rewards as signal_lib
 from pacs_jax.trainer import programs as programs_lib
+from pacs_jax.trainer import tool_rollout
 from pacs_jax.trainer import train_state as state_lib
 
 
@@ -112,6 +113,10 @@ class Trainer:
     # The rollout (`rollout.interface.Rollout`): the in-process engine, on the trainer's mesh or its own (split).
     self.sampler = split.make_rollout(cfg, run.decode_model, self.mesh, self.rollout_mesh, self.eos_ids)
     self.sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+    # env.name "python_tool": each response a conversation with the tool (trainer/tool_rollout.py; its sandbox is
+    # the run's: opened and closed by `run`). None: the single-turn path, as before.
+    self.tools = None if cfg.env.name == "single_turn" else tool_rollout.ToolRollout(cfg.env, self.tokenizer,
+                                                                                     self.eos_ids)
     # rollout.mode "one_step_off" / "async": the next steps' rollouts in the background, by a worker with weights of
     # its own (trainer/overlap.py), its generate calls timed (trainer/split.py).
     self.rollout_worker = self.next_rollout = None
@@ -145,10 +150,16 @@ class Trainer:
     seed = state_lib.rollout_seed(self.state.rng)  # the train step's last update moves the RNG on
     prompt_ids = [ids.tolist() for ids in prompts["prompt_ids"]]
     first = " (the first step compiles its programs)" if not self._stepped else ""
-    sampled = {}  # dynamic sampling's metrics
+    sampled, episodes = {}, None  # dynamic sampling's metrics; a tool run's episodes
     with console.StepProgress(len(prompt_ids) * jax.process_count() * self.cfg.rollout.n,
                               lambda: f"step {int(self.state.step) + 1}: rollout{first}") as progress:
-      if self.objective.sampling_rounds == 1:
+      if self.tools is not None:  # conversations, scored by their episodes (no overlap, no refills: config checks)
+        with self.current_policy() as sampler:
+          completions, scored, episodes = self.tools.rollout(sampler, scorer, prompts, prompt_ids, n=self.cfg.rollout.n,
+                                                             max_new_tokens=self.R, sampling=self.sampling, seed=seed)
+        clock.lap("rollout")
+        progress.stage("rollout", "reward")
+      elif self.objective.sampling_rounds == 1:
         completions = None
         if self.next_rollout:  # started by an earlier step (stale responses drawn again now)
           completions = self.next_rollout.take(prompts, version, lambda: self.rollout(prompt_ids, seed))
@@ -169,15 +180,18 @@ class Trainer:
                            pad_id=self.pad_id, mask_eos_ids=self.mask_eos_ids,
                            host_inputs=lambda ids, mask: self.objective.host_inputs(ids, mask, self.R),
                            shape_rewards=self.objective.shape_rewards,
-                           version=version if self.next_rollout else None)
+                           version=version if self.next_rollout else None, whole_responses=self.tools is not None)
       metrics = self.update(packed)
       if self.next_rollout:
         self.next_rollout.after_update(self.state.rng, int(self.state.step))
       clock.lap("update")
       self._stepped = True
     if self.cfg.rollout_data_dir:  # the step just done: its number is the state's step now
-      stages.dump(self.cfg.rollout_data_dir, int(self.state.step), self.tokenizer, prompt_ids, completions, scored)
+      stages.dump(self.cfg.rollout_data_dir, int(self.state.step), self.tokenizer, prompt_ids, completions, scored,
+                  extra=episodes and tool_rollout.dump_fields(episodes))
     row = stages.record(metrics, packed, scored, clock, self.source_names, self.cfg.rollout.n)
+    if episodes is not None:
+      row.update(tool_rollout.metrics(episodes, completions))
     row.update(sampled)  # (its timings split the rounds' rollouts from their scoring)
     row.update(stages.staleness_metrics(completions, version))
     if self.next_rollout:
@@ -250,9 +264,14 @@ class Trainer:
     """The current policy's greedy responses to the validation prompts, scored: accuracy per data source."""
     if not self.val_records:
       return {}
+    max_new_tokens = min(self.cfg.rollout.val_max_new_tokens or self.R, self.R)
+    if self.tools is not None:  # greedy conversations with the tool, scored by their episodes
+      with self.current_policy() as sampler:
+        return self.tools.validate(sampler, scorer, self.val_records, self.val_prompts, max_new_tokens=max_new_tokens,
+                                   sampling=sampling_lib.Greedy())
     with self.current_policy() as sampler:
       completions = sampler.generate(self.val_prompts, n=1, sampling=sampling_lib.Greedy(), seed=0,
-                                     max_new_tokens=min(self.cfg.rollout.val_max_new_tokens or self.R, self.R))
+                                     max_new_tokens=max_new_tokens)
     return stages.validation_metrics(scorer, self.tokenizer, self.val_records, self.val_prompts, completions,
                                      dump_dir=self.cfg.validation_data_dir, step=int(self.state.step))
 
@@ -293,7 +312,10 @@ class Trainer:
     """Trains from the newest checkpoint (or from scratch) to `cfg.steps`; returns the last step's metrics. Whatever
     happens, it lets go of the checkpointer, metrics writer and workdir lock (services/teardown.py)."""
     held = teardown.Held(self.workdir, self.checkpointer, self.lock)
-    with teardown.closing(held):
+    with teardown.closing(held), contextlib.ExitStack() as run_services:
+      if self.tools is not None:  # the run's sandbox, closed whatever happens (programs still running are killed)
+        self.tools.open()
+        run_services.callback(self.tools.close)
       restored = self.maybe_restore()
       # After the resume check: a refused resume must not leave another model's card beside the checkpoints.
       export_lib.write_model_card(self.workdir, self.policy_config, self.tokenizer,

@@ -57,12 +57,13 @@ def response_mask(responses: np.ndarray, eos_ids) -> np.ndarray:
 
 
 def pack_rows(prompts: list[list[int]], completions: list[rollout_interface.Completion], P: int, R: int,
-              pad_id: int, mask_eos_ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              pad_id: int, mask_eos_ids, whole_responses: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Prompt left-padded to P, response right-padded to R with `pad_id`: (input_ids, attention_mask, response_mask).
 
   As verl's vLLM rollout: the response mask (and the response part of the attention mask) runs up to and
   including the first of `mask_eos_ids` in the padded response, or to R without one. Inserted tokens are part
-  of both (attended to); `loss_mask` takes them out of the loss.
+  of both (attended to); `loss_mask` takes them out of the loss. `whole_responses`: the mask runs over each
+  response's tokens instead (a conversation: its turns end with the stop token, its last one where it ended).
   """
   rows = len(completions)
   input_ids = np.full((rows, P + R), pad_id, np.int32)
@@ -73,7 +74,11 @@ def pack_rows(prompts: list[list[int]], completions: list[rollout_interface.Comp
     attention_mask[row, P - len(prompt):P] = 1
     toks = comp.tokens[:R]
     input_ids[row, P:P + len(toks)] = toks
-  mask = response_mask(input_ids[:, P:], mask_eos_ids)  # [rows, R]
+  if whole_responses:
+    lengths = np.asarray([min(len(c.tokens), R) for c in completions])[:, None]
+    mask = (np.arange(R)[None, :] < lengths).astype(np.float32)  # [rows, R]
+  else:
+    mask = response_mask(input_ids[:, P:], mask_eos_ids)  # [rows, R]
   attention_mask[:, P:] = mask.astype(np.int32)
   return input_ids, attention_mask, mask
 

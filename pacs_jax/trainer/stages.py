@@ -68,13 +68,15 @@ def pack(prompt_ids: list[list[int]], completions: list[Completion], scored: Sco
          R: int, n: int, pad_id: int, mask_eos_ids,
          host_inputs: Callable[[np.ndarray, np.ndarray], dict[str, np.ndarray]],
          shape_rewards: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-         version: int | None = None) -> packing.PackedRollout:
+         version: int | None = None, whole_responses: bool = False) -> packing.PackedRollout:
   """The responses as host rows (prompt left-padded to P, response right-padded to R), checked to be grouped
   prompt-major; `host_inputs(input_ids, attention_mask)`: the algorithm's extra host fields;
   `shape_rewards(scores, response_mask)`: the rewards the loss sees (default: the verifier's scores); the loss
   mask is the response mask less each completion's inserted tokens (`packing.loss_mask`); `version`:
-  the policy the update starts from, which marks the rows sampled by an older one (`stale_rows`; None: untracked)."""
-  input_ids, attention_mask, resp_mask = packing.pack_rows(prompt_ids, completions, P, R, pad_id, mask_eos_ids)
+  the policy the update starts from, which marks the rows sampled by an older one (`stale_rows`; None: untracked);
+  `whole_responses`: the response mask covers each response's tokens (conversations, `packing.pack_rows`)."""
+  input_ids, attention_mask, resp_mask = packing.pack_rows(prompt_ids, completions, P, R, pad_id, mask_eos_ids,
+                                                           whole_responses)
   packing.check_groups(input_ids, attention_mask, P, n)
   scores = np.asarray(scored.scores, np.float32)
   rewards = scores if shape_rewards is None else np.asarray(shape_rewards(scores, resp_mask), np.float32)
@@ -190,11 +192,12 @@ def record(update_metrics: dict[str, float], packed: packing.PackedRollout, scor
 
 
 def dump(directory: str, step: int, tokenizer, prompt_ids: list[list[int]],
-         completions: list[Completion], scored: Scored) -> None:
-  """`directory/<step>.jsonl`: each response with its prompt, score and ground truth (the released dumps)."""
+         completions: list[Completion], scored: Scored, extra: dict[str, list] | None = None) -> None:
+  """`directory/<step>.jsonl`: each response with its prompt, score and ground truth (the released dumps), and
+  `extra`'s columns (a conversation's turns)."""
   inputs = metrics_lib.prompt_texts(tokenizer, prompt_ids, [c.prompt_index for c in completions])
   metrics_lib.dump_generations(directory, step, inputs, scored.texts, scored.scores, scored.data_sources,
-                               scored.answers)
+                               scored.answers, extra=extra)
 
 
 def validation_metrics(scorer, tokenizer, records: list[dict], prompt_ids: list[list[int]],
