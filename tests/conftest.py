@@ -28,9 +28,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 _CACHE = os.path.abspath(os.environ.get("PACS_JAX_TEST_CACHE",
                                         os.path.join(os.path.dirname(__file__), "..", ".jax_cache")))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 def pytest_collection_modifyitems(config, items):
   """`gpu`-marked tests run only where jax's default backend is a GPU. Under xdist, the longest tests first."""

@@ -48,7 +48,9 @@ def init(cfg: ml_collections.ConfigDict) -> None:
   cache_dir = os.environ.get("PACS_JAX_COMPILATION_CACHE")
   if cache_dir:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # Programs that compile in under 0.5 s are not worth a file, unless jax's own variable says otherwise.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 0.5)))
 
 
 def start_command_line() -> None:
