@@ -9,6 +9,7 @@ What holds, whatever the program does (the kernel enforces it):
 - files: each file it writes is at most `file_bytes` (RLIMIT_FSIZE); its folder is a fresh temporary one, deleted
   after the run; no core file;
 - processes: RLIMIT_NPROC at the user's count at start plus `max_processes` (the kernel ignores it for root).
+- the host: a program dies with the process that started it (PR_SET_PDEATHSIG), a host killed with SIGKILL too.
 
 What holds against a program that is not trying to escape (an audit hook in the child, sandbox_child.py, installed
 before the program's first line): no network (every `socket.*` event refused), no new processes (fork, exec, spawn,
@@ -235,7 +236,7 @@ def run_program(code: str, limits: Limits = Limits(), running: _Running | None =
       f.write(code)
     verdict_fd, verdict_w = os.pipe()
     argv = [sys.executable, "-I", "-B", "-u", "-X", "utf8", CHILD, work, str(verdict_w), str(limits.cpu_seconds),
-            str(limits.memory_bytes), str(limits.file_bytes), str(limits.max_processes), program]
+            str(limits.memory_bytes), str(limits.file_bytes), str(limits.max_processes), str(os.getpid()), program]
     try:
       process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  cwd=work, env=child_env(work), start_new_session=True, pass_fds=(verdict_w,))

@@ -1,8 +1,9 @@
 """What a sandbox process runs first (`python -I -B -u sandbox_child.py WORK VERDICT_FD CPU MEMORY FILE PROCESSES
-PROGRAM`, started by envs/sandbox.py): it lowers its resource limits, installs an audit hook that refuses the
-network, new processes, signals and writes outside WORK, then runs PROGRAM's code as `__main__`. A refused action
-or a MemoryError is reported on the verdict pipe, apart from the program's output. Standard library only, and no
-import of pacs_jax: it runs first in a fresh interpreter, in a process of its own."""
+HOST_PID PROGRAM`, started by envs/sandbox.py): it dies with its host (the process that started it), lowers its
+resource limits, installs an audit hook that refuses the network, new processes, signals and writes outside WORK,
+then runs PROGRAM's code as `__main__`. A refused action or a MemoryError is reported on the verdict pipe, apart
+from the program's output. Standard library only, and no import of pacs_jax: it runs first in a fresh interpreter,
+in a process of its own."""
 
 from __future__ import annotations
 
@@ -72,6 +73,21 @@ def user_tasks(uid: int) -> int:
     except (OSError, IndexError, ValueError):  # the process ended meanwhile
       pass
   return count
+
+
+def die_with_the_host(host_pid: int):
+  """SIGKILL this process when the thread that started it ends (prctl PR_SET_PDEATHSIG; the sandbox's thread waits
+  for it to end first), so that a host killed with SIGKILL, its wall clock gone with it, leaves no program running;
+  exits at once if the host is already gone. Runs before the audit hook, which would refuse its C call."""
+  import ctypes
+  import signal
+  pr_set_pdeathsig = 1
+  if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+    tell(2, f"sandbox: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}); the program would outlive its "
+            "host\n")
+    os._exit(1)
+  if os.getppid() != host_pid:  # the host died before the call above
+    os._exit(1)
 
 
 def set_limits(cpu_seconds: float, memory_bytes: int, file_bytes: int, processes: int):
@@ -200,7 +216,8 @@ def run(source: str, verdict_fd: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-  work, verdict_fd, cpu, memory, file_bytes, processes, program = argv[1:]
+  work, verdict_fd, cpu, memory, file_bytes, processes, host_pid, program = argv[1:]
+  die_with_the_host(int(host_pid))
   with open(program, encoding="utf-8") as f:
     source = f.read()
   set_limits(float(cpu), int(memory), int(file_bytes), int(processes))

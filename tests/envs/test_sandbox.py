@@ -4,6 +4,8 @@ folder; programs run concurrently; extract_code and format_observation."""
 
 import dataclasses
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -276,3 +278,25 @@ def test_format_observation_names_the_failure():
   assert timeout == "```output\npartial\n[timeout: the program ran past its time limit and was stopped]\n```\n"
   for kind in sandbox_lib.KINDS[1:]:
     assert f"[{kind}: " in format_observation(Result("", kind, 0.0, 1))
+
+
+def test_a_host_killed_with_sigkill_leaves_no_program():
+  """The process running a sandbox dies by SIGKILL mid-program (a trainer killed mid-conversation): its wall clock
+  dies with it, yet the sleeping program does not outlive it (PR_SET_PDEATHSIG)."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  code = ("from pacs_jax.envs.sandbox import Limits, run_program\n"
+          "run_program('import time\\ntime.sleep(60)', Limits(cpu_seconds=60, wall_seconds=60))")
+  host = subprocess.Popen([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": root})
+  try:
+    deadline = time.monotonic() + 30
+    while not (programs := [p[0] for p in live_processes() if p[1] == host.pid and sandbox_lib.CHILD in p[4]]):
+      assert host.poll() is None and time.monotonic() < deadline, "the host started no sandbox process"
+      time.sleep(0.05)
+    time.sleep(0.5)  # past its start: sleeping in the program
+  finally:
+    host.kill()
+    host.wait()
+  deadline = time.monotonic() + 5
+  while programs[0] in [p[0] for p in live_processes()]:
+    assert time.monotonic() < deadline, "the program outlived its host"
+    time.sleep(0.05)
