@@ -12,28 +12,13 @@ import pytest
 
 from pacs_jax.envs import sandbox as sandbox_lib
 from pacs_jax.envs.sandbox import Limits, Result, Sandbox, extract_code, format_observation, run_program
+from tests.processes import live_processes
 
 LIMITS = Limits(cpu_seconds=1, wall_seconds=2)
 MARGIN = 1.5  # seconds past a limit: starting the process and killing it, on a busy 2-core machine
 QUICK = 1.0  # a refused action or a failed allocation ends the program at once: well before any limit
 PID = "import os\nprint('pid', os.getpid(), flush=True)\n"  # hostile programs name their process first
 NORMAL = "print(sum(range(10)))"
-
-
-def live_processes() -> list[tuple[int, int, int, int, str]]:
-  """(pid, parent, process group, session, command line) of each live (not zombie) process."""
-  out = []
-  for name in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{name}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-      with open(f"/proc/{name}/cmdline", "rb") as f:
-        cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:  # ended meanwhile
-      continue
-    if fields[0] != "Z":
-      out.append((int(name), int(fields[1]), int(fields[2]), int(fields[3]), cmdline))
-  return out
 
 
 def started_here(process: tuple[int, int, int, int, str]) -> bool:

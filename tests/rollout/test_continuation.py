@@ -12,6 +12,7 @@ from flax import nnx
 from pacs_jax.models import families as registry
 from pacs_jax.rollout import continuation, decode, sampling, scheduler
 from pacs_jax.rollout import engine as engine_lib
+from tests import uncached_forward
 
 PREFILL, DECODE, PAGE = 16, 32, 8  # 48 cache rows a slot: 6 pages of 8
 ROWS = PREFILL + DECODE
@@ -45,16 +46,7 @@ def params(engine, model):
 
 @pytest.fixture(scope="module")
 def uncached(engine):
-  """log_softmax(logits / temperature) [len(seq), V] of one uncached forward over `seq` (right-padded to the cache
-  rows: causal, so the padding changes no earlier position)."""
-  forward = jax.jit(lambda p, ids: nnx.merge(engine.graphdef, p)(ids).astype(jnp.float32))
-
-  def run(params, seq, temperature=1.0):
-    ids = np.zeros((1, ROWS), np.int32)
-    ids[0, :len(seq)] = seq
-    return np.asarray(jax.nn.log_softmax(forward(params, ids)[0] / temperature, axis=-1))[:len(seq)]
-
-  return run
+  return uncached_forward.log_probs(engine, ROWS)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 from pacs_jax.envs import sandbox as sandbox_lib
 from pacs_jax.services.metrics import read_rows
 from tests import kill_loop
+from tests.processes import live_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4
@@ -31,18 +32,7 @@ def env():
 
 def sandbox_programs(trainer_pid: int) -> list[int]:
   """Live sandbox processes the trainer started."""
-  out = []
-  for name in filter(str.isdigit, os.listdir("/proc")):
-    try:
-      with open(f"/proc/{name}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-      with open(f"/proc/{name}/cmdline", "rb") as f:
-        cmdline = f.read().decode(errors="replace")
-    except OSError:
-      continue
-    if fields[0] != "Z" and int(fields[1]) == trainer_pid and sandbox_lib.CHILD in cmdline:
-      out.append(int(name))
-  return out
+  return [p[0] for p in live_processes() if p[1] == trainer_pid and sandbox_lib.CHILD in p[4]]
 
 
 def checkpointed(workdir) -> bool:
