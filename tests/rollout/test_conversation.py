@@ -287,3 +287,27 @@ def test_python_tool_through_the_sandbox(engine, params, pause_ids):
     first, inserted, _ = [completion.tokens[a:b] for a, b, _ in runs(completion.loss_mask)]
     assert episode.reason == "turns" and episode.stats.tool_calls == 1 and not any(episode.stats.failures.values())
     assert episode.observations == [f"```output\n{len(first)}\n```"] == [bytes(inserted).decode()]
+
+
+def test_a_rollout_whose_every_program_loops_forever_ends_within_its_bound(engine, params, pause_ids):
+  """Every tool call loops forever: each ends as a counted timeout at the sandbox's limits and the rollout goes on;
+  with a sandbox worker for each conversation, it takes at most (max_turns - 1) wall clocks (plus a margin for a
+  busy machine) longer than the same rollout whose programs end at once (docs/tools.md)."""
+  limits, max_turns, margin = Limits(cpu_seconds=1, wall_seconds=2), 2, 3.0
+  template = env_lib.ToolTemplate(turn_end="<e>", before="", after="")
+  short = lambda text: list(text.encode())[:8]  # every observation fits
+
+  def timed(code):
+    with Sandbox(limits, max_workers=4) as box:
+      env = env_lib.PythonTool(box, score, limits=env_lib.EpisodeLimits(max_turns=max_turns), template=template)
+      start = time.monotonic()
+      out = conversation.converse(engine, params, env, PROMPTS[::2], ROW_OF[::2], encode=short,
+                                  decode=lambda tokens: f"```python\n{code}\n```", pause_ids=pause_ids, n=2)
+      return out, time.monotonic() - start
+
+  timed("print(1)")  # compiles what the rollout runs
+  _, instant = timed("print(1)")
+  out, looping = timed("while True: pass")
+  assert [c.episode.stats.tool_calls for c in out] == [1] * 4
+  assert all(c.episode.stats.failures["timeout"] == 1 and c.episode.reason == "turns" for c in out)
+  assert looping < instant + (max_turns - 1) * (limits.wall_seconds + margin), (looping, instant)
