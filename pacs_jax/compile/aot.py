@@ -27,7 +27,7 @@ from pacs_jax.models import decoder, lora
 from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import interface
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.compile import aot_measure, length_profile, rollout_cost
+from pacs_jax.compile import aot_measure, aot_tools, length_profile, rollout_cost
 from pacs_jax.compile.aot_measure import ProgramReport, measure, outputs_of, per_chip_bytes, persistent_cache_off
 from pacs_jax.compile.aot_report import Report, format_report
 from pacs_jax.compile.target import Target, TargetUnavailable, target
@@ -178,6 +178,7 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     decode_state = outputs_of(compiled) if compiled is not None else engine.abstract_decode_state()
     state_bytes = per_chip_bytes(decode_state)
     waves = -(-(cfg.train.batch_prompts * n) // B)
+    pauses = aot_tools.pause_count(cfg)  # a tool run's decodes pause at its turn end (aot_tools)
 
     def rollout_programs(tag: str, sampling, rows: int, requests: int, calls_scale: float, prompts: int,
                          largest_only: bool = False):
@@ -195,20 +196,22 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
         # Requests into slots, the state donated.
         run(ProgramReport(f"{tag}insert[Q={requests},T={engine.prefill_buckets[-1]}]", "rollout",
                           calls_scale * -(-prompts // rows), 0.0),
-            lambda: engine.lower_insert_requests(decode_state, cache, logits, requests, sampling),
+            lambda: engine.lower_insert_requests(decode_state, cache, logits, requests, sampling, pauses),
             lambda c: state_bytes)
       calls_at = decode_calls(engine, P, R)  # the bound's calls: slots starting at P rows (shorter prompts: fewer rows)
       budgets = [(b, calls_at.get(b, 0)) for b in engine.page_budgets]
       for page_budget, calls in budgets[-1:] if largest_only else budgets:
         run(ProgramReport(f"{tag}{decode_name(page_budget)}", "rollout", calls_scale * calls,
                           2.0 * n_params * B * engine.steps_per_call),
-            lambda page_budget=page_budget: engine.lower_decode(sample_params, decode_state, page_budget, sampling),
+            lambda b=page_budget: engine.lower_decode(sample_params, decode_state, b, sampling, pauses=pauses),
             lambda c: rollout_weights + state_bytes)
 
     train_sampling = sampling_lib.from_config(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     rows = prefill_rows(B, n, cfg.train.batch_prompts)
     requests = budget_lib.next_pow2(min(B, cfg.train.batch_prompts * n))
     rollout_programs("", train_sampling, rows, requests, waves, cfg.train.batch_prompts)
+    aot_tools.continue_programs(cfg, engine, run, ProgramReport, sample_params, decode_state, train_sampling, waves,
+                                2.0 * n_params, rollout_weights + state_bytes)
     rollout_costs = rollout_at_profiles(cfg, tgt, reports, decode_state, rollout_weights, engine)
     if one_step_decode:  # for comparison: a call of one step at the top page budget (no program of the run)
       run(ProgramReport("decode_1_step", "rollout", 0, 2.0 * n_params * B),

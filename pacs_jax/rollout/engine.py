@@ -200,32 +200,35 @@ class Engine:
     with self.mesh_context():
       return self._prefill_jit.lower(params, _i32(batch, bucket), _i32(batch))
 
-  def lower_insert_requests(self, state, cache, logits, requests: int, sampling=None):
+  def lower_insert_requests(self, state, cache, logits, requests: int, sampling=None, pauses: int = 0):
     """The insert program for `requests` requests from a prefill's `cache` and `logits` (its outputs, e.g.
-    `lower_prefill(...).compile()`'s) into `state` (may be abstract: `abstract_decode_state`)."""
+    `lower_prefill(...).compile()`'s) into `state` (may be abstract: `abstract_decode_state`); `pauses` pause ids
+    (a conversation's turn ends; 0: the single-turn program, no pause test)."""
     Q = requests
     B = logits.shape[0]
     with self.mesh_context():
       return self._insert_requests_jit.lower(state, cache, logits, _i32(B), _i32(Q), _i32(Q),
                                              jax.ShapeDtypeStruct((), jnp.uint32), _i32(Q), _i32(Q), _i32(Q),
-                                             _i32(decode_lib.eos_array(self.eos_ids).shape[0]), None,
+                                             _i32(decode_lib.eos_array(self.eos_ids).shape[0]), _pauses(pauses),
                                              sampling=sampling or self.sampling)
 
-  def lower_decode(self, params, state, page_budget: int | None = None, sampling=None, num_steps: int | None = None):
+  def lower_decode(self, params, state, page_budget: int | None = None, sampling=None, num_steps: int | None = None,
+                   pauses: int = 0):
     """The decode program (`num_steps`, default `steps_per_call`, steps at a budget of `page_budget` live pages
-    per shard, default the top of `page_budgets`) for `params` and `state`, which may be abstract."""
+    per shard, default the top of `page_budgets`) for `params` and `state`, which may be abstract; `pauses` pause
+    ids (0: the single-turn program)."""
     with self.mesh_context():
       return self._decode_jit.lower(params, state, np.int32(0), decode_lib.eos_array(self.eos_ids),
-                                    None, num_steps=num_steps or self.steps_per_call,
+                                    _pauses(pauses), num_steps=num_steps or self.steps_per_call,
                                     sampling=sampling or self.sampling, page_budget=self.policy.clamp(page_budget))
 
-  def lower_continue(self, params, state, requests: int, bucket: int, sampling=None):
+  def lower_continue(self, params, state, requests: int, bucket: int, sampling=None, pauses: int = 0):
     """The continue program for `requests` slots with up to `bucket` inserted tokens each (`continue_slots`);
-    `params` and `state` may be abstract."""
+    `params` and `state` may be abstract; `pauses` pause ids (a conversation's: 1, its turn end)."""
     Q = requests
     eos = _i32(decode_lib.eos_array(self.eos_ids).shape[0])
     with self.mesh_context():
-      return self._continue_jit.lower(params, state, _i32(Q), _i32(Q, bucket), _i32(Q), _i32(Q), eos, None,
+      return self._continue_jit.lower(params, state, _i32(Q), _i32(Q, bucket), _i32(Q), _i32(Q), eos, _pauses(pauses),
                                       sampling=sampling or self.sampling)
 
   # -- prompts ----------------------------------------------------------------------------------
@@ -347,6 +350,11 @@ class Engine:
     fns = (self._prefill_jit, self._insert_requests_jit, self._decode_jit, self._init_jit, self._continue_jit,
            self._release_jit)
     return sum(f._cache_size() for f in fns)
+
+
+def _pauses(count: int) -> jax.ShapeDtypeStruct | None:
+  """`count` pause ids' abstract array (`_pause_array`'s shape), or None for none (the single-turn programs)."""
+  return _i32(decode_lib.eos_array(range(count)).shape[0]) if count else None
 
 
 def _pause_array(pause_ids: Sequence[int]) -> np.ndarray | None:

@@ -178,6 +178,7 @@ class AheadOfTime(Protocol):
   max_concurrent_decodes: int  # B
   steps_per_call: int
   prefill_buckets: tuple[int, ...]
+  continue_buckets: tuple[int, ...]  # a continuation's inserted tokens, padded (a conversation's observation)
   policy: budget_lib.PagePolicy  # which page budget a decode call runs at
 
   @property
@@ -194,10 +195,14 @@ class AheadOfTime(Protocol):
 
   def lower_prefill(self, params, batch: int, bucket: int) -> Any: ...
 
-  def lower_insert_requests(self, state, cache, logits, requests: int, sampling=None) -> Any: ...
+  def lower_insert_requests(self, state, cache, logits, requests: int, sampling=None, pauses: int = 0) -> Any: ...
 
   def lower_decode(self, params, state, page_budget: int | None = None, sampling=None,
-                   num_steps: int | None = None) -> Any: ...
+                   num_steps: int | None = None, pauses: int = 0) -> Any: ...
+
+  def lower_continue(self, params, state, requests: int, bucket: int, sampling=None, pauses: int = 0) -> Any: ...
+
+  def continue_bucket_length(self, inserted: int) -> int: ...
 
 
 LOCAL_ENGINE = "local"  # rollout.engine's default: the in-process engine (`local.LocalRollout`)
