@@ -57,6 +57,7 @@ def pytest_collection_modifyitems(config, items):
 # SLOWEST: test files or test ids, longest first (seconds: a full run with --durations=0 on the 2-core machine, 2
 # workers, beside other work, issue 42's session; CI's idle run takes about 0.7x).
 SLOWEST = (
+    "tests/test_configs_e2e.py::test_config_trains_two_steps_through_the_cli[configs/qwen7b_tools_v5p.py]",  # 342 (CI)
     "tests/train/test_fsdp_matmuls_tpu.py",  # 170: three TPU compiles of a one-layer 3B (module fixture)
     "tests/train/test_split_devices.py::test_a_split_run_on_two_processes_trains_as_one_process",  # 150
     "tests/train/test_demo_learns.py",  # 60-140 each
