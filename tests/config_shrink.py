@@ -32,7 +32,7 @@ KEEP = (
     "checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.restore",
     "checkpoint.lock_stale_after_s", "checkpoint.allow_changes",
     "eval_every", "log_every", "reward_timeout_s", "reward.fn", "rollout.engine",
-    "env.name", "env.max_turns", "env.cpu_seconds", "env.wall_seconds", "env.memory_mb", "env.output_bytes",
+    "env.name", "env.cpu_seconds", "env.wall_seconds", "env.memory_mb",
     "hardware.*", "compile.*", "distributed.*", "health.*", "wandb.*",
 )
 
@@ -104,6 +104,9 @@ def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
       "reward_workers": min(c.reward_workers, 2),
       "lora.rank": min(c.lora.rank, 8),  # LoRA stays on (or off); the tiny model's k projection is [64, 32]
       "env.workers": min(c.env.workers, 2),
+      # The tool demo's bounds: a call, its observation and the answer (a 1 KB observation at 64 new tokens
+      # only compiles bigger continue programs, at several minutes of CPU a run).
+      "env.max_turns": min(c.env.max_turns, 3), "env.output_bytes": min(c.env.output_bytes, 160),
   }
   fields = _fields(c)
   unknown = [f for f in fields if not _kept(f) and f not in rules]
