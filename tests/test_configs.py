@@ -14,6 +14,7 @@ from pacs_jax import config as config_lib
 from pacs_jax import gpu_targets
 from pacs_jax import sharding
 from pacs_jax.compile import memory
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.py")) if not os.path.basename(p).startswith("_"))
@@ -128,7 +129,8 @@ def test_a_bf16_base_computes_what_an_fp32_base_computes():
 
 def test_dry_run_cli_prints_the_per_device_table():
   out = subprocess.run([sys.executable, "-m", "pacs_jax.train", "--config", os.path.join(ROOT, "configs", "qwen3b_v5p.py"),
-                        "--dry_run"], capture_output=True, text=True, check=True, env={**os.environ, "XLA_FLAGS": ""},
+                        "--dry_run"], capture_output=True, text=True, check=True,
+                       env={**os.environ, "XLA_FLAGS": child_env.xla_flags()},
                        timeout=300).stdout
   for part in ("params", "optimizer", "reference", "kv_cache", "activations", "total"):
     assert re.search(rf"^{part}\s+\d+\.\d+$", out, re.M), out
@@ -141,7 +143,8 @@ def test_dry_run_cli_prints_the_per_device_table():
 def test_dry_run_says_it_is_an_estimate_without_a_tpu_target():
   gpu = os.path.join(ROOT, "configs", "qwen3b_gpu.py")
   dry_run = lambda *flags: subprocess.run([sys.executable, "-m", "pacs_jax.train", "--config", gpu, "--dry_run", *flags],
-                                          capture_output=True, text=True, check=True, env={**os.environ, "XLA_FLAGS": ""},
+                                          capture_output=True, text=True, check=True,
+                                          env={**os.environ, "XLA_FLAGS": child_env.xla_flags()},
                                           timeout=300).stdout
   out = dry_run()
   assert "ESTIMATE" in out and "figures for h100-sxm-80gb 1x1x8: rerun with --compile_only" in out

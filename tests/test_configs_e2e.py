@@ -13,6 +13,7 @@ import pytest
 
 import config_shrink
 from pacs_jax.storage import checkpoint as checkpoint_lib
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.environ.get("PACS_JAX_TEST_CACHE", os.path.join(ROOT, ".jax_cache"))
@@ -49,7 +50,7 @@ def test_config_trains_two_steps_through_the_cli(spec, tmp_path):
   cmd = [sys.executable, "-m", "pacs_jax.train", "--config", os.path.join(ROOT, spec), "--workdir", str(workdir)]
   cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
   env = dict(os.environ, JAX_PLATFORMS="cpu", PACS_JAX_COMPILATION_CACHE=CACHE,
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=child_env.xla_flags(devices))
   result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 

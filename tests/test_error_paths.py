@@ -32,7 +32,8 @@ PLATFORM_NOISE = ("All log messages before absl::InitializeLog() is called", "cu
 
 
 def env(**extra):
-  return {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT),
+  return {**os.environ, "XLA_FLAGS": child_env.xla_flags(),
+          "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT),
           "PACS_JAX_COMPILATION_CACHE": os.path.join(ROOT, ".jax_cache", "trainer"), **extra}
 
 

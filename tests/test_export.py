@@ -14,6 +14,7 @@ from pacs_jax import config as config_lib
 from pacs_jax.data import tokenizers
 from pacs_jax.storage import hf_export as export_lib
 from pacs_jax.trainer import loop
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,7 +26,7 @@ def test_export_round_trip_through_transformers(tmp_path):
   loop.train(cfg, str(tmp_path / "run"), devices=jax.devices()[:1])
   out = tmp_path / "hf"
   subprocess.run([sys.executable, "-m", "pacs_jax.export", "--workdir", str(tmp_path / "run"), "--out", str(out)],
-                 check=True, capture_output=True, env={**os.environ, "XLA_FLAGS": ""}, timeout=300)
+                 check=True, capture_output=True, env={**os.environ, "XLA_FLAGS": child_env.xla_flags()}, timeout=300)
   model, step = export_lib.load_policy(str(tmp_path / "run"))
   assert step == 2
   reloaded = transformers.Qwen2ForCausalLM.from_pretrained(out).eval()

@@ -23,6 +23,7 @@ from pacs_jax import errors
 from pacs_jax.models import lora
 from pacs_jax.storage import hf_export as export_lib
 from pacs_jax.trainer import loop
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
@@ -34,7 +35,7 @@ NOISE = ("All log messages before absl::InitializeLog() is called", "cudart_stub
 
 def export_cli(*args):
   return subprocess.run([sys.executable, "-m", "pacs_jax.export", *args], capture_output=True, text=True, timeout=300,
-                        env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+                        env={**os.environ, "XLA_FLAGS": child_env.xla_flags(), "JAX_PLATFORMS": "cpu"})
 
 
 def one_line_failure(result, status: int) -> str:

@@ -15,6 +15,7 @@ import jax
 from flax import nnx
 
 from pacs_jax.storage import hf_export as export_lib
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--config.steps=2", "--config.eval_every=0",
@@ -24,7 +25,7 @@ ARGS = ["--config", os.path.join(ROOT, "configs", "tiny_cpu.py"), "--config.step
 
 def env(devices: int):
   e = dict(os.environ)
-  e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  e["XLA_FLAGS"] = child_env.xla_flags(devices)
   e["JAX_PLATFORMS"] = "cpu"
   e["PACS_JAX_COMPILATION_CACHE"] = os.path.join(ROOT, ".jax_cache", "trainer")
   return e

@@ -13,6 +13,7 @@ import pytest
 from pacs_jax.data import synthetic_tasks as synthetic
 from pacs_jax.study import report, runs
 from pacs_jax.study import study_settings as settings_lib
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +22,7 @@ def run_shrunk_study(out, *flags) -> tuple[dict, str]:
   """The shrunk study through its command line on one CPU device, on the tests' compile cache."""
   cache = os.environ.get("PACS_JAX_TEST_CACHE", os.path.join(ROOT, ".jax_cache"))  # as tests/conftest.py
   env = dict(os.environ, PACS_JAX_COMPILATION_CACHE=cache, JAX_PLATFORMS="cpu")
-  env["XLA_FLAGS"] = ""  # one CPU device, as a user's laptop
+  env["XLA_FLAGS"] = child_env.xla_flags()  # one CPU device, as a user's laptop
   done = subprocess.run([sys.executable, "-m", "pacs_jax.study", "--shrunk", "--out", str(out), *flags], cwd=ROOT,
                         env=env, capture_output=True, text=True, timeout=600)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

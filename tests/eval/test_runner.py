@@ -23,6 +23,7 @@ from pacs_jax import api
 from pacs_jax.data import prompts, sources
 from pacs_jax.eval import passk, problems, results, runner
 from pacs_jax.models import families as registry
+from tests import child_env
 
 NAMES = ("math500", "aime2024", "aime2025", "amc23")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -355,7 +356,7 @@ def test_cli_on_a_training_workdir(data_dir, tokenizer, tmp_path):
   ckpt.close()
   before = sorted(os.walk(workdir))
   data = ",".join(os.path.join(data_dir, name, "test.jsonl") for name in ("amc23", "math500"))
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=child_env.xla_flags(), JAX_PLATFORMS="cpu")
   env["PACS_JAX_COMPILATION_CACHE"] = os.path.join(REPO, ".jax_cache")
   result = subprocess.run(
       [sys.executable, "-m", "pacs_jax.evaluate", f"--model={workdir}", f"--data={data}", "--n=2", "--limit=2",

@@ -26,6 +26,7 @@ from pacs_jax.rollout import engine as engine_lib
 from pacs_jax.rollout import scheduler
 from pacs_jax.storage import hf_export as export_lib
 from test_qwen2_hf import left_padded_batch, torch_logits_per_row
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 96  # at most twice the synthetic tokenizer's 64 ids: the trainer pairs them
@@ -136,7 +137,7 @@ def test_trains_two_steps_through_the_command_line(hf_dir, tmp_path):
   workdir = tmp_path / "run"
   cmd = [sys.executable, "-m", "pacs_jax.train", "--config", spec, "--workdir", str(workdir)]
   cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_env.xla_flags(devices),
              PACS_JAX_COMPILATION_CACHE=os.environ.get("PACS_JAX_TEST_CACHE", os.path.join(ROOT, ".jax_cache")))
   result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]

@@ -98,7 +98,8 @@ def test_invalid_utf8_names_file_and_line_and_is_skipped_when_asked(tmp_path):
 
 def cli(module, *args, cwd):
   return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300, cwd=cwd,
-                        env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT)})
+                        env={**os.environ, "XLA_FLAGS": child_env.xla_flags(),
+                             "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT)})
 
 
 def assert_one_clean_message(result, expected):

@@ -18,6 +18,7 @@ from pacs_jax import config as config_lib
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import hf_export as export_lib
 from pacs_jax.trainer import loop
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OVERRIDES = {"steps": 8, "eval_every": 4, "checkpoint.every": 4, "train.batch_prompts": 8,
@@ -148,7 +149,7 @@ def test_every_checkpoint_damaged_stops_with_a_list_and_never_trains_from_scratc
   cmd = [sys.executable, "-m", "pacs_jax.train", "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"),
          "--workdir", str(workdir)] + [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
   result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+                          env={**os.environ, "XLA_FLAGS": child_env.xla_flags(), "JAX_PLATFORMS": "cpu"})
   assert result.returncode != 0
   assert "no checkpoint in" in result.stderr and "can be restored; tried:" in result.stderr, result.stderr
   assert "step 8: JSONDecodeError" in result.stderr and "step 4: KeyError" in result.stderr, result.stderr
@@ -162,7 +163,7 @@ def test_every_checkpoint_damaged_stops_with_a_list_and_never_trains_from_scratc
   # Asked explicitly, it starts over, setting the old checkpoints aside.
   restart = subprocess.run(cmd + ["--config.checkpoint.restore=never", "--config.steps=1", "--config.eval_every=0"],
                            capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+                           env={**os.environ, "XLA_FLAGS": child_env.xla_flags(), "JAX_PLATFORMS": "cpu"})
   assert restart.returncode == 0, restart.stderr
   assert sorted(os.listdir(workdir / "checkpoints")) == ["1"]
   assert sorted(n.split(".")[0] for n in os.listdir(workdir / checkpoint_lib.SET_ASIDE_DIR)) == ["4", "8"]

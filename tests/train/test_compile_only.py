@@ -19,6 +19,7 @@ from pacs_jax.compile.aot_report import step_seconds
 from pacs_jax.trainer import loop, packing as batching
 from pacs_jax.trainer import programs as programs_lib
 from tests.compile_report import assert_every_program_compiled, by_name
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -253,7 +254,7 @@ def test_a_lora_run_compiles_every_program_and_holds_less_in_its_update(report, 
 
 def run_cli(*args, env=None):
   return subprocess.run([sys.executable, "-m", "pacs_jax.train", *args], capture_output=True, text=True, timeout=900,
-                        env={**os.environ, "XLA_FLAGS": "", **(env or {})})
+                        env={**os.environ, "XLA_FLAGS": child_env.xla_flags(), **(env or {})})
 
 
 def test_a_config_that_does_not_fit_exits_nonzero_naming_the_program_and_its_size(tiny_tpu_config, tmp_path):

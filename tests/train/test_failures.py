@@ -40,7 +40,8 @@ def tiny(**overrides):
 
 
 def env(**extra):
-  return {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT),
+  return {**os.environ, "XLA_FLAGS": child_env.xla_flags(),
+          "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT),
           "PACS_JAX_COMPILATION_CACHE": os.path.join(ROOT, ".jax_cache", "trainer"), **extra}
 
 

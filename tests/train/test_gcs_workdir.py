@@ -40,7 +40,8 @@ def test_train_resume_export_evaluate_on_gs(local_gcs, tmp_path):
   workdir = f"gs://{local_gcs.bucket}/runs/{tmp_path.name}"
   cwd = tmp_path / "cwd"
   cwd.mkdir()
-  env = {**os.environ, **local_gcs.env, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT),
+  env = {**os.environ, **local_gcs.env, "XLA_FLAGS": child_env.xla_flags(),
+         "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT),
          "PACS_JAX_COMPILATION_CACHE": os.path.join(ROOT, ".jax_cache", "trainer")}
 
   run("pacs_jax.train", *RUN, "--workdir", workdir, "--config.steps=4", env=env, cwd=cwd)

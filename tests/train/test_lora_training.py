@@ -209,7 +209,8 @@ def test_a_full_runs_checkpoint_is_not_resumed_as_lora_in_one_line(tmp_path):
   workdir = tmp_path / "run"
   trainer(workdir, steps=1).run()
   before = sorted(os.listdir(workdir / "checkpoints"))
-  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT)}
+  env = {**os.environ, "XLA_FLAGS": child_env.xla_flags(),
+         "JAX_PLATFORMS": "cpu", "PYTHONPATH": child_env.pythonpath(ROOT)}
   args = [f"--config.{k}={v}" for k, v in {**RUN, "steps": 3, "lora.rank": 8}.items()]
   result = subprocess.run([sys.executable, "-m", "pacs_jax.train", "--config", TINY, "--workdir", str(workdir),
                            *args], capture_output=True, text=True, timeout=300, env=env)

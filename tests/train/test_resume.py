@@ -23,6 +23,7 @@ from flax import nnx
 
 from pacs_jax.storage import hf_export as export_lib
 from tests import kill_loop
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMING_PREFIXES = ("timing/", "throughput/")
@@ -40,7 +41,7 @@ def trainer_cmd(workdir, *extra):
 
 def env():
   e = dict(os.environ)
-  e["XLA_FLAGS"] = ""  # one CPU device, as the config's mesh asks
+  e["XLA_FLAGS"] = child_env.xla_flags()  # one CPU device, as the config's mesh asks
   e["JAX_PLATFORMS"] = "cpu"
   e["PYTHONUNBUFFERED"] = "1"
   # Runs after the first reuse its compiled programs (as a restarted job would).

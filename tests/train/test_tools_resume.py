@@ -13,6 +13,7 @@ from pacs_jax.envs import sandbox as sandbox_lib
 from pacs_jax.services.metrics import read_rows
 from tests import kill_loop
 from tests.processes import live_processes
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4
@@ -26,7 +27,7 @@ def trainer_cmd(workdir):
 
 
 def env():
-  return {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+  return {**os.environ, "XLA_FLAGS": child_env.xla_flags(), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
           "PACS_JAX_COMPILATION_CACHE": os.path.join(ROOT, ".jax_cache", "trainer")}
 
 

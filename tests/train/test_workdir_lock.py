@@ -14,6 +14,7 @@ import pytest
 
 from pacs_jax.storage import lock as workdir_lock
 from pacs_jax.storage.lock import Holder, WorkdirLock, WorkdirLocked
+from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -136,7 +137,7 @@ def trainer(workdir, *extra):
   cmd = [sys.executable, "-m", "pacs_jax.train", "--config", os.path.join(ROOT, "configs", "tiny_cpu.py"),
          "--workdir", str(workdir), "--config.train.batch_prompts=8", "--config.train.mini_batch_prompts=4",
          "--config.eval_every=0", "--config.checkpoint.every=2", *extra]
-  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+  env = {**os.environ, "XLA_FLAGS": child_env.xla_flags(), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
          "PACS_JAX_COMPILATION_CACHE": os.path.join(ROOT, ".jax_cache", "trainer")}
   return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
