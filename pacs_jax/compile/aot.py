@@ -27,7 +27,7 @@ from pacs_jax.models import decoder, lora
 from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import interface
 from pacs_jax.rollout import sampling as sampling_lib
-from pacs_jax.compile import aot_measure, aot_tools, length_profile, rollout_cost
+from pacs_jax.compile import aot_measure, aot_rollout, aot_tools, length_profile
 from pacs_jax.compile.aot_measure import ProgramReport, measure, outputs_of, per_chip_bytes, persistent_cache_off
 from pacs_jax.compile.aot_report import Report, format_report
 from pacs_jax.compile.target import Target, TargetUnavailable, target
@@ -212,7 +212,9 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     rollout_programs("", train_sampling, rows, requests, waves, cfg.train.batch_prompts)
     aot_tools.continue_programs(cfg, engine, run, ProgramReport, sample_params, decode_state, train_sampling, waves,
                                 2.0 * n_params, rollout_weights + state_bytes)
-    rollout_costs = rollout_at_profiles(cfg, tgt, reports, decode_state, rollout_weights, engine)
+    aot_rollout.rung_programs(engine, run, ProgramReport, sample_params, decode_state, train_sampling, 2.0 * n_params,
+                              rollout_weights + state_bytes, aot_tools.pause_count(cfg))
+    rollout_costs = aot_rollout.rollout_at_profiles(cfg, tgt, reports, decode_state, rollout_weights, engine)
     if one_step_decode:  # for comparison: a call of one step at the top page budget (no program of the run)
       run(ProgramReport("decode_1_step", "rollout", 0, 2.0 * n_params * B),
           lambda: engine.lower_decode(sample_params, decode_state, None, train_sampling, num_steps=1),
@@ -284,28 +286,6 @@ def compile_run(cfg: ml_collections.ConfigDict, tgt: Target | None = None, valid
     profiles = update_at_profiles(cfg, mesh, lora_base, reports, log)
   return Report(config_name="", target=tgt, mesh_shape=dict(mesh.shape), programs=reports, resident=resident,
                 notes=notes, profiles=profiles, rollout_costs=rollout_costs, packed=bool(cfg.train.packing))
-
-
-def rollout_at_profiles(cfg: ml_collections.ConfigDict, tgt: Target, reports: list[ProgramReport], decode_state,
-                        rollout_weights: float, engine) -> list[rollout_cost.RolloutCost]:
-  """The rollout costed with its paged attention kernel (`rollout_cost`) at `max` and at `compile.length_profile`:
-  the compiler's time per decode step at the top page budget, the KV cache's bytes per token (every layer) from
-  the decode state's pages [layers, pages, page size, 2K, H], the compiler's HBM rate. [] where the compiler gives
-  no time (a GPU compiled for without one) or no decode program compiled."""
-  decode = [p for p in reports if p.name.startswith("decode[") and not p.error and p.optimal_s]
-  rates = aot_measure.device_rates(tgt.devices[0])
-  if not decode or rates is None or decode_state is None:
-    return []
-  step_s = decode[-1].optimal_s / engine.steps_per_call  # the top page budget's (the last compiled)
-  pages = max(jax.tree.leaves(decode_state), key=lambda a: math.prod(a.shape))  # [layers, A, ps, 2K, H]
-  kv_per_token = pages.shape[0] * pages.shape[3] * pages.shape[4] * np.dtype(pages.dtype).itemsize
-  n, P, R = cfg.rollout.n, cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
-  out = []
-  for profile in dict.fromkeys([length_profile.MAX, length_profile.resolve(cfg.compile.length_profile)]):
-    prompts, responses = length_profile.sample(profile, cfg.train.batch_prompts, n, P, R, seed=cfg.seed)
-    out.append(rollout_cost.cost(profile.name, prompts, responses, engine.max_concurrent_decodes, step_s,
-                                 kv_per_token, rollout_weights, len(tgt.devices), rates[1]))
-  return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ class Report:
   notes: list[str]
   # The update phase per step at length profiles, padded and packed (`aot.update_at_profiles`)
   profiles: list[dict] = dataclasses.field(default_factory=list)
-  # The rollout with its paged attention kernel at length profiles (`aot.rollout_at_profiles`)
+  # The rollout with its paged attention kernel at length profiles (`aot_rollout.rollout_at_profiles`)
   rollout_costs: list = dataclasses.field(default_factory=list)
   packed: bool = False  # the run's update runs packed rows (`train.packing`): its cost follows the profile
 
@@ -193,6 +193,8 @@ def rollout_lines(report: Report) -> list[str]:
         f"{sec(c.outside_s)} outside the kernel + {sec(c.kernel_s)} in it ({c.kernel_bytes / GB:.3g} GB of live KV "
         f"rows); {c.tokens_per_s(c.estimate_s):,.0f} tokens/s per {report.target.unit}, roofline (weights and live KV "
         f"once per step) {c.tokens_per_s(c.roofline_s):,.0f}: {c.estimate_s / c.roofline_s:.2f}x its time")
+    if len(c.rung_steps) > 1:  # the slot ladder: the tail's steps in fewer slots
+      lines.append("    decode steps by slot rung: " + ", ".join(f"{b} slots {k}" for b, k in c.rung_steps.items()))
   return lines
 
 

@@ -167,6 +167,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
            f"{c.rollout.mode} needs one rollout per step; {c.algorithm} samples dynamically (its refills draw prompts)")
 
   env_checks.validate_env(c, _check, num_processes, lambda: algo.sampling_rounds(algo.bind(c)))
+  _check(c.rollout.slot_rungs >= 1, "rollout.slot_rungs", f"must be >= 1 (1 = no ladder), got {c.rollout.slot_rungs}")
   _check(c.rollout.kv_pages >= 0, "rollout.kv_pages", f"must be >= 0 (0 = enough for every slot), got {c.rollout.kv_pages}")
   _check_lora(c)
   if not c.model.hf_path and c.lora.rank:  # the preset's shapes are known without reading anything

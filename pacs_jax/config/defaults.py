@@ -79,6 +79,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.rollout.devices = 0
   c.rollout.page_size = 64
   c.rollout.kv_pages = 0  # KV memory in pages, all batch shards together; 0 = enough for every slot at full length
+  # The slot ladder (rollout/slot_rungs.py): decode programs over slots, slots/2, ... (this many rungs); once no
+  # request waits, the tail's few busy slots decode in the smallest rung that holds them instead of paying every
+  # slot's matmuls. 1 = every call over all slots.
+  c.rollout.slot_rungs = 1
   # Which tokens end a response, and how far the response mask runs (docs/algorithm.md "Padding and stopping"):
   #   "released": the tokenizer's EOS plus generation_config.json's eos_token_id (config.json's when there is
   #     none), as verl's vLLM rollout; the mask runs up to and including the first generation-config EOS

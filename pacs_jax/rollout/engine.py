@@ -26,6 +26,7 @@ from pacs_jax.models.model_config import ModelConfig
 from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import continuation as continuation_lib
 from pacs_jax.rollout import sampling as sampling_lib
+from pacs_jax.rollout import slot_rungs as slot_rungs_lib
 from pacs_jax.rollout import decode as decode_lib
 from pacs_jax.rollout import page_allocation as pages_lib
 from pacs_jax.rollout import decode_state as state_lib
@@ -54,14 +55,15 @@ class Engine:
                max_decode_length: int, mesh: jax.sharding.Mesh | None = None,
                sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), eos_ids: Sequence[int] = (),
                steps_per_call: int = 16, min_prefill_bucket: int = 16, seed: int = 0, page_size: int = 64,
-               kv_pages: int = 0):
+               kv_pages: int = 0, slot_rungs: int = 1):
     """`model` may be abstract (`nnx.eval_shape`): only its structure and shapes are kept.
 
     Slots hold pages of `page_size` rows taken as they grow and returned when they finish, from a pool per
     batch shard (slots and pages are split over the mesh's batch axes alike); `kv_pages` pages in all (0:
     enough for every slot at full length, so none waits). Decode reads each slot's live pages, padded to a
     page budget per shard (`budget.PagePolicy`: the smallest of `page_budgets` that holds every slot for
-    the next `steps_per_call` steps). A decode program is compiled per page budget used.
+    the next `steps_per_call` steps). A decode program is compiled per page budget used. With `slot_rungs` > 1
+    decode also runs over fewer slots (`slot_rungs.ladder`: B/2, B/4, ...) once few are busy: a program per rung.
     """
     self.config: ModelConfig = model.config
     self.graphdef, abstract = nnx.split(model)
@@ -101,6 +103,7 @@ class Engine:
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
     self.decode_kernel = paged.decode_kernel(self.config, platform, tensor)
+    self.slot_rungs = slot_rungs_lib.ladder(max_concurrent_decodes, self.page_shards, slot_rungs)
     self.policy = budget_lib.PagePolicy.of(max_concurrent_decodes, self.page_shards, self.cache_length, page_size,
                                            steps_per_call, kernel=self.decode_kernel)
     self.param_shardings = sharding.state_shardings(abstract, mesh, "sample") if mesh is not None else None
@@ -111,7 +114,7 @@ class Engine:
     self._prefill_jit = jax.jit(self._prefill_impl)
     self._insert_requests_jit = jax.jit(self._insert_requests_impl, static_argnames=("sampling",),
                                         donate_argnums=(0,))
-    self._decode_jit = jax.jit(self._decode_impl, static_argnames=("num_steps", "sampling", "page_budget"),
+    self._decode_jit = jax.jit(self._decode_impl, static_argnames=("num_steps", "sampling", "page_budget", "rung"),
                                donate_argnums=(1,))
     self._continue_jit = jax.jit(self._continue_impl, static_argnames=("sampling",), donate_argnums=(1,))
     self._release_jit = jax.jit(self._release_impl, donate_argnums=(0,))
@@ -213,14 +216,16 @@ class Engine:
                                              sampling=sampling or self.sampling)
 
   def lower_decode(self, params, state, page_budget: int | None = None, sampling=None, num_steps: int | None = None,
-                   pauses: int = 0):
+                   pauses: int = 0, rung: int | None = None):
     """The decode program (`num_steps`, default `steps_per_call`, steps at a budget of `page_budget` live pages
-    per shard, default the top of `page_budgets`) for `params` and `state`, which may be abstract; `pauses` pause
-    ids (0: the single-turn program)."""
+    per shard, default the top of `page_budgets`, over `rung` of the slots, default all) for `params` and
+    `state`, which may be abstract; `pauses` pause ids (0: the single-turn program)."""
+    rung, index = self._rung(rung)
     with self.mesh_context():
       return self._decode_jit.lower(params, state, np.int32(0), decode_lib.eos_array(self.eos_ids),
-                                    _pauses(pauses), num_steps=num_steps or self.steps_per_call,
-                                    sampling=sampling or self.sampling, page_budget=self.policy.clamp(page_budget))
+                                    _pauses(pauses), index, num_steps=num_steps or self.steps_per_call,
+                                    sampling=sampling or self.sampling, page_budget=self.policy.clamp(page_budget),
+                                    rung=rung)
 
   def lower_continue(self, params, state, requests: int, bucket: int, sampling=None, pauses: int = 0):
     """The continue program for `requests` slots with up to `bucket` inserted tokens each (`continue_slots`);
@@ -273,10 +278,17 @@ class Engine:
     state = self.constrain(decode_lib.insert_rows(state, prefix, slots, budgets, eos_ids, rows, pause_ids))
     return (state, *self.replicate((prefix.tokens, prefix.logprobs)))
 
-  def _decode_impl(self, params, state, stop_after_finished, eos_ids, pause_ids, num_steps, sampling, page_budget):
-    state, out = decode_lib.decode_chunk(self.model(params), state, num_steps, stop_after_finished, sampling,
-                                         eos_ids, page_budget, pause_ids)
-    return self.constrain(state), self.replicate(out)
+  def _decode_impl(self, params, state, stop_after_finished, eos_ids, pause_ids, index, num_steps, sampling,
+                   page_budget, rung):
+    if rung == self.max_concurrent_decodes:  # every slot: the program as compiled before the slot ladder
+      state, out = decode_lib.decode_chunk(self.model(params), state, num_steps, stop_after_finished, sampling,
+                                           eos_ids, page_budget, pause_ids)
+      return self.constrain(state), self.replicate(out)
+    part = self.constrain(slot_rungs_lib.gather(state, index))
+    part, out = decode_lib.decode_chunk(self.model(params), part, num_steps, stop_after_finished, sampling,
+                                        eos_ids, page_budget, pause_ids)
+    state = self.constrain(slot_rungs_lib.scatter(state, part, index))
+    return state, self.replicate(slot_rungs_lib.widen(out, state, index))
 
   def _continue_impl(self, params, state, slots, tokens, lengths, budgets, eos_ids, pause_ids, sampling):
     state, out = continuation_lib.continue_slots(self.model(params), state, slots, tokens, lengths, budgets,
@@ -315,15 +327,27 @@ class Engine:
 
   def decode(self, params, decode_state: DecodeState, stop_after_finished: int,
              sampling: sampling_lib.SamplingMethod, eos_ids: Sequence[int],
-             page_budget: int | None = None, pause_ids: Sequence[int] = ()) -> tuple[DecodeState, ChunkOutput]:
+             page_budget: int | None = None, pause_ids: Sequence[int] = (),
+             slots: np.ndarray | None = None) -> tuple[DecodeState, ChunkOutput]:
     """Up to `steps_per_call` decode steps in one call at a budget of `page_budget` live pages per shard
-    (default: the top of `page_budgets`; see `decode.decode_chunk` and `budget.PagePolicy.page_budget`). A slot
+    (default: the top of `page_budgets`; see `decode.decode_chunk` and `budget.PagePolicy.page_budget`), over
+    the slots `slots` [b] (a rung's `slot_rungs.slot_index`, holding every active slot; default: all). A slot
     that samples one of `pause_ids` (a tool-call stop; a traced argument like `eos_ids`) stops but keeps its pages,
     for `continue_slots`. The output is replicated for the host."""
+    rung, index = self._rung(None if slots is None else len(slots))
+    if slots is not None and rung < self.max_concurrent_decodes:
+      index = np.asarray(slots, np.int32)
     with self.mesh_context():
       return self._decode_jit(params, decode_state, np.int32(stop_after_finished), decode_lib.eos_array(eos_ids),
-                              _pause_array(pause_ids), num_steps=self.steps_per_call, sampling=sampling,
-                              page_budget=self.policy.clamp(page_budget))
+                              _pause_array(pause_ids), index, num_steps=self.steps_per_call, sampling=sampling,
+                              page_budget=self.policy.clamp(page_budget), rung=rung)
+
+  def _rung(self, rung: int | None) -> tuple[int, np.ndarray | None]:
+    """(a decode program's slot count, the abstract slot index it takes: None for every slot)."""
+    rung = self.max_concurrent_decodes if rung is None else int(rung)
+    if rung not in self.slot_rungs:
+      raise ValueError(f"no decode program over {rung} slots: the slot ladder is {self.slot_rungs}")
+    return rung, None if rung == self.max_concurrent_decodes else _i32(rung)
 
   def continue_slots(self, params, decode_state: DecodeState, slots: np.ndarray, tokens: np.ndarray,
                      lengths: np.ndarray, budgets: np.ndarray, sampling: sampling_lib.SamplingMethod,

@@ -156,14 +156,15 @@ class Conversing(Protocol):
   turn ends at any of `pause_ids` and the environment's observation continues the same slot (`conversation.converse`
   of the in-process engine). Returns objects with `completion` (a `Completion`: the model's turns and the inserted
   observations, `loss_mask` 0 on the inserted tokens, stamped with the version) and `episode` (`envs.env.Episode`:
-  its turns, reward and stats), ordered by (prompt, sample)."""
+  its turns, reward and stats), ordered by (prompt, sample). `on_finish` is `Rollout.generate`'s, per conversation."""
 
   def converse(self, prompts: Sequence[Sequence[int]], rows: Sequence[Any], env: Any, *,
                encode: Callable[[str], Sequence[int]], decode: Callable[[Sequence[int]], str],
                pause_ids: Sequence[int], eos_ids: Sequence[int] = (), n: int = 1,
                max_new_tokens: int | Sequence[int] | None = None,
                sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), seed: int = 0,
-               prompt_ids: Sequence[int] | None = None, env_workers: int = 4) -> list[Any]: ...
+               prompt_ids: Sequence[int] | None = None, env_workers: int = 4,
+               on_finish: Callable[[], None] | None = None) -> list[Any]: ...
 
 
 def runs_conversations(rollout: Any) -> bool:
@@ -180,6 +181,8 @@ class AheadOfTime(Protocol):
   prefill_buckets: tuple[int, ...]
   continue_buckets: tuple[int, ...]  # a continuation's inserted tokens, padded (a conversation's observation)
   policy: budget_lib.PagePolicy  # which page budget a decode call runs at
+  slot_rungs: tuple[int, ...]  # the slot counts decode programs run over (`slot_rungs.ladder`; the last is B)
+  page_shards: int  # Z: batch shards of the slots and their page pools
 
   @property
   def page_budgets(self) -> tuple[int, ...]: ...
@@ -198,7 +201,7 @@ class AheadOfTime(Protocol):
   def lower_insert_requests(self, state, cache, logits, requests: int, sampling=None, pauses: int = 0) -> Any: ...
 
   def lower_decode(self, params, state, page_budget: int | None = None, sampling=None,
-                   num_steps: int | None = None, pauses: int = 0) -> Any: ...
+                   num_steps: int | None = None, pauses: int = 0, rung: int | None = None) -> Any: ...
 
   def lower_continue(self, params, state, requests: int, bucket: int, sampling=None, pauses: int = 0) -> Any: ...
 

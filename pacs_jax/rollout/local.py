@@ -22,15 +22,15 @@ class LocalRollout:
 
   `model` may be abstract (`nnx.eval_shape`): the engine keeps its structure only. `slots` responses decode at
   once, prompts of up to `max_prompt_length` tokens, responses of up to `max_new_tokens`; `page_size` and
-  `kv_pages` size the paged KV cache (`engine.Engine`).
+  `kv_pages` size the paged KV cache, `slot_rungs` the slot ladder (`engine.Engine`).
   """
 
   def __init__(self, model, *, slots: int, max_prompt_length: int, max_new_tokens: int,
                mesh: jax.sharding.Mesh | None = None, eos_ids: Sequence[int] = (), page_size: int = 64,
-               kv_pages: int = 0):
+               kv_pages: int = 0, slot_rungs: int = 1):
     self._engine = Engine(model, max_concurrent_decodes=slots, max_prefill_length=max_prompt_length,
                           max_decode_length=max_new_tokens, mesh=mesh, eos_ids=eos_ids, page_size=page_size,
-                          kv_pages=kv_pages)
+                          kv_pages=kv_pages, slot_rungs=slot_rungs)
     self.eos_ids = self._engine.eos_ids
     self.version = -1
     self._params = None
@@ -76,7 +76,8 @@ class LocalRollout:
                pause_ids: Sequence[int], eos_ids: Sequence[int] = (), n: int = 1,
                max_new_tokens: int | Sequence[int] | None = None,
                sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), seed: int = 0,
-               prompt_ids: Sequence[int] | None = None, env_workers: int = 4) -> list[conversation.Conversation]:
+               prompt_ids: Sequence[int] | None = None, env_workers: int = 4,
+               on_finish: Callable[[], None] | None = None) -> list[conversation.Conversation]:
     """`interface.Conversing.converse` by `conversation.converse` on this engine with the weights it holds, each
     completion stamped with `version`."""
     params, version = self._params, self.version
@@ -84,7 +85,8 @@ class LocalRollout:
       raise RuntimeError("LocalRollout.converse before set_weights (or after release): no weights to sample with")
     out = conversation.converse(self._engine, params, env, prompts, rows, encode=encode, decode=decode,
                                 pause_ids=pause_ids, eos_ids=eos_ids, n=n, max_new_tokens=max_new_tokens,
-                                sampling=sampling, seed=seed, prompt_ids=prompt_ids, env_workers=env_workers)
+                                sampling=sampling, seed=seed, prompt_ids=prompt_ids, env_workers=env_workers,
+                                on_finish=on_finish)
     for talk in out:
       talk.completion = dataclasses.replace(talk.completion, policy_version=version)
     return out

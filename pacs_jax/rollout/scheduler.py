@@ -14,6 +14,7 @@ import numpy as np
 
 from pacs_jax.rollout import budget as budget_lib
 from pacs_jax.rollout import sampling as sampling_lib
+from pacs_jax.rollout import slot_rungs
 from pacs_jax.rollout.budget import next_pow2
 from pacs_jax.rollout.engine import Engine
 from pacs_jax.rollout.interface import Completion
@@ -83,6 +84,20 @@ def admit_slots(pages_needed: Iterable[int], occupied: np.ndarray, free_pages: n
     free.remove(slot)
     slots.append(slot)
   return slots
+
+
+def tail_rung(engine: Engine, busy: np.ndarray, queued: bool) -> tuple[np.ndarray | None, int | None]:
+  """(the slots of the smallest rung of `engine.slot_rungs` that holds every busy slot [B] bool, None for all of
+  them; how many slots must finish before the next rung down would hold the rest, None if none would). Only in
+  the tail (nothing `queued`): while requests wait, freed slots are refilled at once."""
+  rungs = engine.slot_rungs
+  if queued or len(rungs) == 1:
+    return None, None
+  Z = engine.page_shards
+  rung = slot_rungs.choose(busy, Z, rungs)
+  index = None if rung == engine.max_concurrent_decodes else slot_rungs.slot_index(busy, Z, rung)
+  lower = [b for b in rungs if b < rung]
+  return index, (int(busy.sum()) - lower[-1] if lower and busy.sum() > lower[-1] else None)
 
 
 def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 1,
@@ -179,10 +194,16 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
         slot_request[slot] = req
         slot_rows[slot] = len(prompts[req[0]])
         tokens[req], logprobs[req] = [], []
-    stop_after = min(refill_at, len(queue)) if queue else B + 1
     busy = np.array([r is not None for r in slot_request])
-    page_budget = engine.policy.page_budget(slot_rows, busy)
-    state, out = engine.decode(params, state, stop_after, sampling, eos, page_budget)
+    index, stop_after = tail_rung(engine, busy, bool(queue))
+    if not queue and stop_after is None:
+      stop_after = B + 1
+    elif queue:
+      stop_after = min(refill_at, len(queue))
+    rows_in, busy_in = (slot_rows, busy) if index is None else (slot_rows[index], busy[index])
+    page_budget = engine.policy.page_budget(rows_in, busy_in)
+    rung = {} if index is None else {"slots": index}  # (a call over every slot is the one made before the ladder)
+    state, out = engine.decode(params, state, stop_after, sampling, eos, page_budget, **rung)
     # Host reads after the decode call is queued, so device work and transfers overlap.
     for first in firsts:
       for r, t, l in zip(first.requests, np.asarray(first.tokens).tolist(), np.asarray(first.logprobs).tolist()):

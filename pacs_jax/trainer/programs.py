@@ -209,7 +209,7 @@ def make_rollout(cfg: ml_collections.ConfigDict, model: decoder.CausalLM, mesh, 
                 page_size=cfg.rollout.page_size, kv_pages=cfg.rollout.kv_pages)
   engine = cfg.rollout.engine
   if engine == rollout_interface.LOCAL_ENGINE:
-    return local_rollout.LocalRollout(**kwargs)
+    return local_rollout.LocalRollout(**kwargs, slot_rungs=cfg.rollout.slot_rungs)
   rollout = rollout_interface.engine_factory(engine)(**kwargs)
   if not isinstance(rollout, rollout_interface.Rollout):
     raise TypeError(f"rollout.engine {engine!r} made a {type(rollout).__name__}, which lacks members of "

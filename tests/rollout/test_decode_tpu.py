@@ -27,10 +27,10 @@ def tpu_mesh():
     yield sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=sharding.tpu_topology_devices("v5p:2x2x1"))
 
 
-def make_engine(mesh, steps: int):
+def make_engine(mesh, steps: int, slot_rungs: int = 1):
   model = nnx.eval_shape(lambda: registry.causal_lm(CONFIG, rngs=nnx.Rngs(0)))
   return engine_lib.Engine(model, max_concurrent_decodes=SLOTS, max_prefill_length=PREFILL, max_decode_length=DECODE,
-                           mesh=mesh, steps_per_call=steps, page_size=PAGE)
+                           mesh=mesh, steps_per_call=steps, page_size=PAGE, slot_rungs=slot_rungs)
 
 
 def compile_decode(mesh, steps: int, page_budget: int | None):
@@ -80,3 +80,22 @@ def test_insert_writes_prompt_pages_in_place(tpu_mesh):
   mem = compiled.memory_analysis()
   assert mem.alias_size_in_bytes >= pages_bytes
   assert mem.temp_size_in_bytes < pages_bytes / 4, (mem.temp_size_in_bytes, pages_bytes)
+
+
+def test_a_slot_rung_decodes_fewer_slots_in_place(tpu_mesh):
+  """The slot ladder's rung of 16 slots (8 a shard) gathers them from the 64 and scatters them back: the page pool
+  stays donated and aliased (no copy of it), and the step's matmuls and bytes shrink with the slots."""
+  engine = make_engine(tpu_mesh, 16, slot_rungs=3)
+  assert engine.slot_rungs == (16, 32, 64)
+  state = engine.abstract_decode_state()
+  cache_bytes = aot_measure.per_chip_bytes(state.cache.pages)
+  lower = lambda rung: engine.lower_decode(engine.abstract_params(), state, None, sampling.Temperature(1.0),
+                                           rung=rung).compile()
+  full, rung = lower(None), lower(16)
+  mem = rung.memory_analysis()
+  assert mem.alias_size_in_bytes >= cache_bytes
+  assert mem.temp_size_in_bytes < cache_bytes / 4, (mem.temp_size_in_bytes, cache_bytes)
+  cost = lambda c: (lambda x: x[0] if isinstance(x, list) else x)(c.cost_analysis())
+  assert cost(rung)["flops"] < 0.5 * cost(full)["flops"]
+  with pytest.raises(ValueError, match="slot ladder"):
+    lower(8)

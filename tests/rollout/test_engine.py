@@ -366,6 +366,41 @@ def test_a_page_budget_too_small_returns_early_and_loses_nothing(engine, params,
 
 
 # ----------------------------------------------------------------------------------------------
+# The slot ladder: the tail's decode calls over fewer slots change no token and no log-prob
+
+
+def test_the_slot_ladder_changes_no_token_and_no_logprob(model, engine, params, prompts):
+  kw = dict(n=3, max_new_tokens=24, sampling=sampling.Temperature(1.0), seed=11, eos_ids=[1, 2, 3, 4])
+  every_slot = scheduler.generate(engine, params, prompts, **kw)
+  laddered = make_engine(model, slot_rungs=3)
+  assert laddered.slot_rungs == (1, 2, 4)
+  rungs_run = []
+  decode = laddered.decode
+  laddered.decode = lambda *a, slots=None, **k: rungs_run.append(4 if slots is None else len(slots)) or decode(
+      *a, slots=slots, **k)
+  out = scheduler.generate(laddered, params, prompts, **kw)
+  assert {1, 2} <= set(rungs_run), rungs_run  # the tail ran in both smaller rungs
+  for a, b in zip(out, every_slot):
+    assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+  # Sharded (8 slots on 4 batch shards, tensor 2): a rung gathers each shard's busy slots within the shard.
+  mesh = sharding.make_mesh(data=1, fsdp=4, tensor=2)
+  sharded = engine_lib.Engine(model, max_concurrent_decodes=8, max_prefill_length=MAX_PREFILL,
+                              max_decode_length=MAX_DECODE, steps_per_call=8, min_prefill_bucket=8, mesh=mesh,
+                              page_size=8, slot_rungs=2)
+  assert sharded.slot_rungs == (4, 8) and sharded.page_shards == 4
+  rungs_run.clear()
+  decode = sharded.decode
+  sharded.decode = lambda *a, slots=None, **k: rungs_run.append(8 if slots is None else len(slots)) or decode(
+      *a, slots=slots, **k)
+  out = scheduler.generate(sharded, sharded.load_params(model), prompts, **kw)
+  assert 4 in rungs_run, rungs_run
+  for a, b in zip(out, every_slot):
+    assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
 # New weights without recompiling
 
 
