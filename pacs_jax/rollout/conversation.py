@@ -52,6 +52,7 @@ class _Talk:
   logprobs: list[float] = dataclasses.field(default_factory=list)
   mask: list[int] = dataclasses.field(default_factory=list)
   turn_start: int = 0
+  reported: int = 0  # of its budget, told to the progress bar
 
   def add(self, tokens: Sequence[int], logprobs: Sequence[float], model: bool) -> None:
     self.tokens += [int(t) for t in tokens]
@@ -89,8 +90,9 @@ class _Loop:
   environment, ready to be continued), the pages each shard has free, and the environment steps in flight."""
 
   def __init__(self, engine: Engine, params, env: Environment, prompts, episodes, budgets, *, encode, decode,
-               pause_ids, eos_ids, sampling, seed, prompt_ids, refill_fraction, pool):
+               pause_ids, eos_ids, sampling, seed, prompt_ids, refill_fraction, pool, on_finish=None):
     self.engine, self.params, self.env, self.pool = engine, params, env, pool
+    self.on_finish, self.progress = on_finish, getattr(on_finish, "tokens", None)
     self.encode, self.decode_text, self.sampling, self.seed = encode, decode, sampling, seed
     self.prompts, self.budgets, self.prompt_ids = prompts, budgets, prompt_ids
     self.eos, self.pause = tuple(sorted({int(e) for e in eos_ids})), tuple(sorted({int(p) for p in pause_ids}))
@@ -156,6 +158,15 @@ class _Loop:
     if slot is not None:
       self.releasing.append(slot)
       self.talks[slot] = None
+    self.report(talk, talk.budget)  # what a conversation that ended early leaves of its budget
+    if self.on_finish is not None:
+      self.on_finish()
+
+  def report(self, talk: _Talk, upto: int) -> None:
+    """Tells the progress bar (an `interface.Progress`) the budget `talk` has used up to `upto` tokens."""
+    if self.progress is not None and upto > talk.reported:
+      self.progress(upto - talk.reported)
+      talk.reported = upto
 
   # -- device calls ----------------------------------------------------------------------------------------------
 
@@ -242,6 +253,7 @@ class _Loop:
         continue
       emitted = out.emitted[slot]
       talk.add(out.tokens[slot, emitted].tolist(), out.logprobs[slot, emitted].tolist(), model=True)
+      self.report(talk, len(talk.tokens))
       if out.active[slot]:
         continue
       self.decoding[slot] = False
@@ -278,7 +290,7 @@ def converse(engine: Engine, params, env: Environment, prompts: Sequence[Sequenc
              n: int = 1, max_new_tokens: int | Sequence[int] | None = None,
              sampling: sampling_lib.SamplingMethod = sampling_lib.Greedy(), seed: int = 0,
              prompt_ids: Sequence[int] | None = None, refill_fraction: float = 0.125,
-             env_workers: int = 4) -> list[Conversation]:
+             env_workers: int = 4, on_finish: Callable[[], None] | None = None) -> list[Conversation]:
   """`n` conversations for every prompt (its data row `rows[i]` starts each one's episode: `env.reset`), ordered by
   (prompt, sample) like `scheduler.generate`'s completions, with the same randomness (seed, prompt id, sample index,
   the model's token count) and continuous batching.
@@ -298,6 +310,10 @@ def converse(engine: Engine, params, env: Environment, prompts: Sequence[Sequenc
   finish_reason: "length" when the conversation ran out of room (its budget or rows, an observation that did not
   fit, the environment's own token limit), else "eos". Without pause ids no turn pauses and the calls (and results)
   are those of `scheduler.generate`, each episode stepped once with the whole response.
+
+  `on_finish()`, if given, is called as each conversation finishes; an `interface.Progress` also hears the token
+  budget (conversations x max_new_tokens) before the first call and each conversation's share of it as its tokens
+  (the model's and the inserted ones) arrive, the rest of it when it ends: a bar over the budget ends full.
   """
   if len(rows) != len(prompts):
     raise ValueError(f"{len(rows)} rows for {len(prompts)} prompts")
@@ -310,7 +326,9 @@ def converse(engine: Engine, params, env: Environment, prompts: Sequence[Sequenc
   pool = concurrent.futures.ThreadPoolExecutor(env_workers, thread_name_prefix="env")
   loop = _Loop(engine, params, env, prompts, episodes, budgets, encode=encode, decode=decode, pause_ids=pause_ids,
                eos_ids=eos_ids, sampling=sampling, seed=seed, prompt_ids=prompt_ids, refill_fraction=refill_fraction,
-               pool=pool)
+               pool=pool, on_finish=on_finish)
+  if getattr(on_finish, "begin", None) is not None:
+    on_finish.begin(n * sum(budgets))
   try:
     loop.run()
   finally:

@@ -156,7 +156,8 @@ class Trainer:
       if self.tools is not None:  # conversations, scored by their episodes (no overlap, no refills: config checks)
         with self.current_policy() as sampler:
           completions, scored, episodes = self.tools.rollout(sampler, scorer, prompts, prompt_ids, n=self.cfg.rollout.n,
-                                                             max_new_tokens=self.R, sampling=self.sampling, seed=seed)
+                                                             max_new_tokens=self.R, sampling=self.sampling, seed=seed,
+                                                             on_finish=progress.on_finish)
         clock.lap("rollout")
         progress.stage("rollout", "reward")
       elif self.objective.sampling_rounds == 1:

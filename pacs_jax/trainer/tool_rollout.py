@@ -77,8 +77,9 @@ class ToolRollout:
     return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
   def converse(self, sampler, scorer: LockedScorer, prompt_ids: list[list[int]], rows: list[dict], *, n: int,
-               max_new_tokens: int, sampling, seed: int) -> list[Any]:
-    """`n` conversations per prompt by the weights `sampler` holds (an `interface.Conversing` rollout)."""
+               max_new_tokens: int, sampling, seed: int, on_finish=None) -> list[Any]:
+    """`n` conversations per prompt by the weights `sampler` holds (an `interface.Conversing` rollout); `on_finish`
+    a progress bar's (`interface.Progress`)."""
     if self.sandbox is None:
       raise RuntimeError("ToolRollout.converse before open(): the run's sandbox is not open")
     if not interface.runs_conversations(sampler):
@@ -88,15 +89,15 @@ class ToolRollout:
                              template=self.template)
     return sampler.converse(prompt_ids, rows, env, encode=self.encode, decode=self.decode, pause_ids=self.pause_ids,
                             eos_ids=self.eos_ids, n=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                            env_workers=self.workers)
+                            env_workers=self.workers, on_finish=on_finish)
 
   def rollout(self, sampler, scorer, element: dict[str, Any], prompt_ids: list[list[int]], *, n: int,
-              max_new_tokens: int, sampling, seed: int):
+              max_new_tokens: int, sampling, seed: int, on_finish=None):
     """The step's conversations over the pipeline's element (lists per field): (completions, `stages.Scored` with
     each episode's reward as its score and the conversation's text, the episodes)."""
     locked = LockedScorer(scorer)
     talks = self.converse(sampler, locked, prompt_ids, env_lib.element_rows(element), n=n,
-                          max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+                          max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, on_finish=on_finish)
     episodes = [t.episode for t in talks]
     texts = [env_lib.conversation_text(e.turns, e.observations, self.template) for e in episodes]
     scores = np.asarray([e.reward for e in episodes], np.float32)

@@ -16,7 +16,7 @@ from flax import nnx
 from pacs_jax.envs import env as env_lib
 from pacs_jax.envs.sandbox import Limits, Sandbox
 from pacs_jax.models import families as registry
-from pacs_jax.rollout import conversation, sampling, scheduler
+from pacs_jax.rollout import conversation, interface, sampling, scheduler
 from pacs_jax.rollout import engine as engine_lib
 from tests import uncached_forward
 
@@ -190,6 +190,29 @@ def test_more_requests_than_slots_all_complete(scripted):
   assert all(c.episode.reward == score("", c.episode.turns[-1], "") for c in out)
   if method is WARM:  # the samples of a prompt differ (their own keys), reproducibly
     assert all(out[2 * p].completion.tokens != out[2 * p + 1].completion.tokens for p in range(3))
+
+
+def test_a_progress_bar_moves_with_the_tokens_and_ends_full(engine, params, pause_ids):
+  """The trainer's bar (an `interface.Progress`) hears the budget (6 conversations x 24 tokens), each conversation's
+  tokens as they come (the model's and the observations'), the rest of its budget as it ends, and each end."""
+
+  class Recorder(interface.Progress):
+    def __init__(self):
+      self.budget, self.told, self.finished = None, [], 0
+
+    def __call__(self):
+      self.finished += 1
+
+    def begin(self, budget):
+      self.budget = budget
+
+    def tokens(self, count):
+      self.told.append(count)
+
+  bar = Recorder()
+  out = talk(engine, params, pause_ids, Scripted(SCRIPT), max_new_tokens=24, on_finish=bar)
+  assert bar.budget == 6 * 24 and sum(bar.told) == bar.budget and bar.finished == len(out) == 6
+  assert all(count > 0 for count in bar.told) and len(bar.told) > 6  # in steps, not one lump per conversation
 
 
 def test_each_token_runs_through_the_model_once(engine, params, pause_ids, uncached, monkeypatch):
