@@ -24,6 +24,14 @@ def test_ci_runs_the_readme_test_command():
   assert readme_commands()[1] in ci.splitlines()
 
 
+def test_the_tests_install_into_their_own_environment():
+  """The test extras (torch, libtpu, the CUDA plugin: about 7 GB) never go into the demo's `.venv` (issue 44)."""
+  demo, tests = readme_commands()
+  venv = lambda cmd: re.search(r"python3 -m venv (\S+) && \. (\S+)/bin/activate", cmd).groups()
+  assert venv(demo) == (".venv", ".venv") and venv(tests) == (".venv-test", ".venv-test")
+  assert ".venv-test/" in open(os.path.join(ROOT, ".gitignore")).read().split()
+
+
 def test_ci_tests_a_clone_with_nothing_beside_it():
   """A user's clone has no ../shared: CI runs the README's test command in a fresh clone in an empty folder,
   removed when CI ends."""
