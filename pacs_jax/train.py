@@ -46,7 +46,7 @@ def main(argv):
   runtime.prefer_cpu_without_accelerators()
   runtime.init(cfg)
   import jax
-  from pacs_jax.services import console
+  from pacs_jax.services import collapse, console
   from pacs_jax.trainer import loop
   # An expected failure (config, data, lock, checkpoint, storage) ends in one line (pacs_jax.errors).
   trainer = loop.Trainer(cfg, workdir)
@@ -56,7 +56,8 @@ def main(argv):
     print(trainer.banner(name if not name.startswith("..") else config_path), flush=True)
   trainer.run()
   if primary:
-    print(console.closing_line(trainer.workdir, int(trainer.state.step)), flush=True)
+    closing = console.closing_line(trainer.workdir, int(trainer.state.step))
+    print(collapse.closing(closing, trainer.collapses.events), flush=True)  # says so when the run collapsed
 
 
 if __name__ == "__main__":

@@ -132,9 +132,14 @@ class Algorithm:
     `extra_fields` of source `batch.HOST`."""
     return {}
 
+  # The loss sees rewards other than the verifier's scores (`shape_rewards` overridden): the metrics then report
+  # both, the verifier's mean as `reward/mean` and the shaped rewards' as `reward/shaped_mean`.
+  shapes_rewards: bool = False
+
   def shape_rewards(self, objective: Objective, scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
     """The rewards [rows] the loss sees, from the verifier's scores [rows] and the response masks [rows, R] (host
-    numpy, one process's rows): the scores themselves unless the objective shapes them (DAPO's overlong penalty)."""
+    numpy, one process's rows): the scores themselves unless the objective shapes them (DAPO's overlong penalty;
+    an objective that overrides this sets `shapes_rewards`)."""
     return scores
 
   def sampling_rounds(self, objective: Objective) -> int:

@@ -66,6 +66,7 @@ class Dapo(GrpoFamily):
   rewards, with dynamic sampling."""
 
   settings_class = DapoSettings
+  shapes_rewards = True  # the overlong penalty
 
   def validate(self, cfg, check, num_processes):
     buffer_len = self.settings(cfg).overlong_buffer_len

@@ -78,6 +78,10 @@ class Objective:
     return self.algorithm.shape_rewards(self, scores, response_mask)
 
   @property
+  def shapes_rewards(self) -> bool:
+    return self.algorithm.shapes_rewards
+
+  @property
   def sampling_rounds(self) -> int:
     return self.algorithm.sampling_rounds(self)
 

@@ -21,9 +21,10 @@ from absl import logging
 from pacs_jax import paths
 from pacs_jax.services import multihost
 
-# The console line's metrics and their names there.
-CONSOLE_KEYS = {"reward/mean": "reward", "entropy": "entropy", "loss": "loss", "grad_norm": "grad_norm",
-                "response_length/mean": "response_length", "timing/step_s": "step_s",
+# The console line's metrics and their names there: `reward` is the verifier's mean; an objective that shapes its
+# rewards (DAPO's overlong penalty) also shows what its loss saw as `shaped_reward`.
+CONSOLE_KEYS = {"reward/mean": "reward", "reward/shaped_mean": "shaped_reward", "entropy": "entropy", "loss": "loss",
+                "grad_norm": "grad_norm", "response_length/mean": "response_length", "timing/step_s": "step_s",
                 "val/accuracy/all": "val_accuracy"}
 METRICS_FILE = "metrics.jsonl"
 BAD_SUFFIX = ".bad"  # metrics.jsonl.bad: the lines a resume set aside (`repair`)

@@ -2,7 +2,8 @@
 e.g. those whose verdicts differ) and draws rollouts of new prompts until it has `train.batch_prompts` of them or
 its rounds run out (`Algorithm.sampling_rounds`); then it trains on the first `batch_prompts` kept groups, the
 dropped ones filling what the last round left short. The batch always has `batch_prompts` groups, so the compiled
-programs' shapes never change.
+programs' shapes never change; a dropped group that fills it carries no loss (its responses' loss mask is 0), so it
+gets exactly zero gradient whatever its shaped rewards (verl's recipe never trains on a dropped group).
 
 Multi-host: every process runs each round's global rollout (so every process holds every completion), scores its
 own share and learns the others' verdicts, answers and data sources by all-gathers; every process then makes the
@@ -17,6 +18,7 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+from absl import logging
 
 from pacs_jax.rollout import interface as rollout_interface
 from pacs_jax.services import multihost
@@ -61,9 +63,12 @@ def sample(first: dict[str, Any], draw: Callable[[], dict[str, Any]],
            generate: Callable[[list[list[int]], int], list[Completion]],
            score: Callable[[dict[str, Any], list[Completion]], stages.Scored],
            keep_groups: Callable[[np.ndarray], np.ndarray], decode: Callable[[list[int]], str], *, n: int, P: int,
-           max_rounds: int, seed: int) -> tuple[list[list[int]], list[Completion], stages.Scored, dict[str, float]]:
+           max_rounds: int, seed: int, step: int | None = None, empty: EmptySteps | None = None
+           ) -> tuple[list[list[int]], list[Completion], stages.Scored, dict[str, float]]:
   """A step's dynamically sampled rollout: (this process's prompts, its completions (prompt indices into them),
-  their `Scored`, the sampling metrics), as one plain rollout of the selected groups would give them.
+  their `Scored`, the sampling metrics), as one plain rollout of the selected groups would give them, except that
+  the filler (dropped groups) has loss mask 0 (`Completion.loss_mask`): no objective trains on it. A step that kept
+  no group at all warns in one line (`step`: its number, for the line), once per run with the run's `empty`.
 
   `first`: the step's pipeline element; `draw()`: the next one (a refill); `generate(global prompts, seed)`: the
   global rollout; `score(element, completions)`: the verdicts of this process's completions of `element`;
@@ -95,16 +100,20 @@ def sample(first: dict[str, Any], draw: Callable[[], dict[str, Any]],
     element = draw()
 
   pairs, filler = select_groups([r.keep for r in rounds], len(prompts))
+  if filler == len(pairs) and (empty is None or empty.first()):
+    logging.warning("%s", no_kept_group(step, len(rounds), filler, once=empty is not None))
   share = len(pairs) // multihost.process_count()
   mine = pairs[multihost.process_offset(share):][:share]
   prompts, completions, rows = [], [], []
   for index, (r, g) in enumerate(mine):
     prompts.append(rounds[r].prompts[g])
+    dropped = not rounds[r].keep[g]  # a filler group: trained on by nothing
     for row in range(g * n, (g + 1) * n):
       c = rounds[r].completions[row]
       if c.prompt_index != g:
         raise ValueError(f"round {r}: completion {row} belongs to prompt {c.prompt_index}, not {g} (not prompt-major)")
-      completions.append(dataclasses.replace(c, prompt_index=index))
+      untrained = {"loss_mask": np.zeros(len(c.tokens), np.float32)} if dropped else {}
+      completions.append(dataclasses.replace(c, prompt_index=index, **untrained))
       rows.append((r, row))
   scored = stages.Scored(texts=[decode(c.tokens) for c in completions],
                          answers=[rounds[r].answers[row] for r, row in rows],
@@ -117,3 +126,24 @@ def sample(first: dict[str, Any], draw: Callable[[], dict[str, Any]],
              "sampling/score_mean": float(np.mean(np.concatenate([r.scores for r in rounds]))),
              "timing/rollout_s": times["rollout"], "timing/reward_s": times["reward"]}
   return prompts, completions, scored, metrics
+
+
+def no_kept_group(step: int | None, rounds: int, groups: int, once: bool = False) -> str:
+  """The one line of a step whose rounds kept no group: its batch is all filler and carries no gradient."""
+  where = f"step {step}" if step is not None else "a step"
+  later = " (said once: `sampling/kept_groups` 0 marks every such step)" if once else ""
+  return (f"{where}: dynamic sampling kept no group in {rounds} round(s) (every group's verdicts agree): its "
+          f"{groups} dropped groups fill the batch and carry no gradient; use problems the model solves sometimes, "
+          f"or more rounds (max_num_gen_batches){later}")
+
+
+class EmptySteps:
+  """A run's steps that kept no group: only the first is said (a solved task keeps none on most of its steps)."""
+
+  def __init__(self):
+    self.steps = 0
+
+  def first(self) -> bool:
+    """Counts one more such step; True for the run's first."""
+    self.steps += 1
+    return self.steps == 1

@@ -23,7 +23,7 @@ from pacs_jax.models import hf
 from pacs_jax.rewards import pool as reward_pool
 from pacs_jax.rollout import sampling as sampling_lib
 from pacs_jax.rollout import stop_tokens
-from pacs_jax.services import console, health, multihost, teardown, tracking
+from pacs_jax.services import collapse, console, health, multihost, teardown, tracking
 from pacs_jax.services import metrics as metrics_lib
 from pacs_jax.services import preemption as preemption_lib
 from pacs_jax.storage import checkpoint as checkpoint_lib
@@ -134,6 +134,8 @@ class Trainer:
     self.batch_layout = programs_lib.batch_layout(cfg, self.mesh)
     self.checkpointer = checkpoint_lib.Checkpointer(paths.join(workdir, CHECKPOINT_DIR), cfg.checkpoint.keep,
                                                     cfg.checkpoint.async_save)
+    self.collapses = collapse.Watch()  # the run's collapses (services/collapse.py): warned at once, and at its end
+    self.empty_steps = dynamic_sampling.EmptySteps()  # dynamic sampling's steps that kept no group: said once
 
   def banner(self, config_name: str) -> str:
     """The start banner: config, algorithm, workdir, model, tokenizer, data, devices."""
@@ -180,7 +182,7 @@ class Trainer:
       packed = stages.pack(prompt_ids, completions, scored, P=self.P, R=self.R, n=self.cfg.rollout.n,
                            pad_id=self.pad_id, mask_eos_ids=self.mask_eos_ids,
                            host_inputs=lambda ids, mask: self.objective.host_inputs(ids, mask, self.R),
-                           shape_rewards=self.objective.shape_rewards,
+                           shape_rewards=self.objective.shape_rewards if self.objective.shapes_rewards else None,
                            version=version if self.next_rollout else None, whole_responses=self.tools is not None)
       metrics = self.update(packed)
       if self.next_rollout:
@@ -211,7 +213,8 @@ class Trainer:
         lambda element, completions: stages.score(scorer, self.tokenizer, element, completions),
         self.objective.keep_groups,
         lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True),
-        n=self.cfg.rollout.n, P=self.P, max_rounds=self.objective.sampling_rounds, seed=seed)
+        n=self.cfg.rollout.n, P=self.P, max_rounds=self.objective.sampling_rounds, seed=seed,
+        step=int(self.state.step) + 1, empty=self.empty_steps)
 
   def sample_params(self):
     """The current policy's rollout weights (a LoRA run's: the base with the adapters merged in). Under the mesh."""
@@ -365,6 +368,7 @@ class Trainer:
           last.update(self.validate(scorer))
         if step % cfg.log_every == 0 or step == cfg.steps:
           writer.write(step, last)
+        self.collapses.observe(step, last, monitor.last_saved)  # a reward or accuracy that fell: one line at once
         monitor.check(step, last, skipped)  # a dead or diverged run stops here, before it saves (every process)
         stop, lost_lock = preemption.agreed(self.lock.lost is not None)
         if lost_lock:  # its files are another trainer's now: stop without saving over them

@@ -29,8 +29,8 @@ class PackedRollout:
   finish_reasons: list[str]
   # The algorithm's host inputs ([rows, R] each; `Algorithm.host_inputs`), e.g. PACS's padding replication.
   extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-  # The verifier's verdicts [rows] before the algorithm shaped them into `rewards` (`Algorithm.shape_rewards`, e.g.
-  # DAPO's overlong penalty); None: the rewards are the verdicts.
+  # The verifier's verdicts [rows] where the algorithm shaped them into `rewards` (`Algorithm.shape_rewards`, e.g.
+  # DAPO's overlong penalty); None: the objective does not shape, the rewards are the verdicts.
   scores: np.ndarray | None = None
   # The rollout engine's log-probs of each response token [rows, R] (0 past its end): the behaviour policy of the
   # rollout correction (`batch.BEHAVIOUR_LOGPROBS`); None when not packed.
@@ -210,31 +210,40 @@ def check_groups(input_ids: np.ndarray, attention_mask: np.ndarray, prompt_len: 
 
 
 def rollout_metrics(packed: PackedRollout, reward_stats: dict, source_names: list[str], n: int) -> dict[str, float]:
-  """Reward, accuracy per data source, response lengths, the share of groups (n rows each) whose rewards differ:
-  over every process's rows (the global batch; each process's rows are whole groups)."""
+  """Reward (the verifier's mean; `reward/shaped_mean` the shaped rewards' where the objective shapes them),
+  accuracy per data source, response lengths, the share of groups (n rows each) whose rewards differ among those
+  the loss sees: over every process's rows (the global batch; each process's rows are whole groups)."""
   source_ids = np.asarray([source_names.index(s) for s in packed.data_sources], np.float32)
   finished_by_length = np.asarray([r == "length" for r in packed.finish_reasons], np.float32)
   counts = np.asarray([reward_stats.get("errors", 0), reward_stats.get("timeouts", 0)], np.float32)
   scores = packed.rewards if packed.scores is None else packed.scores
-  rows = np.stack([packed.rewards, packed.response_mask.sum(-1), finished_by_length, source_ids, scores], axis=1)  # [rows, 5]
+  trained = (packed.loss_mask.sum(-1) > 0).astype(np.float32)  # 0: a row no loss sees (dynamic sampling's filler)
+  rows = np.stack([packed.rewards, packed.response_mask.sum(-1), finished_by_length, source_ids, scores, trained],
+                  axis=1)  # [rows, 6]
   rows, counts = multihost.gather_rows(rows), multihost.sum_over_processes(counts)
-  rewards, lengths, clipped, ids, scores = rows.T
-  m = {"reward/mean": float(np.mean(rewards)),
+  rewards, lengths, clipped, ids, scores, trained = rows.T
+  m = {"reward/mean": float(np.mean(scores)),
        "response_length/mean": float(np.mean(lengths)),
        "response_length/max": float(np.max(lengths)),
        "response_length/clip_ratio": float(np.mean(clipped)),
        "reward/errors": float(counts[0]),
        "reward/timeouts": float(counts[1]),
-       "reward/mixed_groups": mixed_groups(rewards, n)}
+       "reward/mixed_groups": mixed_groups(rewards, n, trained > 0)}
+  if packed.scores is not None:  # the loss saw shaped rewards (e.g. DAPO's overlong penalty): their mean too
+    m["reward/shaped_mean"] = float(np.mean(rewards))
   m.update(per_source_mean(scores, [source_names[int(i)] for i in ids], "accuracy"))  # the verifier's, unshaped
   return m
 
 
-def mixed_groups(rewards: np.ndarray, n: int) -> float:
+def mixed_groups(rewards: np.ndarray, n: int, trained: np.ndarray | None = None) -> float:
   """The share of groups (n consecutive rows of [rows] rewards) whose rewards are not all equal: the groups that
-  give an objective comparing a prompt's responses (GRPO, PACS) a non-zero gradient."""
+  give an objective comparing a prompt's responses (GRPO, PACS) a non-zero gradient. `trained` [rows]: a group
+  none of whose rows the loss sees (all False: dynamic sampling's filler) counts as giving none."""
   groups = np.asarray(rewards).reshape(-1, n)  # [groups, n]
-  return float(np.mean(np.any(groups != groups[:, :1], axis=1)))
+  differ = np.any(groups != groups[:, :1], axis=1)
+  if trained is not None:
+    differ &= np.asarray(trained, bool).reshape(-1, n).any(axis=1)
+  return float(np.mean(differ))
 
 
 def per_source_mean(scores, data_sources: list[str], prefix: str) -> dict[str, float]:

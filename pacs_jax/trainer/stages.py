@@ -71,7 +71,7 @@ def pack(prompt_ids: list[list[int]], completions: list[Completion], scored: Sco
          version: int | None = None, whole_responses: bool = False) -> packing.PackedRollout:
   """The responses as host rows (prompt left-padded to P, response right-padded to R), checked to be grouped
   prompt-major; `host_inputs(input_ids, attention_mask)`: the algorithm's extra host fields;
-  `shape_rewards(scores, response_mask)`: the rewards the loss sees (default: the verifier's scores); the loss
+  `shape_rewards(scores, response_mask)`: the rewards the loss sees (None: the verifier's scores); the loss
   mask is the response mask less each completion's inserted tokens (`packing.loss_mask`); `version`:
   the policy the update starts from, which marks the rows sampled by an older one (`stale_rows`; None: untracked);
   `whole_responses`: the response mask covers each response's tokens (conversations, `packing.pack_rows`)."""
@@ -82,7 +82,8 @@ def pack(prompt_ids: list[list[int]], completions: list[Completion], scored: Sco
   rewards = scores if shape_rewards is None else np.asarray(shape_rewards(scores, resp_mask), np.float32)
   return packing.PackedRollout(input_ids, attention_mask, resp_mask, rewards, scored.data_sources,
                                [c.finish_reason for c in completions], extra=host_inputs(input_ids, attention_mask),
-                               scores=scores, behaviour_logprobs=packing.behaviour_logprobs(completions, R),
+                               scores=None if shape_rewards is None else scores,
+                               behaviour_logprobs=packing.behaviour_logprobs(completions, R),
                                stale_rows=None if version is None else np.asarray(
                                    [c.policy_version < version for c in completions], bool),
                                loss_mask=packing.loss_mask(completions, resp_mask))

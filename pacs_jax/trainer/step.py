@@ -167,6 +167,11 @@ def make_train_step(objective: Objective, graphdef, optimizer: optax.GradientTra
     metrics_shape = dict(metrics_shape, loss=jax.ShapeDtypeStruct((), jnp.float32))
     zeros_metrics = jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metrics_shape)
     (grads, metrics, total), _ = jax.lax.scan(body, (zeros_grads, zeros_metrics, jnp.float32(0)), minibatch)
+    if objective.sampling_rounds > 1:
+      # A mini-batch no loss sees (loss mask all 0: dynamic sampling's filler when a step kept no group) has
+      # normaliser 0 and a zero gradient, not 0/0; any other total is divided by as it is. (Only where a filler can
+      # occur: every other run's program is the one compiled before.)
+      total = jnp.where(total > 0, total, 1.0)
     grads = jax.tree.map(lambda g, p: (g / total).astype(p.dtype), grads, params)
     metrics = jax.tree.map(lambda m: m / total, metrics)
     return grads, metrics

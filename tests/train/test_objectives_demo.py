@@ -5,6 +5,7 @@ training itself is the benchmark's (docs/benchmarks.md gives its steps); here `s
 import importlib.util
 import os
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,3 +38,14 @@ def test_every_objective_reaching_the_target_exits_zero(demo, monkeypatch, capsy
   stub(monkeypatch, demo, {"dapo": 110, "drgrpo": 102, "gspo": 104})
   demo.run(["dapo", "drgrpo", "gspo"], 300, 10, 0.9)  # returns: no SystemExit
   assert "110" in capsys.readouterr().out
+
+
+def test_each_run_reports_its_last_50_step_mean_and_its_collapse_beside_its_step_to_target(demo, monkeypatch, capsys):
+  """Issue 44: a run that reached 0.9 and then collapsed (the GSPO demo before it) shows so in its row."""
+  runs = {"dapo": [0.3] * 100 + [0.95] * 200, "gspo": [0.3] * 100 + [0.98] * 181 + [0.25] * 19 + [0.3] * 100}
+  monkeypatch.setattr(demo, "steps_to_target", lambda name, workdir, *_: (110, runs[name][:300], 1.0))
+  demo.run(["dapo", "gspo"], 300, 10, 0.9, 50)
+  header, dapo, gspo = capsys.readouterr().out.splitlines()
+  assert "last 50" in header and "collapsed at" in header
+  assert dapo.split()[1:5] == ["110", "0.300", "0.950", "none"]
+  assert gspo.split()[1:5] == ["110", "0.300", f"{np.mean(runs['gspo'][250:300]):.3f}", "282"]

@@ -200,3 +200,16 @@ def test_the_loop_seeds_each_rollout_from_the_state_rng(tmp_path, monkeypatch):
     assert seed == state_lib.rollout_seed(jnp.asarray(rng))
   carry, _ = jax.random.split(jax.random.wrap_key_data(jnp.asarray(seen[0][0])))
   np.testing.assert_array_equal(seen[1][0], np.asarray(jax.random.key_data(carry)))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_mini_batch_no_loss_sees_gives_a_zero_gradient_not_nan(k):
+  """Issue 44: a dynamically sampled step that kept no group trains on filler rows whose loss mask is 0 (DAPO's
+  token-mean normaliser is then 0): the gradient is exactly 0 and finite, so the update is not skipped."""
+  cfg = make_cfg("dapo")
+  cfg.dapo.overlong_buffer_len = 2
+  batch = make_batch()
+  batch = dict(batch, loss_mask=jnp.zeros_like(batch["loss_mask"]))
+  grads, _, metrics = grads_of(cfg, batch, k)
+  assert float(metrics["grad_norm"]) == 0.0
+  assert all(np.all(np.asarray(g) == 0.0) for g in jax.tree.leaves(grads))
