@@ -53,8 +53,32 @@ def start_banner(cfg: ml_collections.ConfigDict, config_name: str, workdir: str,
            f"  data       {data}",
            f"  prompts    {cfg.train.batch_prompts} x n={cfg.rollout.n} per step, <= {cfg.data.max_prompt_length} "
            f"prompt and {cfg.rollout.max_new_tokens} new tokens; instruction {instruction}",
-           f"  devices    {len(devices)} x {', '.join(kinds)} (mesh {mesh})"]
+           f"  devices    {len(devices)} x {', '.join(kinds)} (mesh {mesh})",
+           f"  training   {training_line(cfg)}",
+           f"  rollout    {rollout_line(cfg, len(devices))}"]
   return "\n".join(lines)
+
+
+def training_line(cfg: ml_collections.ConfigDict) -> str:
+  """What the update trains: every parameter, or LoRA adapters (rank, scale, targets)."""
+  lora = cfg.lora
+  if not lora.rank:
+    return "every parameter (full fine-tuning)"
+  scale = f"alpha {lora.alpha:g}" + (", rsLoRA" if lora.use_rslora else "")
+  return f"LoRA rank {lora.rank} ({scale}) on {lora.targets.replace(',', ', ')}, the base frozen"
+
+
+def rollout_line(cfg: ml_collections.ConfigDict, trainer_devices: int) -> str:
+  """How the rollout runs beside the update (mode, staleness) and where (the trainer's devices or its own)."""
+  r = cfg.rollout
+  mode = {"sync": "sync (each step samples with its own weights, then updates)",
+          "one_step_off": f"one_step_off (the next step samples during this update; up to {r.max_staleness} "
+                          f"version{'s' if r.max_staleness != 1 else ''} stale)",
+          "async": f"async ({r.max_staleness} steps sampled ahead; up to {r.max_staleness} versions stale)"}.get(
+              r.mode, r.mode)
+  where = (f"on its own {r.devices} devices (the trainer's {trainer_devices} above)" if r.devices
+           else "on the trainer's devices")
+  return f"{mode}, {where}"
 
 
 def already_done(step: int, steps: int) -> str:

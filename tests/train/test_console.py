@@ -23,7 +23,8 @@ def test_banner_and_a_progress_bar_in_a_terminal(tmp_path, monkeypatch, capsys):
                "model      preset tiny: qwen2 (2 layers, width 64, vocabulary 64, float32)",
                "tokenizer  synthetic (built in), 64 tokens", "data       train synthetic/mod3 (4096 problems); "
                "no validation", "prompts    8 x n=8 per step, <= 16 prompt and 4 new tokens; instruction none",
-               "devices    1 x cpu (mesh data=1 fsdp=1 tensor=1)"):
+               "devices    1 x cpu (mesh data=1 fsdp=1 tensor=1)", "training   every parameter (full fine-tuning)",
+               "rollout    sync (each step samples with its own weights, then updates), on the trainer's devices"):
     assert line in banner, banner
   monkeypatch.setattr(console, "watched", lambda: True)
   trainer.run()
@@ -35,6 +36,20 @@ def test_banner_and_a_progress_bar_in_a_terminal(tmp_path, monkeypatch, capsys):
     assert f"step 2: {phase}: " in err, err
   assert ": :" not in err
   assert console.closing_line(trainer.workdir, 2).startswith(f"done at step 2: metrics {tmp_path / 'run'}")
+
+
+def test_the_banner_names_lora_the_rollout_mode_and_the_rollouts_devices():
+  """Issue 44: a LoRA run's banner says so (rank, scale, targets); an overlapped one its mode and staleness; a split
+  one the rollout's own devices beside the trainer's."""
+  cfg = config_lib.load_config_file(os.path.join(ROOT, "configs", "tiny_cpu.py"), {
+      "lora.rank": 8, "lora.alpha": 16.0, "lora.targets": "q,v", "rollout.mode": "async", "rollout.max_staleness": 2,
+      "rollout.devices": 4})
+  assert console.training_line(cfg) == "LoRA rank 8 (alpha 16) on q, v, the base frozen"
+  assert console.rollout_line(cfg, 4) == ("async (2 steps sampled ahead; up to 2 versions stale), on its own 4 "
+                                          "devices (the trainer's 4 above)")
+  cfg.rollout.mode, cfg.rollout.max_staleness, cfg.rollout.devices = "one_step_off", 1, 0
+  assert console.rollout_line(cfg, 8).startswith("one_step_off (the next step samples during this update; up to 1 "
+                                                 "version stale), on the trainer's devices")
 
 
 def test_without_a_terminal_the_first_step_names_its_phases(tmp_path, monkeypatch, capsys):

@@ -22,7 +22,7 @@ def test_mixed_groups_counts_groups_with_signal():
   assert m["reward/mixed_groups"] == 0.25
 
 
-@pytest.mark.parametrize("reward, why", [(0.0, "never solves a problem"), (1.0, "always solves every problem"),
+@pytest.mark.parametrize("reward, why", [(0.0, "never solves a problem"),
                                          (0.5, "solved by all of its responses or by none")])
 def test_a_streak_of_equal_groups_is_one_warning_naming_why(reward, why, caplog):
   watch = equal_rewards.EqualRewardsWatch("grpo")
@@ -36,6 +36,18 @@ def test_a_streak_of_equal_groups_is_one_warning_naming_why(reward, why, caplog)
   # One group with signal ends the streak; a new streak warns again.
   assert watch.observe(6, {"reward/mixed_groups": 0.5}) is None
   assert [watch.observe(s, rows[0]) is not None for s in (7, 8, 9)] == [False, False, True]
+
+
+def test_a_solved_task_is_said_once_as_information_not_warned(caplog):
+  """Issue 44: the demo solves its task from step ~296 on; a streak of every reward 1 is one info line in the run
+  (not a warning, not one per streak)."""
+  watch = equal_rewards.EqualRewardsWatch("pacs")
+  caplog.set_level(logging.INFO)
+  solved, mixed = {"reward/mixed_groups": 0.0, "reward/mean": 1.0}, {"reward/mixed_groups": 0.25}
+  said = [watch.observe(step, mixed if step % 5 == 0 else solved) for step in range(1, 40)]
+  lines = [m for m in said if m is not None]
+  assert len(lines) == 1 and lines[0].startswith("steps 1-3: every response solved its problem: the task is solved")
+  assert [r.levelno for r in caplog.records] == [logging.INFO]
 
 
 def test_the_console_names_validation_accuracy_and_response_length_and_prints_no_empty_line(tmp_path, capsys):
