@@ -47,6 +47,7 @@ _PUBLIC = {
     "setting": ("pacs_jax.algos.settings", "setting"),
     "register_advantage_estimator": ("pacs_jax.algos.advantages", "register"),
     "pacs_loss": ("pacs_jax.algos.pacs", "pacs_loss"),
+    "pacs": ("pacs_jax.algos.pacs", None),
     "grpo_loss": ("pacs_jax.algos.grpo", "grpo_loss"),
     "clipped_policy_loss": ("pacs_jax.algos.grpo", "clipped_policy_loss"),
     "clipped_value_loss": ("pacs_jax.algos.ppo", "clipped_value_loss"),

@@ -126,3 +126,12 @@ def test_every_gpu_marked_test_is_listed_with_the_command_to_run_it():
   assert marked
   missing = [t for t in marked if t not in gpu_doc.replace("\n", "")]
   assert not missing, f"gpu-marked tests not listed in docs/gpu.md: {missing}"
+
+
+def test_training_docs_show_how_to_simulate_cpu_devices():
+  """Issue 44: a user trying a split or a mesh on a laptop finds how to simulate 8 CPU devices where the split is
+  described."""
+  text = open(os.path.join(ROOT, "docs", "training.md")).read()
+  bullet = text[text.index("- `rollout.devices=k`"):].split("\n- ", 1)[0]
+  assert "XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu" in bullet
+  assert "--config.mesh.fsdp=-1" in bullet

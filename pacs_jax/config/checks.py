@@ -197,7 +197,10 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     try:
       resolved = sharding.mesh_sizes(**sizes, num_devices=num_devices)
     except ValueError as e:
-      raise ConfigError(f"config.{field}: {e}") from None
+      split = "" if not c.rollout.devices else (
+          f": rollout.devices={c.rollout.devices} leaves the trainer {num_devices} devices; set "
+          f"--config.mesh.fsdp=-1 (the rest) or mesh sizes whose product is {num_devices}")
+      raise ConfigError(f"config.{field}: {e}{split}") from None
     why = placement.check(c.rollout.devices, None, resolved["tensor"], num_processes)
     _check(why is None, "rollout.devices", why)
     batch_shards = resolved["data"] * resolved["fsdp"]

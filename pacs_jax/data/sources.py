@@ -36,6 +36,13 @@ _KNOWN_SOURCES = (
 RELEASED_EVAL_SETS = ("gsm8k", "math500", "aime2024", "aime2025", "amc23")
 
 
+def set_name(data_source: str) -> str:
+  """The name `--data` gives a released set (`math500`) for its data_source (`math_500`, the released files' key);
+  any other source as it is."""
+  by_source = {infer_data_source(name): name for name in RELEASED_EVAL_SETS}
+  return by_source.get(data_source, data_source)
+
+
 def released_eval_files(directory: str) -> list[str]:
   """`directory`/<name>/test.jsonl for each of RELEASED_EVAL_SETS; a missing one is an error naming it."""
   paths = [os.path.join(directory, name, "test.jsonl") for name in RELEASED_EVAL_SETS]

@@ -13,6 +13,7 @@ from typing import Any
 
 from pacs_jax import config as config_lib
 from pacs_jax import paths
+from pacs_jax.data import sources
 from pacs_jax.eval import problems as problems_lib
 from pacs_jax.eval import results
 from pacs_jax.eval.eval_settings import EvalSettings
@@ -59,7 +60,6 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
 
   sampling = sampling_lib.from_config(settings.temperature, settings.top_k, settings.top_p)
   specs = problems_lib.resolve_data(data, data_dir)
-  paths.makedirs(out_dir)
   with paths.local_dir(model_dir, exclude=(".safetensors",)) as local_model:  # a gs:// model: a local copy
     tokenizer = tokenizers.load_tokenizer(local_model)
   problems, dropped = problems_lib.load_problems(specs, tokenizer, settings.max_prompt_length, settings.limit)
@@ -73,6 +73,15 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
   if others:
     logger.warning("%s holds %d lines this project did not write: they are kept as they are", rollout_path, others)
   results.check_resumable(out_dir, recorded, lines, problems)
+  todo = [p for p in problems if p.key not in lines]
+  if todo:  # read before anything is written: weights that do not load leave the output folder as it was
+    dtype = config_lib.dtype(settings.dtype)
+    with paths.local_dir(model_dir) as local_model, (
+        jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+      eos, _ = stop_tokens.stop_and_mask_ids(tokenizer, local_model, settings.stop_tokens)
+      policy, _ = hf.load_pretrained(local_model, dtype=dtype, mesh=mesh, compute_dtype=dtype)
+      hf.refuse_non_finite(nnx.state(policy, nnx.Param), model_dir)
+  paths.makedirs(out_dir)
   results.keep_foreign_metrics(out_dir)
 
   def write_metrics(complete: bool) -> dict[str, Any]:
@@ -82,18 +91,11 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
       results.write_released_metrics(out_dir)
     return summary
 
-  todo = [p for p in problems if p.key not in lines]
   summary = write_metrics(complete=not todo)  # records the settings before the first (long) chunk
   if not todo:
     return summary
 
-  dtype = config_lib.dtype(settings.dtype)
   chunk = settings.problems_per_chunk()
-  with paths.local_dir(model_dir) as local_model, (
-      jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
-    eos, _ = stop_tokens.stop_and_mask_ids(tokenizer, local_model, settings.stop_tokens)
-    policy, _ = hf.load_pretrained(local_model, dtype=dtype, mesh=mesh, compute_dtype=dtype)
-    hf.refuse_non_finite(nnx.state(policy, nnx.Param), model_dir)
   # No more slots than one chunk can fill (the KV cache is allocated per slot), and a multiple of the model
   # replicas so that the slots split evenly over them instead of being replicated.
   replicas = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
@@ -138,13 +140,14 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
 
 
 def summary_table(metrics: dict[str, Any]) -> str:
-  """Plain-text table: one row per data source, pass@k columns in percent."""
+  """Plain-text table: one row per data source (by the name `--data` gives it: math500, not the files' math_500),
+  pass@k columns in percent."""
   by_source = metrics["sources"]
   ks = sorted({int(name[5:]) for entry in by_source.values() for name in entry if name.startswith("pass@")})
   header = ["data_source", "problems"] + [f"pass@{k}" for k in ks]
   lines = [header]
   for source, entry in by_source.items():
-    lines.append([source, str(entry["num_problems_scored"])] +
+    lines.append([sources.set_name(source), str(entry["num_problems_scored"])] +
                  [f"{100 * entry[f'pass@{k}']:.2f}" if f"pass@{k}" in entry else "-" for k in ks])
   widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
   return "\n".join("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))

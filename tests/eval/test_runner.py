@@ -373,3 +373,13 @@ def test_cli_on_a_training_workdir(data_dir, tokenizer, tmp_path):
   assert len(read_lines(out)) == 4
   with open(os.path.join(out, results.METRICS_FILE)) as f:
     assert json.load(f) == released_metrics(out)
+
+
+def test_the_table_names_released_sets_as_the_data_flag_does():
+  """Issue 44: `--data math500,aime2024` prints math500 and aime2024 (the files keep the released math_500 and
+  aime_2024)."""
+  from pacs_jax.eval import runner
+  entry = {"num_problems_scored": 2, "pass@1": 0.5}
+  table = runner.summary_table({"sources": {"math_500": entry, "aime_2024": entry, "amc23": entry, "mine": entry}})
+  names = [line.split()[0] for line in table.splitlines()[1:]]
+  assert names == ["math500", "aime2024", "amc23", "mine"]

@@ -195,3 +195,12 @@ def test_a_split_run_on_two_processes_trains_as_one_process(tmp_path):
   assert any(k.startswith("val/") for k in rows_two[0]) and any(k.startswith("val/") for k in rows_two[2])
   # One push per rollout (3) and per validation (steps 0 and 2), on each process.
   assert sum(r["weights/pushes"] for r in rows_two[1:]) == 5.0 and rows_two[1]["weights/push_bytes"] > 0
+
+
+def test_a_split_whose_mesh_does_not_fit_the_trainers_share_names_what_to_set():
+  """Issue 44: `--config.rollout.devices=4` alone on the demo (mesh.fsdp=1) on 8 devices says how to give the trainer
+  the other 4, instead of a bare "data*fsdp*tensor = 1 but there are 4 devices"."""
+  cfg = tiny(**{"mesh.fsdp": 1, "rollout.devices": 4})
+  with pytest.raises(config_lib.ConfigError, match=r"rollout.devices=4 leaves the trainer 4 devices; set "
+                                                   r"--config.mesh.fsdp=-1"):
+    config_lib.validate(cfg, num_devices=8, num_processes=1, check_paths=False)
