@@ -26,8 +26,8 @@ from absl import app, flags, logging
 # Exit statuses, one per kind of failure (docs/training.md's table).
 EXIT_USAGE = 1  # absl's for a usage error (an unknown flag, a flag's value of the wrong type), and Python's for a bug
 EXIT_INPUT = 2  # a required flag not given, a missing or unreadable file or directory given, an occupied --out
-EXIT_CONFIG = 3  # a config file that fails, an unknown field, a value out of range or of the wrong type
-EXIT_DATA = 4  # a data file that cannot be read, rows that are malformed, no prompt that fits
+EXIT_CONFIG = 3  # a config file that fails, an unknown field, a value out of range or of the wrong type, no prompt fits
+EXIT_DATA = 4  # a data file that cannot be read, rows that are malformed
 EXIT_CHECKPOINT = 5  # no checkpoint restores, or it belongs to another run (algorithm, model, tokenizer)
 EXIT_LOCKED = 6  # another trainer holds the workdir
 EXIT_STORAGE = 7  # a save or write failed: a full or read-only disk, an unreachable store
@@ -188,15 +188,18 @@ def _show_held_records() -> None:
 
 def stop_on_ctrl_c(prog: str) -> None:
   """A command line's first call, before its imports (seconds of them): until `run` takes over, a Ctrl-C ends it at
-  once in one line with EXIT_INTERRUPTED (nothing is written before), not in a traceback through those imports."""
+  once in one line with EXIT_INTERRUPTED (nothing is written before), not in a traceback through those imports.
+  Then jax is imported without its CUDA plugin's lines where there is no CUDA runtime (services/platform_noise.py)."""
+  from pacs_jax.services import platform_noise
 
   def at_once(signum, frame):  # pylint: disable=unused-argument
-    sys.stderr.write(f"{prog}: {INTERRUPTED}\n")
     sys.stderr.flush()
+    os.write(platform_noise.real_stderr(), f"{prog}: {INTERRUPTED}\n".encode())
     os._exit(EXIT_INTERRUPTED)
 
   if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGINT, at_once)
+  platform_noise.import_jax_quietly()
 
 
 INTERRUPTED = "interrupted (Ctrl-C)"

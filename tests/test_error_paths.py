@@ -4,6 +4,8 @@ platform's own import lines): Orbax's event loop outlives its reads, evaluate an
 model folder is read strictly, evaluate writes nothing into a workdir, stale export staging is removed."""
 
 import contextlib
+import dataclasses
+import errno
 import json
 import os
 import re
@@ -18,8 +20,10 @@ import ml_collections
 import pytest
 from flax import nnx
 
-from pacs_jax import errors
+from pacs_jax import config as config_lib
+from pacs_jax import errors, paths
 from pacs_jax.data import synthetic_tasks as synthetic
+from pacs_jax.eval import runner
 from pacs_jax.models import families as registry, hf
 from pacs_jax.storage import checkpoint as checkpoint_lib
 from pacs_jax.storage import hf_export as export_lib
@@ -101,8 +105,8 @@ def test_a_failed_array_read_ends_in_one_line(tmp_path):
   card = run / "model" / hf.CONFIG_FILE
   card.write_text(json.dumps({**json.loads(card.read_text()), "num_hidden_layers": 3}))
   result = cli("pacs_jax.export", "--workdir", str(run), "--out", "hf", cwd=tmp_path)
-  assert_fails(result, errors.EXIT_CHECKPOINT, f"export: no checkpoint in {run}/checkpoints can be restored (step 2: "
-               "ValueError: Requested shape: (3, ", "is not compatible with the stored shape: (2, ")
+  assert_fails(result, errors.EXIT_CHECKPOINT, f"export: no checkpoint in {run}/checkpoints can be restored (2 steps; "
+               "the newest, step 2: ValueError: Requested shape: (3, ", "is not compatible with the stored shape: (2, ")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -128,8 +132,8 @@ def test_every_checkpoint_damaged_is_one_line_without_a_flag_export_lacks(tmp_pa
   for step in (1, 2):
     (run / "checkpoints" / str(step) / "state" / "manifest.ocdbt").write_bytes(b"\0garbage" * 8)
   result = cli("pacs_jax.export", "--workdir", str(run), "--out", "hf", cwd=tmp_path)
-  assert_fails(result, errors.EXIT_CHECKPOINT, f"export: no checkpoint in {run}/checkpoints can be restored (step 2: ",
-               "; step 1: ", "choose another workdir")
+  assert_fails(result, errors.EXIT_CHECKPOINT, f"export: no checkpoint in {run}/checkpoints can be restored (2 steps; "
+               "the newest, step 2: ", "choose another workdir")
   assert "restore=never" not in result.stderr
 
 
@@ -274,6 +278,7 @@ def test_a_tensor_the_family_does_not_use_or_lacks_is_refused(tmp_path):
   assert_fails(cli("pacs_jax.evaluate", "--model", "qwen", "--data", "synthetic/mod3", cwd=tmp_path),
                errors.EXIT_INPUT, "evaluate: ", "tensor 'model.layers.2.", "is missing from the weights, and "
                "model_type 'qwen2' needs it")
+  assert not (directory / "eval_summary.json").exists()  # (issue 44: one was left, marked incomplete)
   assert errors.classify(hf.WeightsMismatch("x")).status == errors.EXIT_INPUT
 
 
@@ -310,3 +315,114 @@ def test_the_docs_exit_status_table_is_the_code(workdir):
   assert rows and {int(k): getattr(errors, v) for k, v in rows.items()} == {int(k): int(k) for k in rows}
   assert {name for name in dir(errors) if name.startswith("EXIT_")} == set(rows.values())
   assert "`train`, `evaluate` and `export`" in text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Issue 44's probes, in process: each failure classifies to its documented status in one line, leaving nothing behind.
+
+def model_folder(directory, **card):
+  """A tiny model's Hugging Face folder (with the synthetic tokenizer), its config.json's fields `card` changed."""
+  export_lib.save_model_dir(registry.causal_lm(tiny_config(), rngs=nnx.Rngs(0)), str(directory),
+                            synthetic.build_tokenizer())
+  config = directory / hf.CONFIG_FILE
+  config.write_text(json.dumps({**json.loads(config.read_text()), **card}))
+  return directory
+
+
+def assert_one_line(e: BaseException, status: int, *expected: str):
+  failure = errors.classify(e)
+  assert failure is not None, f"unclassified (a traceback, exit 1): {e!r}"
+  assert failure.status == status and "\n" not in failure.message, failure
+  for text in expected:
+    assert text in failure.message, failure.message
+
+
+EVAL = runner.EvalSettings(n=1, max_new_tokens=2, max_prompt_length=32, batch_slots=4, dtype="float32")
+
+
+def test_evaluate_on_weights_of_another_shape_than_config_json_is_one_line_and_writes_nothing(tmp_path):
+  """The issue's probe: a 39-line traceback ending in a plain ValueError (exit 1), and eval_summary.json, marked
+  incomplete, left in the model folder (it was written before the weights were read)."""
+  folder = model_folder(tmp_path / "model", intermediate_size=96)
+  before = tree(folder)
+  with pytest.raises(hf.WeightsMismatch) as caught:
+    runner.evaluate(str(folder), "synthetic/mod3", EVAL, scorer=object(), progress=False)
+  assert_one_line(caught.value, errors.EXIT_INPUT, "tensor 'model.layers.0.mlp.", "has shape (64, 32), expected "
+                  "(96, 32) from config.json")
+  assert tree(folder) == before
+
+
+def test_no_prompt_that_fits_has_the_status_errors_documents_it_under(tmp_path):
+  """It exited 3 (EXIT_CONFIG: the value to change is max_prompt_length, as train's refusal says) while errors.py
+  filed it under EXIT_DATA (4); the output folder is not created."""
+  folder = model_folder(tmp_path / "model")
+  with pytest.raises(config_lib.ConfigError) as caught:
+    runner.evaluate(str(folder), "synthetic/mod3", dataclasses.replace(EVAL, max_prompt_length=1),
+                    out_dir=str(tmp_path / "out"), scorer=object(), progress=False)
+  assert_one_line(caught.value, errors.EXIT_CONFIG, "--max_prompt_length=1: no problem of")
+  documented = dict(re.findall(r"^(EXIT_\w+) = \d+  # (.*)$", open(errors.__file__).read(), re.M))
+  assert [name for name, text in documented.items() if "no prompt" in text] == ["EXIT_CONFIG"], documented
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("read_only", [True, False], ids=["export_or_evaluate", "train"])
+def test_every_checkpoint_damaged_is_one_summary_line(read_only, tmp_path, monkeypatch):
+  """One line naming how many steps failed and the newest's cause (train's refusal grew a line per step: 5 lines
+  for 3); each step's cause goes with the traceback (its notes) into the log."""
+  directory = tmp_path / "checkpoints"
+  directory.mkdir()
+  ckpt = checkpoint_lib.Checkpointer(str(directory), read_only=read_only)
+  monkeypatch.setattr(ckpt, "all_steps", lambda: [30, 20, 10])
+
+  def damaged(step):
+    raise ValueError(f"damaged step {step}\nsecond line of the cause")
+
+  with pytest.raises(checkpoint_lib.NoRestorableCheckpoint) as caught:
+    ckpt.restore_newest(damaged)
+  ckpt.close()
+  hint = "choose another workdir" if read_only else "--config.checkpoint.restore=never"
+  assert_one_line(caught.value, errors.EXIT_CHECKPOINT, f"no checkpoint in {directory} can be restored (3 steps; the "
+                  "newest, step 30: ValueError: damaged step 30)", hint)
+  assert caught.value.__notes__ == [f"step {s}: ValueError: damaged step {s}" for s in (30, 20, 10)]
+
+
+# tensorstore's error for a checkpoint write on a full disk (read on a 300 KiB tmpfs), Orbax's wrapping of it, and
+# an OSError as Python raises it.
+TENSORSTORE_ENOSPC = ('RESOURCE_EXHAUSTED: Error writing "params.w/0.0" in OCDBT database at local file "{tmp}/state.'
+                      'orbax-checkpoint-tmp/ocdbt.process_0/": Failed writing: "{tmp}/state.orbax-checkpoint-tmp/ocdbt.'
+                      'process_0/d/cbd6d144457330fb58086204482cc473": Failed to write 205627 bytes to file 7: No space '
+                      "left on device [os_error_code='28']")
+
+
+def wrapped(error):
+  try:
+    raise error
+  except Exception as e:  # noqa: BLE001
+    try:
+      raise RuntimeError("Orbax: the save failed") from e
+    except RuntimeError as outer:
+      return outer
+
+
+@pytest.mark.parametrize("kind", ["tensorstore", "orbax", "oserror"])
+def test_a_checkpoint_save_on_a_full_disk_says_so_and_leaves_nothing_half_written(kind, tmp_path, monkeypatch):
+  """It read `...: ValueError: RESOURCE_EXHAUSTED: Error writing "params.w/0.0" in OCDBT database at local file
+  "/.../1.orbax-checkpoint-tmp/state.orbax-` (cut at 300 characters), and left the step's temporary folder."""
+  directory = tmp_path / "checkpoints"
+  ckpt = checkpoint_lib.Checkpointer(str(directory), keep=0, async_save=False)
+  partial = directory / "1.orbax-checkpoint-tmp"
+  error = {"tensorstore": ValueError(TENSORSTORE_ENOSPC.format(tmp=partial)),
+           "orbax": wrapped(ValueError(TENSORSTORE_ENOSPC.format(tmp=partial))),
+           "oserror": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(partial / "state" / "d" / "x"))}[kind]
+
+  def write_then_fail(*args, **kwargs):  # as the writer: part of the step written, then the disk is full
+    (partial / "state.orbax-checkpoint-tmp").mkdir(parents=True)
+    raise error
+
+  monkeypatch.setattr(ckpt.manager, "save", write_then_fail)
+  with pytest.raises(paths.StorageError) as caught:
+    ckpt.save(1, {"params": {"w": jnp.ones((2, 2))}}, {}, ml_collections.ConfigDict({"seed": 0}))
+  assert_one_line(caught.value, errors.EXIT_STORAGE, f"saving checkpoint step 1 to {directory}/1 failed: No space "
+                  "left on device")
+  assert str(caught.value).endswith("failed: No space left on device")
+  assert os.listdir(directory) == []

@@ -88,7 +88,8 @@ def weight_files(path: str) -> dict[str, str]:
 
 
 class WeightsMismatch(ValueError):
-  """A model directory whose weights hold a tensor its config.json's family does not use, or lack one it needs."""
+  """A model directory whose weights hold a tensor its config.json's family does not use, lack one it needs, or hold
+  one of another shape than config.json gives it."""
 
 
 class NonFiniteWeights(ValueError):
@@ -104,7 +105,7 @@ def refuse_non_finite(params: nnx.State, where: str, hint: str = "") -> None:
   """Raises NonFiniteWeights naming the first tensor (of `params`, a model's nnx.Param state) holding NaN or inf."""
   finite = jax.device_get(_all_finite(params))
   bad = [".".join(map(str, key)) for key, ok in sorted(nnx.to_flat_state(finite), key=lambda kv: str(kv[0]))
-         if not bool(getattr(ok, "value", ok))]
+         if not bool(ok.get_value() if isinstance(ok, nnx.Variable) else ok)]
   if bad:
     more = f" and {len(bad) - 1} more tensors" if len(bad) > 1 else ""
     raise NonFiniteWeights(f"{where}: the weights are non-finite (NaN or inf in {bad[0]}{more}){hint}")
@@ -155,7 +156,8 @@ def _read_into(maps, files, abstract_state, mesh, dtype) -> dict:
     tensor = handles[fname].get_slice(m.hf_name)
     expected, got = hf_layout.hf_shape(m.layout, shape), tuple(tensor.get_shape())
     if expected != got:
-      raise ValueError(f"{fname}: tensor {m.hf_name!r} has shape {got}, expected {expected} from config.json")
+      raise WeightsMismatch(f"{fname}: tensor {m.hf_name!r} has shape {got}, expected {expected} from {CONFIG_FILE}; "
+                            f"are {CONFIG_FILE} and the weights of one model?")
     return tensor
 
   def reader(group: list[TensorMap], shape: tuple):
@@ -165,7 +167,7 @@ def _read_into(maps, files, abstract_state, mesh, dtype) -> dict:
       tensor = open_tensor(group[0], shape)
       return lambda index: np.asarray(read_slice(tensor, layout, shape, index), dtype=dtype)
     if [m.layer for m in group] != list(range(shape[0])):
-      raise ValueError(f"{group[0].path}: expected one tensor per layer for {shape[0]} layers")
+      raise WeightsMismatch(f"{group[0].path}: expected one tensor per layer for {shape[0]} layers")
     tensors = [open_tensor(m, shape[1:]) for m in group]
 
     def read(index):

@@ -12,8 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
+import os
+import re
+import shutil
 import time
 from typing import Any, Callable, TypeVar
 
@@ -192,6 +196,10 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 (tensorstore, OS, HTTP client errors: any means the save is lost)
       self.failed_save = (f"saving checkpoint step {step} to {paths.join(self.directory, str(step))} failed: "
                           f"{_describe(e)}")
+      if step is not None and not paths.is_remote(self.directory) and jax.process_count() == 1:
+        for name in paths.listdir(self.directory):  # its unfinished folder (on a full disk, the space it holds)
+          if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
       raise paths.StorageError(self.failed_save) from e
 
   def read_record(self, step: int) -> dict | None:
@@ -258,15 +266,16 @@ class Checkpointer:
       return step, result
     if not failures:
       return None
-    if self.read_only:  # export, evaluate: one line (they cannot start from scratch)
-      tried = "; ".join(f"step {f.step}: {f.cause}" for f in failures)
-      raise NoRestorableCheckpoint(f"no checkpoint in {self.directory} can be restored ({tried}); repair or move "
-                                   "the damaged steps, or choose another workdir")
-    tried = "\n".join(f"  step {f.step}: {f.cause}" for f in failures)
-    raise NoRestorableCheckpoint(
-        f"no checkpoint in {self.directory} can be restored; tried:\n{tried}\n"
-        "Repair or move them, or pass --config.checkpoint.restore=never to start from scratch (the existing "
-        f"checkpoints are then moved to {SET_ASIDE_DIR}/).")
+    newest = failures[0]  # one line however many: how many, the newest's cause (each one's in the traceback's notes)
+    tried = (f"{len(failures)} steps; the newest, step {newest.step}: {newest.cause}" if len(failures) > 1 else
+             f"step {newest.step}: {newest.cause}")
+    hint = ("repair or move the damaged steps, or choose another workdir" if self.read_only else  # export, evaluate
+            "repair or move them, or pass --config.checkpoint.restore=never to start from scratch (the existing "
+            f"checkpoints are then moved to {SET_ASIDE_DIR}/)")
+    error = NoRestorableCheckpoint(f"no checkpoint in {self.directory} can be restored ({tried}); {hint}")
+    for failure in failures:
+      error.add_note(f"step {failure.step}: {failure.cause}")
+    raise error
 
   def set_aside_all(self) -> list[int]:
     """Moves every committed step to `checkpoints_set_aside/` (a fresh start in a used workdir)."""
@@ -326,8 +335,18 @@ def _describe(e: BaseException) -> str:
     seen.append(e)
     e = e.__cause__
   root = seen[-1]
+  # A full or read-only disk by its name, not tensorstore's long line (cut mid-path below) around its errno.
+  codes = [getattr(link, "errno", None) for link in seen]
+  codes += [int("".join(m)) for m in _ERRNO_IN_TEXT.findall("\n".join(map(str, seen)))]
+  disk = next((c for c in codes if c in _DISK_ERRNOS), None)
+  if disk is not None:
+    return os.strerror(disk)
   lines = [line for line in str(root).strip().splitlines() if line.strip()]
   return f"{type(root).__name__}: {lines[0][:300]}" if lines else type(root).__name__
+
+
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+_ERRNO_IN_TEXT = re.compile(r"os_error_code='(\d+)'|\[Errno (\d+)\]|\(os error (\d+)\)")  # tensorstore, Python, Rust
 
 
 _STRUCTURE_MISMATCH = "User-provided restore item and on-disk value metadata tree structures do not match"
