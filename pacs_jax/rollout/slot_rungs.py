@@ -4,7 +4,7 @@ whole batch's matmuls and sampling outside the attention kernel; a rung of b < B
 idle ones to fill it) into a decode state of b rows, decodes it, and scatters it back. Pages stay where they are:
 only the slots' small per-row fields (page-table rows, lengths, tokens, keys) move.
 
-Shapes: B slots, Z batch shards (B / Z slots each), b slots of a rung (b / Z per shard), M pages per slot, S steps.
+Shapes: B slots, Z batch shards (B / Z slots each), b slots of a rung (b / Z per shard), M pages per slot.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def scatter(state: DecodeState, rung_state: DecodeState, index) -> DecodeState:
 
 
 def widen(out: ChunkOutput, state: DecodeState, index) -> ChunkOutput:
-  """The rung's chunk output [b, S] as the engine's [B, S]: slots outside the rung emitted nothing; `state` is the
-  whole decode state after the call (`scatter`'s)."""
+  """The rung's chunk output [b, steps] as the engine's [B, steps]: slots outside the rung emitted nothing; `state`
+  is the whole decode state after the call (`scatter`'s)."""
   B = state.tokens.shape[0]
   put = lambda rows: jnp.zeros((B,) + rows.shape[1:], rows.dtype).at[index].set(rows)
   return out.replace(tokens=put(out.tokens), logprobs=put(out.logprobs), emitted=put(out.emitted),
