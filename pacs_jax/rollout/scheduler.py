@@ -195,11 +195,8 @@ def generate(engine: Engine, params, prompts: Sequence[Sequence[int]], n: int = 
         slot_rows[slot] = len(prompts[req[0]])
         tokens[req], logprobs[req] = [], []
     busy = np.array([r is not None for r in slot_request])
-    index, stop_after = tail_rung(engine, busy, bool(queue))
-    if not queue and stop_after is None:
-      stop_after = B + 1
-    elif queue:
-      stop_after = min(refill_at, len(queue))
+    index, tail_stop = tail_rung(engine, busy, bool(queue))
+    stop_after = min(refill_at, len(queue)) if queue else (tail_stop or B + 1)
     rows_in, busy_in = (slot_rows, busy) if index is None else (slot_rows[index], busy[index])
     page_budget = engine.policy.page_budget(rows_in, busy_in)
     rung = {} if index is None else {"slots": index}  # (a call over every slot is the one made before the ladder)
