@@ -112,7 +112,7 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
   budget = n * settings.max_new_tokens
   bar = interface.token_bar("eval", total=len(problems) * budget, initial=(len(problems) - len(todo)) * budget,
                             leave=True, disable=not progress)
-  ticks = interface.BarProgress(bar)
+  ticks = interface.BarProgress(bar, compiling=True)  # a line says how long the first call (its compile) took
   results.repair_tail(rollout_path)
   try:
     for start in range(0, len(todo), chunk):

@@ -11,7 +11,9 @@ Shapes: B slots.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -68,14 +70,28 @@ def token_bar(description: str, total: int | None = None, initial: int = 0, leav
               dynamic_ncols=True, smoothing=0.1, disable=disable)
 
 
+def phase_line(line: str) -> None:
+  """One line on stdout, above any progress bar drawn (tqdm clears and redraws it), in a terminal or not."""
+  from tqdm.auto import tqdm
+  tqdm.write(line, file=sys.stdout)
+
+
 class BarProgress(Progress):
   """Moves `bar` with the tokens a rollout generates (a bar made without a total grows by each generate call's
   budget), counts the finished responses beside it, and redraws it every `tick_s` so its clock runs through long
-  device calls (a step's update, a first call's compile)."""
+  device calls (a step's update, a first call's compile).
 
-  def __init__(self, bar, tick_s: float = 1.0):
+  `compiling`: the bar's description says "(compiling)" until the first tokens come back, and then one line on
+  stdout (above the bar, in a terminal or not) says how long that took: `eval: compiled and first decode call in
+  41.2 s` (evaluate's first call compiles the sampler's programs; the bar would otherwise sit at 0% without a word)."""
+
+  def __init__(self, bar, tick_s: float = 1.0, compiling: bool = False):
     self.bar, self.responses = bar, 0
     self._grow = bar.total is None
+    self._compiling = None
+    if compiling and not bar.disable:
+      self._compiling = (bar.desc, time.monotonic())
+      bar.set_description(f"{bar.desc} (compiling)")
     self._stop = threading.Event()
     self._ticker = threading.Thread(target=self._tick, args=(tick_s,), daemon=True)
     self._ticker.start()
@@ -94,6 +110,11 @@ class BarProgress(Progress):
       self.bar.refresh()
 
   def tokens(self, count: int) -> None:
+    if self._compiling is not None:
+      desc, start = self._compiling
+      self._compiling = None
+      self.bar.set_description(desc, refresh=False)
+      phase_line(f"{desc}: compiled and first decode call in {time.monotonic() - start:.1f} s")
     self.bar.update(count)
 
   def close(self) -> None:

@@ -1,10 +1,11 @@
 """What a run tells its terminal besides the per-step line: the start banner, the closing line, and a progress
-bar over a step's rollout tokens named by its phase (tqdm; on processes other than 0 nothing, and without a
-terminal the first step's phases as plain lines)."""
+bar over a step's rollout tokens named by its phase (tqdm; on processes other than 0 nothing), and the first step's
+phases with their times as plain lines (that step compiles the run's programs)."""
 
 from __future__ import annotations
 
 import sys
+import time
 
 import ml_collections
 
@@ -100,25 +101,30 @@ def watched() -> bool:
   return _process_zero() and sys.stderr.isatty()
 
 
-_announced = False  # without a terminal, the first step's phases are printed (compiling makes them long)
+_announced = False  # the first step (compiling makes its phases long) has been announced in this process
 
 
 class StepProgress:
   """A context manager over a step's phases (rollout, reward, update). Where someone watches (`watched()`): a bar
-  over the rollout's token budget, named by the phase, its clock kept running; else, on process 0, the first
-  step's phases as plain lines on stdout. `description()` ("step N: rollout") is asked once (the step number waits for
-  the previous update)."""
+  over the rollout's token budget, named by the phase, its clock kept running. On process 0 the first step in the
+  process (the one that compiles) also tells each phase's time as it ends, one line on stdout, in a terminal (above
+  the bar) or not: `step 1: rollout took 21.4 s`; without a terminal its phases are announced as they start
+  (`step 1: rollout (the first step compiles its programs) ...`). `description()` ("step N: rollout") is asked once
+  (the step number waits for the previous update)."""
 
   def __init__(self, total: int, description):
     del total  # the bar's total is the rollout's token budget, told by the rollout itself
     global _announced
-    self.progress, self.desc = None, None
+    self.progress, self.desc, self.timed = None, None, None
+    first = not _announced and _process_zero()
     if watched():
       self.progress = interface.BarProgress(interface.token_bar(description()))
-    elif not _announced and _process_zero():
+    if first:
       _announced = True
       self.desc = description()
-      print(f"{self.desc} ...", flush=True)  # stdout, as the step lines: stderr keeps to warnings and faults
+      self.timed = (self.desc.split(": ")[1].split(" (")[0], time.monotonic())  # (phase, when it began)
+      if self.progress is None:
+        print(f"{self.desc} ...", flush=True)  # stdout, as the step lines: stderr keeps to warnings and faults
 
   def __enter__(self) -> "StepProgress":
     return self
@@ -126,6 +132,8 @@ class StepProgress:
   def __exit__(self, *exc) -> None:
     if self.progress is not None:
       self.progress.close()
+    if self.timed is not None and exc[0] is None:
+      interface.phase_line(self._took())
 
   @property
   def on_finish(self):
@@ -133,12 +141,20 @@ class StepProgress:
     return self.progress
 
   def stage(self, done: str, next_stage: str) -> None:
-    """The step goes from phase `done` to `next_stage`."""
+    """The step goes from phase `done` to `next_stage` (a no-op if it is there already)."""
+    if self.timed is not None and self.timed[0] == next_stage:
+      return
     if self.progress is not None:
       bar = self.progress.bar
       bar.set_description(bar.desc.split(": ")[0] + f": {next_stage}")
-    elif self.desc is not None:
-      print(f"{self.desc.split(': ')[0]}: {next_stage} ...", flush=True)
+    if self.timed is not None:
+      took = self._took()
+      self.timed = (next_stage, time.monotonic())
+      interface.phase_line(took if self.progress is not None else f"{took}; {next_stage} ...")
+
+  def _took(self) -> str:
+    phase, began = self.timed
+    return f"{self.desc.split(': ')[0]}: {phase} took {time.monotonic() - began:.1f} s"
 
 
 def _process_zero() -> bool:

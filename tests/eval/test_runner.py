@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -249,9 +250,10 @@ def test_resume_redraws_only_missing_problems_identically(first_run, model_dir, 
                            scorer=ParityScorer(), progress=False)["sources"] == summary["sources"]
 
 
-def test_the_bar_counts_tokens_as_decode_calls_return(first_run, model_dir, data_dir, tmp_path, monkeypatch):
+def test_the_bar_counts_tokens_as_decode_calls_return(first_run, model_dir, data_dir, tmp_path, monkeypatch, capsys):
   """The bar's total is the token budget (problems x n x max_new_tokens); it moves after every decode call, so
-  its rate and estimate are the decoding's (a per-response bar moved once per finished response)."""
+  its rate and estimate are the decoding's (a per-response bar moved once per finished response). Until the first
+  call returns the bar says it compiles, and then one line says how long that took (issue 44 item 5)."""
   from pacs_jax.rollout import interface
   moves = []
 
@@ -272,6 +274,8 @@ def test_the_bar_counts_tokens_as_decode_calls_return(first_run, model_dir, data
   assert sum(c for kind, c in moves if kind == "tokens") == responses * SETTINGS.max_new_tokens
   assert sum(kind == "finish" for kind, _ in moves) == responses
   assert sum(kind == "tokens" for kind, _ in moves) >= 3  # once per decode call: 3 chunks of problems at least
+  out, err = capsys.readouterr()
+  assert "eval (compiling)" in err and re.search(r"^eval: compiled and first decode call in \d+\.\d s$", out, re.M), out
 
 
 def test_never_rewrites_released_results_beside_it(first_run, model_dir, data_dir, tmp_path):

@@ -1,8 +1,9 @@
 """The console of a run: the banner names what the run uses; in a terminal a bar counts each step's rollout tokens
-as they are generated and names the step's phase (then clears, so the step's line follows as before); without
-one the first step's phases are printed as lines."""
+as they are generated and names the step's phase (then clears, so the step's line follows as before); the first
+step's phases (it compiles) are told with their times, in a terminal or not (issue 44 item 5)."""
 
 import os
+import re
 
 import jax
 
@@ -27,8 +28,12 @@ def test_banner_and_a_progress_bar_in_a_terminal(tmp_path, monkeypatch, capsys):
                "rollout    sync (each step samples with its own weights, then updates), on the trainer's devices"):
     assert line in banner, banner
   monkeypatch.setattr(console, "watched", lambda: True)
+  monkeypatch.setattr(console, "_announced", False)  # this process's first step, whichever test ran before
   trainer.run()
-  err = capsys.readouterr().err
+  out, err = capsys.readouterr()
+  # The first step (it compiles) tells each phase's time as it ends, above the bar; later steps do not.
+  took = [line.split(" took ")[0] for line in out.splitlines() if " took " in line and line.endswith(" s")]
+  assert took == ["step 1: rollout", "step 1: reward", "step 1: update"], out
   # 8 prompts x 8 responses x 4 tokens: the bar counts the token budget, not the 64 responses.
   assert "step 1: rollout (the first step compiles its programs)" in err and "256/256" in err and "64/64" not in err
   assert "64 responses" in err and "token" in err
@@ -60,7 +65,9 @@ def test_without_a_terminal_the_first_step_names_its_phases(tmp_path, monkeypatc
   monkeypatch.setattr(console, "_announced", False)
   loop.Trainer(cfg, str(tmp_path / "run"), devices=jax.devices()[:1]).run()
   out, err = capsys.readouterr()
-  lines = [line for line in out.splitlines() if line.startswith("step ") and line.endswith(" ...")]
-  assert lines == ["step 1: rollout (the first step compiles its programs) ...", "step 1: reward ...",
-                   "step 1: update ..."], out
+  lines = [re.sub(r"took \d+\.\d s", "took T s", line) for line in out.splitlines()
+           if line.startswith("step 1: ") and (line.endswith(" ...") or line.endswith(" s"))]
+  assert lines == ["step 1: rollout (the first step compiles its programs) ...", "step 1: rollout took T s; reward ...",
+                   "step 1: reward took T s; update ...", "step 1: update took T s"], out
+  assert "step 2: rollout" not in out
   assert "step 1: reward ..." not in err  # on stdout with the step lines: a failure's stderr holds the failure (test_failures.py)
