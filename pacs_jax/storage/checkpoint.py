@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import errno
 import functools
 import json
 import os
-import re
 import shutil
 import time
 from typing import Any, Callable, TypeVar
@@ -31,6 +29,7 @@ from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
 from pacs_jax import paths
+from pacs_jax.storage import orbax_errors
 from pacs_jax.storage.workdir import SET_ASIDE_DIR
 
 T = TypeVar("T")
@@ -45,6 +44,9 @@ class CheckpointMismatch(RuntimeError):
 
 
 RECORD_ITEM = "record"  # what gives the state its meaning (storage/resume.py); absent in older checkpoints
+# An overlapped run's rollouts in flight at the save (trainer/overlap.py): each one's policy version and seed, in the
+# order started (JSON), and the rollout weights of each version (a tree keyed by version); absent where none was.
+IN_FLIGHT_ITEM, IN_FLIGHT_WEIGHTS_ITEM = "in_flight", "in_flight_weights"
 
 
 def _with_storage_retries(get_ts_context: Callable[..., ts.Context]) -> Callable[..., ts.Context]:
@@ -137,7 +139,8 @@ class Checkpointer:
       options = ocp.CheckpointManagerOptions(max_to_keep=keep or None, enable_async_checkpointing=async_save,
                                              create=True, cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                         item_names=("state", "data", "config", RECORD_ITEM))
+                                         item_names=("state", "data", "config", RECORD_ITEM, IN_FLIGHT_ITEM,
+                                                     IN_FLIGHT_WEIGHTS_ITEM))
     self.failed_save: str | None = None  # the first failed async save, as one line
     self._pending_step: int | None = None  # the last save started
     self._complete_step: int | None = None  # the newest step known committed (restored, or saved in this run)
@@ -150,15 +153,19 @@ class Checkpointer:
     return sorted(self.manager.all_steps(), reverse=True)
 
   def save(self, step: int, state: Any, data_state: dict, config: ml_collections.ConfigDict,
-           force: bool = True, record: dict | None = None) -> None:
+           force: bool = True, record: dict | None = None, in_flight: tuple[list[dict], dict] | None = None) -> None:
     """Starts an (async) save of `state` (a pytree of arrays) with the data iterator's JSON state; raises
-    paths.StorageError if this save, or an earlier one still finishing, fails."""
+    paths.StorageError if this save, or an earlier one still finishing, fails. `in_flight`: the rollouts in flight
+    ([{"version", "seed"}, ...], {str(version): rollout weights}), saved where there are any."""
     if self.read_only:
       raise ValueError(f"{self.directory} was opened read-only")
     items = dict(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
                  config=ocp.args.JsonSave(json.loads(config.to_json_best_effort())))
     if record is not None:
       items[RECORD_ITEM] = ocp.args.JsonSave(record)
+    if in_flight and in_flight[0]:
+      items[IN_FLIGHT_ITEM] = ocp.args.JsonSave(in_flight[0])
+      items[IN_FLIGHT_WEIGHTS_ITEM] = ocp.args.PyTreeSave(in_flight[1])
     self._finish_pending()  # (Orbax's save waits for the previous one too): its failure named as its own
     self._pending_step = step
     with self._storage_errors(step):
@@ -195,7 +202,7 @@ class Checkpointer:
       yield
     except Exception as e:  # noqa: BLE001 (tensorstore, OS, HTTP client errors: any means the save is lost)
       self.failed_save = (f"saving checkpoint step {step} to {paths.join(self.directory, str(step))} failed: "
-                          f"{_describe(e)}")
+                          f"{orbax_errors.describe(e)}")
       if step is not None and not paths.is_remote(self.directory) and jax.process_count() == 1:
         for name in paths.listdir(self.directory):  # its unfinished folder (on a full disk, the space it holds)
           if name.startswith(f"{step}.orbax-checkpoint-tmp"):
@@ -214,7 +221,7 @@ class Checkpointer:
       restored = self.manager.restore(step, args=ocp.args.Composite(
           state=_restore_args(abstract_state), data=ocp.args.JsonRestore()))
     except ValueError as e:
-      differs = _structure_difference(str(e))
+      differs = orbax_errors.structure_difference(str(e))
       if differs is None:
         raise
       raise CheckpointMismatch(
@@ -222,6 +229,18 @@ class Checkpointer:
           "e.g. of an algorithm with other parts (a critic): use another --workdir, or "
           "--config.checkpoint.restore=never to start from scratch here") from e
     return restored["state"], restored["data"]
+
+  def restore_in_flight(self, step: int, abstract_weights: Any) -> tuple[list[dict], dict] | None:
+    """The rollouts in flight at `step`'s save (`save`'s `in_flight`), their weights restored into the layout of
+    `abstract_weights` (one version's); None where none were saved."""
+    if not paths.exists(paths.join(self.directory, str(step), IN_FLIGHT_ITEM)):
+      return None
+    rollouts = self.manager.restore(step, args=ocp.args.Composite(
+        **{IN_FLIGHT_ITEM: ocp.args.JsonRestore()}))[IN_FLIGHT_ITEM]
+    abstract = {str(version): abstract_weights for version in sorted({r["version"] for r in rollouts})}
+    weights = self.manager.restore(step, args=ocp.args.Composite(
+        **{IN_FLIGHT_WEIGHTS_ITEM: _restore_args(abstract)}))[IN_FLIGHT_WEIGHTS_ITEM]
+    return rollouts, weights
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """Only the policy parameters (e.g. for export): the optimizer state is never read."""
@@ -251,7 +270,7 @@ class Checkpointer:
       except CheckpointMismatch:
         raise  # another run's checkpoint, not a damaged one: an older step would not be this run's either
       except Exception as e:  # noqa: BLE001 (damage shows as tensorstore, JSON, KeyError, OS errors ...)
-        failures.append(Failure(step, _describe(e)))
+        failures.append(Failure(step, orbax_errors.describe(e)))
         ok = False
       if not _all_processes(ok):
         if ok:
@@ -326,51 +345,6 @@ def storage_outage(workdir: str, step: int, checkpointer: Checkpointer) -> paths
   then = ("no checkpoint is complete yet; rerun the same command to start again" if complete is None else
           f"the last complete checkpoint is step {complete}; rerun the same command to resume")
   return paths.StorageUnreachable(f"{workdir}: storage unreachable ({cause}) at step {step}; {then}")
-
-
-def _describe(e: BaseException) -> str:
-  """The root cause in one line (Orbax wraps tensorstore's precise error in a long generic one)."""
-  seen = []
-  while e is not None and e not in seen:
-    seen.append(e)
-    e = e.__cause__
-  root = seen[-1]
-  # A full or read-only disk by its name, not tensorstore's long line (cut mid-path below) around its errno.
-  codes = [getattr(link, "errno", None) for link in seen]
-  codes += [int("".join(m)) for m in _ERRNO_IN_TEXT.findall("\n".join(map(str, seen)))]
-  disk = next((c for c in codes if c in _DISK_ERRNOS), None)
-  if disk is not None:
-    return os.strerror(disk)
-  lines = [line for line in str(root).strip().splitlines() if line.strip()]
-  return f"{type(root).__name__}: {lines[0][:300]}" if lines else type(root).__name__
-
-
-_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
-_ERRNO_IN_TEXT = re.compile(r"os_error_code='(\d+)'|\[Errno (\d+)\]|\(os error (\d+)\)")  # tensorstore, Python, Rust
-
-
-_STRUCTURE_MISMATCH = "User-provided restore item and on-disk value metadata tree structures do not match"
-
-
-def _structure_difference(message: str) -> str | None:
-  """Orbax's refusal of a target whose tree differs from the saved one, as "not in the checkpoint: x; not in this
-  run's: y; of another form: z" (at most 3 names each); None for any other error."""
-  lines = message.splitlines()
-  if not lines or not lines[0].startswith(_STRUCTURE_MISMATCH):
-    return None
-  kinds: dict[str, list[str]] = {"missing": [], "extra": [], "other": []}
-  key = None
-  for line in lines[1:]:
-    if line and not line[0].isspace() and line.endswith(":"):
-      key = line[:-1]
-      kinds["other"].append(key)
-    elif key and line.strip() in ("- Target: MISSING", "- Source: MISSING"):
-      kinds["other"].remove(key)
-      kinds["missing" if "Target" in line else "extra"].append(key)
-  names = lambda keys: ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
-  parts = [f"{label}: {names(kinds[kind])}" for kind, label in (
-      ("missing", "not in the checkpoint"), ("extra", "not in this run's"), ("other", "of another form")) if kinds[kind]]
-  return "; ".join(parts) or "the trees differ"
 
 
 def _all_processes(ok: bool) -> bool:

@@ -282,7 +282,8 @@ class Trainer:
   # -- checkpoints -----------------------------------------------------------------------------
 
   def save(self, step: int):
-    self.checkpointer.save(step, self.state, self.data_iter.get_state(), self.cfg, record=self.record)
+    self.checkpointer.save(step, self.state, self.data_iter.get_state(), self.cfg, record=self.record,
+                           in_flight=self.next_rollout.in_flight() if self.next_rollout else None)
 
   def maybe_restore(self) -> int | None:
     """The step of the checkpoint restored (the newest that restores), or None for a fresh start."""
@@ -295,7 +296,9 @@ class Trainer:
     restored = self.checkpointer.restore_newest(self._restore)
     if restored is None:
       return None
-    step, (self.state, self.data_iter) = restored
+    step, (self.state, self.data_iter, *in_flight) = restored
+    if in_flight and in_flight[0]:  # the rollouts in flight at the save, on the same pipeline elements
+      self.next_rollout.restart(*in_flight[0])
     logging.info("resumed from %s at step %d", self.checkpointer.directory, step)
     print(f"resumed from step {step}", flush=True)
     return step
@@ -307,8 +310,12 @@ class Trainer:
     resume_lib.check(step, self.checkpointer.directory, saved_config, self.checkpointer.read_record(step),
                      self.record, self.cfg)
     state, data_state = self.checkpointer.restore(step, checkpoint_lib.abstract_like(self.state))
-    iterator = self.pipeline.iterator(data_state)  # the overlapped modes' looks ahead
-    return state, overlap.Lookahead(iterator) if self.next_rollout else iterator
+    iterator = self.pipeline.iterator(data_state)
+    if not self.next_rollout:
+      return state, iterator
+    with jax.set_mesh(self.mesh):  # the overlapped modes' rollouts in flight at the save, started again below
+      in_flight = self.checkpointer.restore_in_flight(step, checkpoint_lib.abstract_like(self.sample_params()))
+    return state, overlap.Lookahead(iterator), in_flight
 
   # -- the loop --------------------------------------------------------------------------------
 

@@ -9,8 +9,10 @@ most s versions old when it trains on them (s exactly, once the pipeline is full
 starts after step k's update, with its weights: sync's responses through the overlapped machinery (bitwise).
 Each rollout's seed is the one the synchronous step would draw (`train_state.rollout_seed_ahead`), and its prompts are
 the pipeline's next elements, looked at ahead (`Lookahead`, which the trainer's iterator is in these modes): a
-checkpoint records the data position before the first of them, so after a resume they are drawn again and the
-rollouts in flight are dropped, never trained on.
+checkpoint records the data position before the first of them, and the rollouts in flight (`in_flight`: each one's
+policy version and seed, and the weights of each version), so a resume draws the same elements again and starts the
+same rollouts on them (`restart`): the steps after it sample what the uninterrupted run's did, bitwise. (A stop that
+saves nothing drops the rollouts in flight, never trained on.)
 
 A response made by a policy more than s versions older than the one the step's update starts from is dropped and
 counted (`rollout/dropped`), and its prompt's responses are drawn again by the current policy (same seed, so no prompt
@@ -64,21 +66,26 @@ class NextRollout:
 
   def __init__(self, inline: bool = False):
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-rollout")
-    self._pending: collections.deque[tuple[Any, concurrent.futures.Future]] = collections.deque()
+    self._pending: collections.deque[tuple[Any, concurrent.futures.Future, Any]] = collections.deque()
     self.started = 0  # rollouts started ahead (in the background unless inline)
     self.inline = inline
 
   def __len__(self) -> int:
     return len(self._pending)
 
-  def start(self, element, rollout: Callable[[], Any]) -> None:
+  def start(self, element, rollout: Callable[[], Any], saved: Any = None) -> None:
+    """Starts `rollout` for `element`; `saved`: what a checkpoint keeps of it while it is in flight (`in_flight`)."""
     if self.inline:
       future = concurrent.futures.Future()
       future.set_result(rollout())
     else:
       future = self._pool.submit(rollout)
-    self._pending.append((element, future))
+    self._pending.append((element, future, saved))
     self.started += 1
+
+  def in_flight(self) -> list:
+    """The `saved` of each rollout in flight (started, not taken), in the order started."""
+    return [saved for _, _, saved in self._pending]
 
   def take(self, element):
     """The completions of the rollout started for `element` (waits for it), or None if the first in flight is not
@@ -91,7 +98,7 @@ class NextRollout:
   def drop(self) -> None:
     """Lets the rollouts in flight finish and forgets them (their prompts are drawn again on a resume)."""
     pending, self._pending = list(self._pending), collections.deque()
-    concurrent.futures.wait([future for _, future in pending])
+    concurrent.futures.wait([future for _, future, _ in pending])
 
   def close(self) -> None:
     self.drop()
@@ -167,9 +174,23 @@ class Overlapped:
       if before_update:  # the rollouts keep weights of their own
         weights = jax.tree.map(jnp.copy, weights)
     for j in todo:
-      element = self.prompts(j - taken - 1)
-      seed = state_lib.rollout_seed_ahead(rng, j - next_step)
-      self.queue.start(element, self._rollout(element, weights, version, seed))
+      self._start(self.prompts(j - taken - 1), weights, version, state_lib.rollout_seed_ahead(rng, j - next_step))
+
+  def _start(self, element, weights, version: int, seed: int) -> None:
+    self.queue.start(element, self._rollout(element, weights, version, seed), saved=(version, seed, weights))
+
+  def in_flight(self) -> tuple[list[dict], dict]:
+    """What a checkpoint keeps of the rollouts in flight: each one's policy version and seed (in the order started)
+    and the rollout weights of each version, by str(version) (one copy however many rollouts share it)."""
+    saved = self.queue.in_flight()
+    return ([{"version": version, "seed": seed} for version, seed, _ in saved],
+            {str(version): weights for version, _, weights in saved})
+
+  def restart(self, rollouts: list[dict], weights: dict) -> None:
+    """A resume: starts again the rollouts a checkpoint saw in flight (`in_flight`), the i-th on the i-th pipeline
+    element not yet taken, as the uninterrupted run had started them."""
+    for i, r in enumerate(rollouts):
+      self._start(self.prompts(i), weights[str(r["version"])], int(r["version"]), int(r["seed"]))
 
   def _rollout(self, element, weights, version: int, seed: int) -> Callable[[], list]:
     prompt_ids = [ids.tolist() for ids in element["prompt_ids"]]

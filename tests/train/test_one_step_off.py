@@ -127,13 +127,13 @@ def test_responses_older_than_max_staleness_are_dropped_counted_and_drawn_again(
   overlapped = overlap.Overlapped(worker=None, max_staleness=2)
   element = {"prompt_ids": []}
   made = [completion(0, 0, 5), completion(0, 1, 4), completion(1, 0, 2), completion(1, 1, 7)]
-  overlapped.queue._pending.append((element, Finished(made)))
+  overlapped.queue._pending.append((element, Finished(made), None))
   fresh = [completion(p, s, 7) for p in (0, 1) for s in (0, 1)]
   got = overlapped.take(element, version=7, resample=lambda: fresh)
   assert overlapped.dropped == 2  # versions 4 and 2 are 3 and 5 behind 7
   assert [(c.prompt_index, c.sample_index, c.policy_version) for c in got] == [(0, 0, 5), (0, 1, 7), (1, 0, 7),
                                                                                 (1, 1, 7)]
-  overlapped.queue._pending.append((element, Finished(made[:1])))
+  overlapped.queue._pending.append((element, Finished(made[:1]), None))
   assert overlapped.take(element, version=7, resample=lambda: 1 / 0) == made[:1] and overlapped.dropped == 0
   assert overlapped.take(element, version=7, resample=lambda: 1 / 0) is None  # none in flight for it
 

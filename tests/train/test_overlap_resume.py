@@ -1,12 +1,11 @@
-"""rollout.mode "one_step_off" and "async" (issue 33, acceptance 4): a run killed with SIGKILL mid-rollout and
-mid-update and restarted trains on every prompt of the pipeline's order exactly once, checked by the prompts'
-dataset ids in the rollout dumps, and logs each step's metrics row once. The rollouts in flight at a kill are
-dropped; their prompts are drawn again after the resume (the checkpoint holds the data position before them).
+"""rollout.mode "one_step_off" and "async" (issue 33 acceptance 4, issue 44 acceptance 1): a run killed with SIGKILL
+and stopped with SIGTERM, each mid-rollout and mid-update, and restarted each time ends bitwise equal to the
+uninterrupted run: metrics rows (timings aside), rollout dumps and final parameters. A checkpoint keeps the rollouts
+in flight (each one's policy version and seed, and the weights of each version), and a resume starts them again on
+the same pipeline elements, so the steps after it sample what the uninterrupted run's did. Each step trains on its
+prompts of the pipeline's order exactly once, checked by the prompts' dataset ids in the rollout dumps.
 
 A two-process (gloo) run in one_step_off matches one process.
-
-Not bitwise: after a resume the first step samples synchronously (nothing in flight), with fresher weights than the
-uninterrupted run's rollout had.
 """
 
 import collections
@@ -14,20 +13,25 @@ import itertools
 import json
 import os
 import random
+import signal
 import sys
+import time
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from pacs_jax import config as config_lib
-from pacs_jax.trainer import loop
 from pacs_jax.services import metrics as metrics_lib
+from pacs_jax.storage import hf_export as export_lib
+from pacs_jax.trainer import loop
 from tests import kill_loop
 from tests import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.py")
-STEPS = 8
+STEPS = 10
 SETTINGS = {"steps": STEPS, "eval_every": 0, "checkpoint.every": 2, "train.batch_prompts": 8,
             "train.mini_batch_prompts": 4}
 MODES = {"one_step_off": {"rollout.mode": "one_step_off", "rollout.max_staleness": 1},
@@ -85,10 +89,42 @@ def trained_prompt_ids(workdir, id_of) -> list[collections.Counter]:
   return out
 
 
+def final_params(workdir) -> list[np.ndarray]:
+  model, step = export_lib.load_policy(str(workdir))
+  assert step == STEPS
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def without_timings(rows) -> list[dict]:
+  return [{k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in rows]
+
+
+def dumps(workdir) -> list[bytes]:
+  out = []
+  for step in range(1, STEPS + 1):
+    with open(os.path.join(workdir, "rollouts", f"{step}.jsonl"), "rb") as f:
+      out.append(f.read())
+  return out
+
+
+def stop(cmd, how, moment, delay) -> None:
+  """Starts `cmd`, waits for `moment` and `delay` seconds, then SIGKILL (no handler: the run resumes from its last
+  periodic checkpoint) or SIGTERM (preemption: it ends the step, saves it with the rollouts in flight, and exits 0)."""
+  if how == "kill":
+    kill_loop.kill_when(cmd, env(), moment, delay=delay)
+    return
+  proc = kill_loop.start(cmd, env())
+  kill_loop.wait_for(moment, proc)
+  time.sleep(delay)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0 and "preempted: saved step" in out, out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_killed_overlapped_run_trains_on_each_prompt_once(tmp_path, mode):
-  rng = random.Random(33)
+def test_a_stopped_overlapped_run_resumes_bitwise(tmp_path, mode):
+  rng = random.Random(44)
   write_prompts(tmp_path / "prompts.jsonl")
   straight = tmp_path / "straight"
   kill_loop.run_to_the_end(trainer_cmd(straight, mode), env())
@@ -96,20 +132,26 @@ def test_a_killed_overlapped_run_trains_on_each_prompt_once(tmp_path, mode):
   workdir = tmp_path / "run"
   # Mid-rollout: as the row of step k appears, step k+1 waits for its rollout (in flight since an earlier step).
   # Mid-update: halfway through step k+1's update (by the uninterrupted run's timings), rollouts ahead in flight.
-  k1, k2 = rng.randint(2, 3), rng.randint(4, 6)
-  t = timing[k2 + 1]
-  plan = [(k1, 0.0), (k2, t["timing/rollout_s"] + t["timing/reward_s"] + 0.5 * t["timing/update_s"])]
-  for step, delay in plan:
-    kill_loop.kill_when(trainer_cmd(workdir, mode), env(), kill_loop.logged(workdir, step), delay=delay)
+  mid_update = lambda k: (timing[k + 1]["timing/rollout_s"] + timing[k + 1]["timing/reward_s"]
+                          + 0.5 * timing[k + 1]["timing/update_s"])
+  plan = [("kill", k, 0.0) for k in [rng.randint(2, 3)]] + [("term", k, mid_update(k)) for k in [rng.randint(4, 5)]]
+  plan += [("term", k, 0.0) for k in [rng.randint(6, 7)]] + [("kill", k, mid_update(k)) for k in [8]]
+  for how, step, delay in plan:
+    stop(trainer_cmd(workdir, mode), how, kill_loop.logged(workdir, step), delay)
     logged = [r["step"] for r in kill_loop.rows(workdir)]
-    assert logged[-1] < STEPS, f"the kill came after the run ended: {logged}"
+    assert logged[-1] < STEPS, f"the stop came after the run ended: {logged}"
   out = kill_loop.run_to_the_end(trainer_cmd(workdir, mode), env())
   assert "resumed from step" in out
   assert [r["step"] for r in kill_loop.rows(workdir)] == list(range(1, STEPS + 1))  # each row once
+  assert without_timings(kill_loop.rows(workdir)) == without_timings(kill_loop.rows(straight))
+  assert dumps(workdir) == dumps(straight)
+  for a, b in zip(final_params(workdir), final_params(straight), strict=True):
+    np.testing.assert_array_equal(a, b)
   expected, id_of = expected_prompt_ids(workdir, mode)
-  assert trained_prompt_ids(straight, id_of) == expected
   assert trained_prompt_ids(workdir, id_of) == expected  # no prompt lost or repeated, each in its step
   assert all(r["rollout/dropped"] == 0.0 for r in kill_loop.rows(workdir))
+  staleness = [r["rollout/staleness_max"] for r in kill_loop.rows(workdir)]
+  assert staleness == [min(step - 1, MODES[mode]["rollout.max_staleness"]) for step in range(1, STEPS + 1)]
 
 
 @pytest.mark.slow
