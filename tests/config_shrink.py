@@ -69,10 +69,11 @@ def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
   tensor, data = min(sizes["tensor"], 2), min(sizes["data"], 2)
   fsdp = min(sizes["fsdp"], CPU_DEVICES // (tensor * data))
   devices = data * fsdp * tensor
-  # Batches: the same micro-batches per mini-batch (one prompt each when the config splits mini-batches)
-  # and up to 2 mini-batches (optimizer updates) per step.
+  # Batches: up to 2 micro-batches per mini-batch (one prompt each when the config splits mini-batches: gradient
+  # accumulation runs the same program for 2 as for the 7B recipes' 256, which took 4,096 rollouts a step and most
+  # of CI's longest test) and up to 2 mini-batches (optimizer updates) per step.
   t = c.train
-  micro_per_mini = t.mini_batch_prompts // (t.micro_batch_prompts or t.mini_batch_prompts)
+  micro_per_mini = min(t.mini_batch_prompts // (t.micro_batch_prompts or t.mini_batch_prompts), 2)
   minibatches = min(t.batch_prompts // t.mini_batch_prompts, 2)
   micro = 1 if t.micro_batch_prompts else 0
   mini = micro_per_mini if micro else min(t.mini_batch_prompts, 2)

@@ -1,6 +1,6 @@
 """Every shipped config runs 2 training steps end to end through the CLI a user runs, shrunk to the tiny
 model by tests/config_shrink.py (the same algorithm, remat, compute dtype, attention chunking, reference
-policy, micro-batches per mini-batch and validation; a tiny model, batches, lengths, mesh and data)."""
+policy, micro-batches (2 at most) per mini-batch and validation; a tiny model, batches, lengths, mesh and data)."""
 
 import glob
 import json
