@@ -47,6 +47,11 @@ CONFIG_FLAGS = {
     "reward_workers": ("reward_workers", "Reward worker processes."),
     "reward_timeout_s": ("reward_timeout_s", "Per-response verification timeout (then scores 0)."),
     "reward_fn": ("reward.fn", "The reward, package.module:function (default: math-verify)."),
+    "env": ("env.name", '"single_turn", or "python_tool": each sample a conversation with the Python tool '
+            "(docs/tools.md), scored by its episode."),
+    "max_turns": ("env.max_turns", "With --env=python_tool: the model's turns per conversation."),
+    "tool_output_bytes": ("env.output_bytes", "With --env=python_tool: of a program's output, what comes back."),
+    "tool_workers": ("env.workers", "With --env=python_tool: programs run at once."),
 }
 
 
@@ -64,13 +69,14 @@ def _define_config_flags() -> None:
 _define_config_flags()
 
 
-def eval_config_from_flags(synthetic_only: bool = False) -> ml_collections.ConfigDict:
+def eval_config_from_flags(synthetic: dict | None = None) -> ml_collections.ConfigDict:
   """The evaluation config the flags describe, validated; a bad value is a usage error naming its flag. With only
-  synthetic data, flags left unset take the demo's sizes (`eval_settings.SYNTHETIC_DEFAULTS`)."""
+  synthetic data, flags left unset take the demo's sizes (`synthetic`: `eval_settings.synthetic_defaults`)."""
   cfg = settings_lib.eval_config()
+  synthetic = synthetic or {}
   for name, (field, _) in CONFIG_FLAGS.items():
-    unset = synthetic_only and not flags.FLAGS[name].present and field in settings_lib.SYNTHETIC_DEFAULTS
-    config.set_field(cfg, field, settings_lib.SYNTHETIC_DEFAULTS[field] if unset else flags.FLAGS[name].value)
+    unset = not flags.FLAGS[name].present and field in synthetic
+    config.set_field(cfg, field, synthetic[field] if unset else flags.FLAGS[name].value)
   try:
     config.validate_eval(cfg)
   except config.ConfigError as e:
@@ -94,7 +100,7 @@ def main(argv):
   except ValueError as e:  # (a missing file is a FileNotFoundError: the same exit status, EXIT_INPUT)
     raise errors.InputError(str(e)) from e
   synthetic_only = all(problems.is_synthetic(spec) for spec in data)
-  cfg = eval_config_from_flags(synthetic_only)
+  cfg = eval_config_from_flags(settings_lib.synthetic_defaults(data) if synthetic_only else None)
   limit = _LIMIT.value or (settings_lib.SYNTHETIC_LIMIT if synthetic_only else None)
   settings = settings_lib.EvalSettings.from_config(cfg, chunk_problems=_CHUNK.value, limit=limit)
   mesh = None

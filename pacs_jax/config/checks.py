@@ -337,6 +337,7 @@ def validate_eval(c: ml_collections.ConfigDict) -> None:
   _check(c.rollout.slots >= 1, "rollout.slots", f"must be >= 1, got {c.rollout.slots}")
   _check(c.mesh.tensor >= 1, "mesh.tensor", f"must be >= 1, got {c.mesh.tensor}")
   _check_sampling(c)
+  env_checks.validate_block(c.env, _check)
 
 
 def _check_topology(c: ml_collections.ConfigDict) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import ml_collections
 
 from pacs_jax import config as config_lib
+from pacs_jax.data import synthetic_tasks
 from pacs_jax.rewards import named as reward_named
 
 
@@ -33,6 +34,9 @@ def eval_config() -> ml_collections.ConfigDict:
   c.reward_timeout_s = 10.0
   c.reward = ml_collections.ConfigDict()
   c.reward.fn = reward_named.BUILTIN  # "package.module:function", as training's
+  # The environment each sample is a conversation with (training's `env` block and defaults): "single_turn", or
+  # "python_tool" (docs/tools.md: pass@k with the tool, each sample a conversation scored by its episode).
+  c.env = ml_collections.ConfigDict(config_lib.default_config().env.to_dict())
   return c
 
 
@@ -42,6 +46,16 @@ def eval_config() -> ml_collections.ConfigDict:
 SYNTHETIC_DEFAULTS = {"rollout.max_new_tokens": 4, "data.max_prompt_length": 16, "model.dtype": "float32",
                       "rollout.slots": 64}
 SYNTHETIC_LIMIT = 64
+# The tool task (`synthetic/mul53`) at the tool demo's sizes (configs/tiny_tools_cpu.py): with the tool, three turns,
+# short observations and room for a call, its output and the answer.
+TOOL_TASK_DEFAULTS = {**SYNTHETIC_DEFAULTS, "rollout.max_new_tokens": 64, "env.name": "python_tool",
+                      "env.max_turns": 3, "env.output_bytes": 160, "env.workers": 2}
+
+
+def synthetic_defaults(specs) -> dict:
+  """The defaults of flags left unset when every data set is a synthetic task: the demo's, or the tool demo's."""
+  tool = any(isinstance(synthetic_tasks.get_task(spec), synthetic_tasks.ProductTask) for spec in specs)
+  return TOOL_TASK_DEFAULTS if tool else SYNTHETIC_DEFAULTS
 
 
 # EvalSettings field -> the `eval_config()` field it is.
@@ -49,6 +63,9 @@ CONFIG_FIELDS = {
     "n": "rollout.n", "temperature": "rollout.temperature", "top_k": "rollout.top_k", "top_p": "rollout.top_p",
     "max_new_tokens": "rollout.max_new_tokens", "max_prompt_length": "data.max_prompt_length", "seed": "seed",
     "dtype": "model.dtype", "stop_tokens": "rollout.stop_tokens", "batch_slots": "rollout.slots",
+    "env": "env.name", "max_turns": "env.max_turns", "tool_cpu_seconds": "env.cpu_seconds",
+    "tool_wall_seconds": "env.wall_seconds", "tool_memory_mb": "env.memory_mb", "tool_output_bytes": "env.output_bytes",
+    "tool_workers": "env.workers",
 }
 _DEFAULTS = eval_config()
 
@@ -66,6 +83,13 @@ class EvalSettings:
   dtype: str = _DEFAULTS.model.dtype  # weights and compute
   stop_tokens: str = _DEFAULTS.rollout.stop_tokens  # inference.py stops as the released rollout
   batch_slots: int = _DEFAULTS.rollout.slots  # concurrent decodes, each with a KV cache
+  env: str = _DEFAULTS.env.name  # "python_tool": each sample a conversation with the tool (docs/tools.md)
+  max_turns: int = _DEFAULTS.env.max_turns  # the model's turns per conversation
+  tool_cpu_seconds: float = _DEFAULTS.env.cpu_seconds  # the sandbox's limits on one program
+  tool_wall_seconds: float = _DEFAULTS.env.wall_seconds
+  tool_memory_mb: int = _DEFAULTS.env.memory_mb
+  tool_output_bytes: int = _DEFAULTS.env.output_bytes
+  tool_workers: int = _DEFAULTS.env.workers  # programs run at once
   chunk_problems: int = 0  # problems per generate call and file append; 0: enough for 4x batch_slots responses
   limit: int | None = None  # first `limit` problems of each data file
 

@@ -22,7 +22,8 @@ OWN_KEY = "pacs_jax"
 _OWN_PREFIX = '{"' + OWN_KEY + '":'
 RELEASED_KS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # inference.py's pass@k list
 # Settings that change the responses themselves: rows written under other values must not be mixed in.
-_RESPONSE_SETTINGS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "seed", "dtype", "stop_tokens")
+_RESPONSE_SETTINGS = ("n", "temperature", "top_k", "top_p", "max_new_tokens", "seed", "dtype", "stop_tokens", "env",
+                      "max_turns", "tool_cpu_seconds", "tool_wall_seconds", "tool_memory_mb", "tool_output_bytes")
 
 
 def problem_line(problem: Problem, samples: Sequence[dict]) -> dict:
@@ -38,8 +39,14 @@ def problem_line(problem: Problem, samples: Sequence[dict]) -> dict:
       "extra_info": {"split": "test", "index": problem.index, "answer": problem.answer},
       "rollout": [{"output": s["output"],
                    "score": {"score": s["score"], "data_source": problem.data_source, "ground_truth": problem.answer},
-                   "finish_reason": s["finish_reason"], "num_tokens": s["num_tokens"]} for s in samples],
+                   "finish_reason": s["finish_reason"], "num_tokens": s["num_tokens"],
+                   **{k: s[k] for k in CONVERSATION_KEYS if k in s}} for s in samples],
   }
+
+
+# A conversation's record in a sample (evaluation with the tool): the model's turns, the tool's observations, and
+# why it ended (envs/env.py's REASONS).
+CONVERSATION_KEYS = ("turns", "observations", "end_reason")
 
 
 def own_key(line: dict) -> tuple[str, int] | None:
@@ -151,6 +158,8 @@ class OtherEvaluation(FileExistsError, ValueError):
 def check_resumable(out_dir: str, settings: dict, lines: dict, problems: Sequence[Problem]) -> None:
   """Refuses to mix in lines written with other sampling settings, another model or other answers."""
   before = (read_summary(out_dir) or {}).get("settings", {})
+  if before:  # written before evaluations had an environment: single-turn ones
+    before = {"env": "single_turn", **before}
   for name in _RESPONSE_SETTINGS + ("model",):
     if name in before and before[name] != settings[name]:
       raise OtherEvaluation(f"{out_dir} holds an evaluation with {name}={before[name]!r}, not {settings[name]!r}: "
@@ -174,11 +183,12 @@ def compute_metrics(lines: dict, problems: Sequence[Problem], n: int, dropped: d
     per_source.setdefault(p.data_source, []).append(p)
   out, all_scores = {}, []
   for source, source_problems in per_source.items():
-    counts, scores, tokens, truncated = [], [], [], 0
+    counts, scores, tokens, truncated, talks = [], [], [], 0, []
     for p in source_problems:
       if p.key not in lines:
         continue
       samples = lines[p.key]["rollout"]
+      talks += [s for s in samples if "turns" in s]
       counts.append(int(sum(s["score"]["score"] > 0.5 for s in samples)))
       scores += [float(s["score"]["score"]) for s in samples]
       tokens += [int(s["num_tokens"]) for s in samples]
@@ -192,6 +202,12 @@ def compute_metrics(lines: dict, problems: Sequence[Problem], n: int, dropped: d
         "truncated_fraction": truncated / len(scores) if scores else None,
         "mean_response_tokens": float(np.mean(tokens)) if tokens else None,
     })
+    if talks:  # conversations with the tool: how often it was called, and by the solved ones
+      called = [bool(s["observations"]) for s in talks]
+      solved = [c for s, c in zip(talks, called) if s["score"]["score"] > 0.5]
+      out[source].update({"tool_call_rate": float(np.mean(called)),
+                          "turns_mean": float(np.mean([len(s["turns"]) for s in talks])),
+                          "solved_with_tool": float(np.mean(solved)) if solved else 0.0})
     all_scores += scores
   overall = {"mean_accuracy": float(np.mean(all_scores)) if all_scores else None, "num_responses": len(all_scores),
              "num_problems": len(problems)}

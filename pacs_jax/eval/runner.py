@@ -14,6 +14,8 @@ from typing import Any
 from pacs_jax import config as config_lib
 from pacs_jax import paths
 from pacs_jax.data import sources
+from pacs_jax.envs import env as env_lib
+from pacs_jax.envs import python_tool
 from pacs_jax.eval import problems as problems_lib
 from pacs_jax.eval import results
 from pacs_jax.eval.eval_settings import EvalSettings
@@ -107,6 +109,8 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
   own_scorer = scorer is None
   if own_scorer:
     scorer = reward_pool.RewardScorer(num_workers=reward_workers, timeout_s=reward_timeout_s, score_fn=reward_fn)
+  # env "python_tool": each sample a conversation with the tool (its sandbox open until the last chunk is written)
+  tools = None if settings.env == "single_turn" else python_tool.ToolSession(settings.to_config().env, tokenizer, eos)
   # A bar over the token budget (responses x max_new_tokens): it moves with every decode call, so its rate and
   # estimate are the decoding's (a response that stops early fills the rest of its budget as it ends).
   budget = n * settings.max_new_tokens
@@ -115,18 +119,25 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
   ticks = interface.BarProgress(bar, compiling=True)  # a line says how long the first call (its compile) took
   results.repair_tail(rollout_path)
   try:
+    if tools is not None:
+      tools.open()
     for start in range(0, len(todo), chunk):
       batch = todo[start:start + chunk]
-      completions = sampler.generate(
-          [p.prompt_ids for p in batch], n=n, max_new_tokens=settings.max_new_tokens, sampling=sampling,
-          seed=settings.seed, prompt_ids=[p.seed_id for p in batch], on_finish=ticks)
-      texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
-      scores, _ = scorer.score_batch(texts, [batch[c.prompt_index].answer for c in completions],
-                                     [batch[c.prompt_index].data_source for c in completions])
+      if tools is None:
+        completions = sampler.generate(
+            [p.prompt_ids for p in batch], n=n, max_new_tokens=settings.max_new_tokens, sampling=sampling,
+            seed=settings.seed, prompt_ids=[p.seed_id for p in batch], on_finish=ticks)
+        texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in completions]
+        scores, _ = scorer.score_batch(texts, [batch[c.prompt_index].answer for c in completions],
+                                       [batch[c.prompt_index].data_source for c in completions])
+        talks = [{} for _ in completions]
+      else:
+        completions, texts, scores, talks = _conversations(tools, sampler, scorer, batch, settings, sampling, ticks)
       samples: list[list[dict]] = [[None] * n for _ in batch]
-      for c, text, score in zip(completions, texts, scores):
+      for c, text, score, talk in zip(completions, texts, scores, talks):
         samples[c.prompt_index][c.sample_index] = {"output": text, "score": float(score),
-                                                   "finish_reason": c.finish_reason, "num_tokens": len(c.tokens)}
+                                                   "finish_reason": c.finish_reason, "num_tokens": len(c.tokens),
+                                                   **talk}
       new = [results.problem_line(p, s) for p, s in zip(batch, samples)]  # every problem's n samples are scored
       results.append_lines(rollout_path, new)
       lines.update({p.key: line for p, line in zip(batch, new)})
@@ -134,9 +145,24 @@ def _evaluate(model_dir: str, name: str, data, settings: EvalSettings, out_dir: 
       bar.set_postfix_str(f"{ticks.responses} responses, accuracy {summary['overall']['mean_accuracy'] or 0:.3f}")
   finally:
     ticks.close()
+    if tools is not None:
+      tools.close()
     if own_scorer:
       scorer.close()
   return summary
+
+
+def _conversations(tools, sampler, scorer, batch, settings: EvalSettings, sampling, ticks):
+  """A chunk's samples as conversations with the tool: (completions, each conversation's text, its episode's
+  reward, its turns, observations and ending)."""
+  rows = [{"problem": p.user_message, "answer": p.answer, "data_source": p.data_source} for p in batch]
+  talks = tools.converse(sampler, python_tool.LockedScorer(scorer), [p.prompt_ids for p in batch], rows,
+                         n=settings.n, max_new_tokens=settings.max_new_tokens, sampling=sampling, seed=settings.seed,
+                         seed_ids=[p.seed_id for p in batch], on_finish=ticks)
+  episodes = [t.episode for t in talks]
+  texts = [env_lib.conversation_text(e.turns, e.observations, tools.template) for e in episodes]
+  records = [{"turns": list(e.turns), "observations": list(e.observations), "end_reason": e.reason} for e in episodes]
+  return [t.completion for t in talks], texts, [e.reward for e in episodes], records
 
 
 def summary_table(metrics: dict[str, Any]) -> str:
