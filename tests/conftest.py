@@ -62,7 +62,6 @@ def pytest_collection_modifyitems(config, items):
 # SLOWEST: test files or test ids, longest first (seconds: a full run with --durations=0 on the 2-core machine, 2
 # workers, beside other work, issue 42's session; CI's idle run takes about 0.7x).
 SLOWEST = (
-    "tests/test_configs_e2e.py::test_config_trains_two_steps_through_the_cli[configs/qwen7b_tools_v5p.py]",  # 342 (CI)
     "tests/train/test_fsdp_matmuls_tpu.py",  # 170: three TPU compiles of a one-layer 3B (module fixture)
     "tests/train/test_split_devices.py::test_a_split_run_on_two_processes_trains_as_one_process",  # 150
     "tests/train/test_demo_learns.py",  # 60-140 each
@@ -70,14 +69,13 @@ SLOWEST = (
     "tests/train/test_lora_resume.py",  # 106
     "tests/test_multihost.py::test_dynamic_sampling_on_two_processes_matches_one",  # 102
     "tests/train/test_gcs_workdir.py",  # 98
-    "tests/test_configs_e2e.py::test_config_trains_two_steps_through_the_cli[configs/qwen7b_lora_v5p8.py]",  # 95
     "tests/train/test_resume.py",  # 92 + 62
     "tests/test_multihost.py",  # 90 each
     "tests/train/test_overlap_resume.py",  # 65-90 each
     "tests/train/test_failures.py",  # 40-80 each
-    "tests/test_configs_e2e.py",  # 30-70 each
     "tests/test_study.py",  # 82: one shrunk study (module fixture)
     "tests/train/test_compile_only.py",  # 72 + the update at length profiles
+    "tests/test_configs_e2e.py",  # 10-35 each alone (qwen7b_tools_v5p the longest; 279 before 2 micro-batches a mini)
 )
 _MODULE_FIXTURE = re.compile(r"""scope\s*=\s*["'](module|class|package)["']""")
 
