@@ -10,8 +10,10 @@ TensorBoard discard events at or after that step from the earlier files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import sys
 from typing import Any
 
 import jax
@@ -182,12 +184,28 @@ class _ObjectRecordWriterFactory:
 
 
 def _summary_writer(logdir: str, purge_step: int):
-  """tensorboardX's SummaryWriter, imported only here: tensorboardX imports torch (3 s of every process start that
-  imports the trainer). Its own gs:// writer is a second GCS client (google-cloud-storage, own credentials); a
-  gs:// log dir is written through the same path layer as everything else instead."""
-  from tensorboardX import SummaryWriter, record_writer
+  """tensorboardX's SummaryWriter, imported only here. Its own gs:// writer is a second GCS client
+  (google-cloud-storage, own credentials); a gs:// log dir is written through the same path layer as everything
+  else instead."""
+  with _without_torch():
+    from tensorboardX import SummaryWriter, record_writer
   record_writer.register_writer_factory("gs", _ObjectRecordWriterFactory())
   return SummaryWriter(logdir, purge_step=purge_step)
+
+
+@contextlib.contextmanager
+def _without_torch():
+  """tensorboardX imports torch where it is installed (1.5 s of every run's start), only to take torch tensors as
+  values; this writer logs floats. Unless torch is loaded already, it is hidden while tensorboardX is imported
+  (tensorboardX then takes numpy arrays, its fallback), and importable again afterwards."""
+  hide = "torch" not in sys.modules
+  if hide:
+    sys.modules["torch"] = None  # `import torch` raises ImportError
+  try:
+    yield
+  finally:
+    if hide and sys.modules.get("torch", False) is None:
+      del sys.modules["torch"]
 
 
 def warn_skipped_updates(step: int, skipped_total: float, skipped_before: int, updates: int) -> int:
