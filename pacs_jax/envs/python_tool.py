@@ -85,3 +85,21 @@ class ToolSession:
     return sampler.converse(prompt_ids, rows, env, encode=self.encode, decode=self.decode, pause_ids=self.pause_ids,
                             eos_ids=self.eos_ids, n=n, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                             prompt_ids=seed_ids, env_workers=self.workers, on_finish=on_finish)
+
+  def scored(self, sampler, scorer, prompt_ids: list[list[int]], rows: list[dict], **kwargs):
+    """`converse` (its keyword arguments) with the run's scorer behind a `LockedScorer`: (completions, each
+    conversation's text, its episode (reward, turns, ...), the scorer's error and timeout counts)."""
+    locked = LockedScorer(scorer)
+    talks = self.converse(sampler, locked, prompt_ids, rows, **kwargs)
+    episodes = [t.episode for t in talks]
+    texts = [env_lib.conversation_text(e.turns, e.observations, self.template) for e in episodes]
+    return [t.completion for t in talks], texts, episodes, locked.take_stats()
+
+
+# A conversation's record beside its text (rollout dumps, evaluation samples): the model's turns, the tool's
+# observations, and why it ended (env_lib.REASONS).
+RECORD_KEYS = ("turns", "observations", "end_reason")
+
+
+def record(episode: env_lib.Episode) -> dict[str, Any]:
+  return dict(zip(RECORD_KEYS, (list(episode.turns), list(episode.observations), episode.reason)))

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from pacs_jax import paths
+from pacs_jax.envs import python_tool
 from pacs_jax.eval import passk
 from pacs_jax.eval.problems import Problem
 
@@ -40,13 +41,9 @@ def problem_line(problem: Problem, samples: Sequence[dict]) -> dict:
       "rollout": [{"output": s["output"],
                    "score": {"score": s["score"], "data_source": problem.data_source, "ground_truth": problem.answer},
                    "finish_reason": s["finish_reason"], "num_tokens": s["num_tokens"],
-                   **{k: s[k] for k in CONVERSATION_KEYS if k in s}} for s in samples],
+                   **{k: s[k] for k in python_tool.RECORD_KEYS if k in s}} for s in samples],
   }
 
-
-# A conversation's record in a sample (evaluation with the tool): the model's turns, the tool's observations, and
-# why it ended (envs/env.py's REASONS).
-CONVERSATION_KEYS = ("turns", "observations", "end_reason")
 
 
 def own_key(line: dict) -> tuple[str, int] | None:

@@ -14,7 +14,6 @@ from typing import Any
 from pacs_jax import config as config_lib
 from pacs_jax import paths
 from pacs_jax.data import sources
-from pacs_jax.envs import env as env_lib
 from pacs_jax.envs import python_tool
 from pacs_jax.eval import problems as problems_lib
 from pacs_jax.eval import results
@@ -156,13 +155,10 @@ def _conversations(tools, sampler, scorer, batch, settings: EvalSettings, sampli
   """A chunk's samples as conversations with the tool: (completions, each conversation's text, its episode's
   reward, its turns, observations and ending)."""
   rows = [{"problem": p.user_message, "answer": p.answer, "data_source": p.data_source} for p in batch]
-  talks = tools.converse(sampler, python_tool.LockedScorer(scorer), [p.prompt_ids for p in batch], rows,
-                         n=settings.n, max_new_tokens=settings.max_new_tokens, sampling=sampling, seed=settings.seed,
-                         seed_ids=[p.seed_id for p in batch], on_finish=ticks)
-  episodes = [t.episode for t in talks]
-  texts = [env_lib.conversation_text(e.turns, e.observations, tools.template) for e in episodes]
-  records = [{"turns": list(e.turns), "observations": list(e.observations), "end_reason": e.reason} for e in episodes]
-  return [t.completion for t in talks], texts, [e.reward for e in episodes], records
+  completions, texts, episodes, _ = tools.scored(
+      sampler, scorer, [p.prompt_ids for p in batch], rows, n=settings.n, max_new_tokens=settings.max_new_tokens,
+      sampling=sampling, seed=settings.seed, seed_ids=[p.seed_id for p in batch], on_finish=ticks)
+  return completions, texts, [e.reward for e in episodes], [python_tool.record(e) for e in episodes]
 
 
 def summary_table(metrics: dict[str, Any]) -> str:

@@ -115,14 +115,13 @@ class StepProgress:
   def __init__(self, total: int, description):
     del total  # the bar's total is the rollout's token budget, told by the rollout itself
     global _announced
-    self.progress, self.desc, self.timed = None, None, None
-    first = not _announced and _process_zero()
+    self.progress, self.desc, self.began = None, None, None
+    self.phase = "rollout"
     if watched():
       self.progress = interface.BarProgress(interface.token_bar(description()))
-    if first:
+    if not _announced and _process_zero():  # the first step: its phases timed (`began`: when this one began)
       _announced = True
-      self.desc = description()
-      self.timed = (self.desc.split(": ")[1].split(" (")[0], time.monotonic())  # (phase, when it began)
+      self.desc, self.began = description(), time.monotonic()
       if self.progress is None:
         print(f"{self.desc} ...", flush=True)  # stdout, as the step lines: stderr keeps to warnings and faults
 
@@ -132,7 +131,7 @@ class StepProgress:
   def __exit__(self, *exc) -> None:
     if self.progress is not None:
       self.progress.close()
-    if self.timed is not None and exc[0] is None:
+    if self.began is not None and exc[0] is None:
       interface.phase_line(self._took())
 
   @property
@@ -140,21 +139,21 @@ class StepProgress:
     """What the rollout is given as `on_finish` (an `interface.Progress`; None without a bar)."""
     return self.progress
 
-  def stage(self, done: str, next_stage: str) -> None:
-    """The step goes from phase `done` to `next_stage` (a no-op if it is there already)."""
-    if self.timed is not None and self.timed[0] == next_stage:
+  def stage(self, next_stage: str) -> None:
+    """The step goes on to phase `next_stage` (a no-op if it is there already)."""
+    if next_stage == self.phase:
       return
     if self.progress is not None:
       bar = self.progress.bar
       bar.set_description(bar.desc.split(": ")[0] + f": {next_stage}")
-    if self.timed is not None:
+    if self.began is not None:
       took = self._took()
-      self.timed = (next_stage, time.monotonic())
+      self.began = time.monotonic()
       interface.phase_line(took if self.progress is not None else f"{took}; {next_stage} ...")
+    self.phase = next_stage
 
   def _took(self) -> str:
-    phase, began = self.timed
-    return f"{self.desc.split(': ')[0]}: {phase} took {time.monotonic() - began:.1f} s"
+    return f"{self.desc.split(': ')[0]}: {self.phase} took {time.monotonic() - self.began:.1f} s"
 
 
 def _process_zero() -> bool:

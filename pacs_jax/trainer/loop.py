@@ -161,7 +161,7 @@ class Trainer:
                                                              max_new_tokens=self.R, sampling=self.sampling, seed=seed,
                                                              on_finish=progress.on_finish)
         clock.lap("rollout")
-        progress.stage("rollout", "reward")
+        progress.stage("reward")
       elif self.objective.sampling_rounds == 1:
         completions = None
         if self.next_rollout:  # started by an earlier step (stale responses drawn again now)
@@ -171,14 +171,14 @@ class Trainer:
         if self.next_rollout:
           self.next_rollout.before_update(self.state.rng, version)
         clock.lap("rollout")
-        progress.stage("rollout", "reward")
+        progress.stage("reward")
         scored = stages.score(scorer, self.tokenizer, prompts, completions)
       else:  # the kept groups of rollouts drawn until the batch is full (trainer/dynamic_sampling.py)
         prompt_ids, completions, scored, sampled = self.sample(prompts, seed, scorer, progress.on_finish)
         clock.lap("rollout")
-        progress.stage("rollout", "update")
+        progress.stage("update")
       clock.lap("score")
-      progress.stage("reward", "update")
+      progress.stage("update")
       packed = stages.pack(prompt_ids, completions, scored, P=self.P, R=self.R, n=self.cfg.rollout.n,
                            pad_id=self.pad_id, mask_eos_ids=self.mask_eos_ids,
                            host_inputs=lambda ids, mask: self.objective.host_inputs(ids, mask, self.R),

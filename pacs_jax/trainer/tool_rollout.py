@@ -27,15 +27,12 @@ class ToolRollout(python_tool.ToolSession):
               max_new_tokens: int, sampling, seed: int, on_finish=None):
     """The step's conversations over the pipeline's element (lists per field): (completions, `stages.Scored` with
     each episode's reward as its score and the conversation's text, the episodes)."""
-    locked = python_tool.LockedScorer(scorer)
-    talks = self.converse(sampler, locked, prompt_ids, env_lib.element_rows(element), n=n,
-                          max_new_tokens=max_new_tokens, sampling=sampling, seed=seed, on_finish=on_finish)
-    episodes = [t.episode for t in talks]
-    texts = [env_lib.conversation_text(e.turns, e.observations, self.template) for e in episodes]
+    completions, texts, episodes, stats = self.scored(sampler, scorer, prompt_ids, env_lib.element_rows(element), n=n,
+                                                     max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                                                     on_finish=on_finish)
     scores = np.asarray([e.reward for e in episodes], np.float32)
-    scored = stages.Scored(texts, [e.answer for e in episodes], [e.data_source for e in episodes], scores,
-                           locked.take_stats())
-    return [t.completion for t in talks], scored, episodes
+    scored = stages.Scored(texts, [e.answer for e in episodes], [e.data_source for e in episodes], scores, stats)
+    return completions, scored, episodes
 
   def validate(self, sampler, scorer, records: list[dict], prompt_ids: list[list[int]], *, max_new_tokens: int,
                sampling) -> dict[str, float]:
@@ -66,5 +63,5 @@ def metrics(episodes: Sequence[env_lib.Episode], completions: Sequence[interface
 
 def dump_fields(episodes: Sequence[env_lib.Episode]) -> dict[str, list]:
   """The rollout dump's extra columns of conversations: each one's model turns, observations and ending."""
-  return {"turns": [list(e.turns) for e in episodes], "observations": [list(e.observations) for e in episodes],
-          "end_reason": [e.reason for e in episodes]}
+  records = [python_tool.record(e) for e in episodes]
+  return {key: [r[key] for r in records] for key in python_tool.RECORD_KEYS}
