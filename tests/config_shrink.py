@@ -86,6 +86,7 @@ def shrink(cfg: ml_collections.ConfigDict) -> tuple[dict, int]:
   rules = {
       "steps": STEPS,
       "model.preset": "tiny", "model.hf_path": "",
+      "model.warmup": "",  # the tool demo's warm-up (half a minute) has its own test (tests/train/test_tool_demo_learns.py)
       "model.vocab_size": len(synthetic_tasks.TOOL_VOCAB if tools else synthetic_tasks.VOCAB),
       "model.attention_chunk": CHUNK if c.model.attention_chunk else 0,
       "model.attention_impl": "auto",  # the kernel of the machine the test runs on (CPU: xla)

@@ -316,7 +316,7 @@ def advisories(c: ml_collections.ConfigDict) -> list[str]:
   out = []
   def synthetic_parts(spec: str) -> list[str]:
     return [s.strip() for s in spec.split(",") if synthetic_verifier.is_synthetic(s.strip())]
-  if c.model.hf_path and c.tokenizer != "synthetic":  # a model made for the task names its tokenizer (the study's)
+  if c.model.hf_path and not c.tokenizer.startswith("synthetic"):  # a model made for the task names its tokenizer
     for field in ("data.train", "data.val"):
       if synthetic_parts(get_field(c, field)):
         out.append(f"config.{field}={get_field(c, field)!r} is the built-in synthetic task (a 64-token vocabulary) "

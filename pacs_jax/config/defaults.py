@@ -21,6 +21,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny"  # used when hf_path is empty
   c.model.hf_path = ""  # a local transformers checkpoint directory (Qwen2.5, Qwen3, Llama 3: models/families.py)
+  # A built-in supervised warm-up of the preset before RL (trainer/warm_base.py; "mul53_tools": the tool demo's base),
+  # built once into <workdir>/base_model, which the run then loads as its model.hf_path.
+  c.model.warmup = ""
   c.model.param_dtype = "float32"
   c.model.dtype = "float32"  # compute dtype; bfloat16 on GPU/TPU
   c.model.remat = False  # rematerialise decoder layers in the backward pass

@@ -63,40 +63,17 @@ def supervised_rows(tokenizer, records: list[dict]) -> tuple[np.ndarray, np.ndar
 
 def train_base_model(settings: WarmupSettings, tokenizer):
   """The warmed-up policy (a `decoder.CausalLM`) and its last loss; same settings, same weights."""
-  import jax
-  import jax.numpy as jnp
-  import optax
   from flax import nnx
 
   from pacs_jax.models import families
+  from pacs_jax.trainer import warm_base
 
   model = families.causal_lm(model_config(settings), rngs=nnx.Rngs(settings.seed))
-  graphdef, params = nnx.split(model, nnx.Param)
-  optimizer = optax.adamw(settings.lr, weight_decay=0.0)
-  opt_state = optimizer.init(params)
   task = synthetic_tasks.get_task(settings.task)
   records = task.draw(settings.steps * settings.batch, settings.seed, held_out=False, terms=settings.terms)
   ids, attention, loss_mask = supervised_rows(tokenizer, records)
-
-  def loss_fn(params, ids, attention, loss_mask):
-    logits = nnx.merge(graphdef, params)(ids, attention).astype(jnp.float32)  # [B, T, V]
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
-    mask = loss_mask[:, :-1]
-    return jnp.sum(nll * mask) / jnp.sum(mask)
-
-  @jax.jit
-  def step(params, opt_state, ids, attention, loss_mask):
-    loss, grads = jax.value_and_grad(loss_fn)(params, ids, attention, loss_mask)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  loss = float("nan")
-  for i in range(settings.steps):
-    rows = slice(i * settings.batch, (i + 1) * settings.batch)
-    params, opt_state, loss = step(params, opt_state, ids[rows], attention[rows], loss_mask[rows])
-  nnx.update(model, params)
-  return model, float(loss)
+  loss = warm_base.fit(model, ids, attention, loss_mask, steps=settings.steps, batch=settings.batch, lr=settings.lr)
+  return model, loss
 
 
 def base_model_dir(settings: WarmupSettings, cache_dir: str) -> str:

@@ -31,7 +31,7 @@ from pacs_jax.storage import hf_export as export_lib
 from pacs_jax.storage import lock as workdir_lock
 from pacs_jax.storage import resume as resume_lib
 from pacs_jax.storage.workdir import CHECKPOINT_DIR
-from pacs_jax.trainer import build, dynamic_sampling, overlap, packing, split, stages
+from pacs_jax.trainer import build, dynamic_sampling, overlap, packing, split, stages, warm_base
 from pacs_jax.trainer import equal_rewards as signal_lib
 from pacs_jax.trainer import programs as programs_lib
 from pacs_jax.trainer import tool_rollout
@@ -69,6 +69,7 @@ class Trainer:
   def _read_inputs(self, cfg: ml_collections.ConfigDict) -> None:
     """The tokenizer, the training prompts and the validation set: everything the run reads."""
     self.tokenizer = build.load_tokenizer(cfg)
+    warm_base.resolve(cfg, self.workdir, self.tokenizer)  # model.warmup: the base built once, then model.hf_path
     model_config = config_lib.model_config(cfg)
     config_lib.check_tokenizer_fits_model(cfg, len(self.tokenizer), model_config.vocab_size)
     config_lib.check_lora_fits_model(cfg, model_config)
