@@ -1,25 +1,25 @@
-"""Every shipped config runs 2 training steps end to end through the CLI a user runs, shrunk to the tiny
-model by tests/config_shrink.py (the same algorithm, remat, compute dtype, attention chunking, reference
-policy, micro-batches (2 at most) per mini-batch and validation; a tiny model, batches, lengths, mesh and data)."""
+"""Every shipped config runs 2 training steps end to end, shrunk to the tiny model by tests/config_shrink.py (the
+same algorithm, remat, compute dtype, attention chunking, reference policy, micro-batches (2 at most) per mini-batch
+and validation; a tiny model, batches, lengths, mesh and data). The trainer runs in the test's process (a CLI
+process would add its 6 s of imports to each config; the demo and first-hour tests run the command line itself)."""
 
 import glob
 import json
 import math
 import os
-import subprocess
-import sys
 
+import jax
 import pytest
 
 import config_shrink
+from pacs_jax import config as config_lib
 from pacs_jax.storage import checkpoint as checkpoint_lib
-from tests import child_env
+from pacs_jax.trainer import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CACHE = os.environ.get("PACS_JAX_TEST_CACHE", os.path.join(ROOT, ".jax_cache"))
 CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
                  if not os.path.basename(p).startswith("_"))
-# A config file's variants (`get_config(arg)`), run as `--config FILE:ARG` like a user does. tiny_cpu.py's baselines
+# A config file's variants (`get_config(arg)`), as `--config FILE:ARG` gives them. tiny_cpu.py's baselines
 # (`:grpo`, `:ppo`) run through the CLI in tests/train/test_demo_learns.py, to the README's table, so not here.
 VARIANTS: dict[str, list[str]] = {}
 SPECS = [p for c in CONFIGS for p in [c] + [f"{c}:{v}" for v in VARIANTS.get(c, [])]]
@@ -43,16 +43,14 @@ def test_every_config_is_covered():
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_config_trains_two_steps_through_the_cli(spec, tmp_path):
+def test_config_trains_two_steps(spec, tmp_path):
   cfg = load(spec)
   overrides, devices = config_shrink.shrink(cfg)
+  shrunk = load(spec)
+  for field, value in overrides.items():
+    config_lib.set_field(shrunk, field, value)
   workdir = tmp_path / "run"
-  cmd = [sys.executable, "-m", "pacs_jax.train", "--config", os.path.join(ROOT, spec), "--workdir", str(workdir)]
-  cmd += [f"--config.{k}={v}" for k, v in overrides.items()]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PACS_JAX_COMPILATION_CACHE=CACHE,
-             XLA_FLAGS=child_env.xla_flags(devices))
-  result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+  loop.Trainer(shrunk, str(workdir), devices=jax.devices()[:devices]).run()
 
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl") if line.strip()]
   steps = [r["step"] for r in rows]

@@ -6,7 +6,7 @@ Why the tests missed the remat crash (flax TraceContextError in the log-prob pas
 trainer and engine test ran the tiny config, whose `model.remat` is False; the released configs that set
 it were only loaded, validated and dry-run (abstract shapes, no program traced). Remat is now
 `jax.checkpoint` of the pure layer-scan body, these tests run each program with it, and
-tests/test_configs_e2e.py runs every shipped config's settings (remat included) through the CLI.
+tests/test_configs_e2e.py trains every shipped config's settings (remat included) for 2 steps.
 """
 
 import jax
