@@ -78,8 +78,9 @@ class RewardScorer:
   run's sums). `score_fn(data_source, response, answer)` (or its name, "package.module:function": rewards/named.py)
   returns a score or a (score, error | None) pair (`checked_call`); it must be picklable (a module-level function
   is, by reference). Its `in_process(data_source)` attribute, where it has one, picks the items scored in this
-  process (the built-in's synthetic tasks: cheap and trusted); its `warm_up` attribute, the argument tuples each new
-  worker scores first. The pool starts on the first item that needs it. An item that runs past `timeout_s` scores
+  process (the built-in's synthetic tasks: cheap and trusted); its `preload`, modules its workers' server imports
+  besides its own (the built-in's: math-verify and sympy, which it imports on first use); its `warm_up` attribute,
+  the argument tuples each new worker scores first. The pool starts on the first item that needs it. An item that runs past `timeout_s` scores
   0.0 and its worker is killed and replaced; a worker that dies scores its item 0.0 (an error) likewise.
   """
 
@@ -95,7 +96,7 @@ class RewardScorer:
     if mp_context == "forkserver" and module:
       # Workers fork from a server that has the reward's module (the built-in's: math-verify, sympy) imported: a
       # replacement starts in milliseconds. Only applies when this process has not started its forkserver yet.
-      self._context.set_forkserver_preload([module])
+      self._context.set_forkserver_preload([module, *getattr(self._score_fn, "preload", ())])
     self._workers: list[_Worker] = []
     self._failed_starts = 0
     self.totals = {"errors": 0, "timeouts": 0, "replaced_workers": 0, "scored": 0}
