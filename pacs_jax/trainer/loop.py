@@ -52,6 +52,7 @@ class Trainer:
     devices = jax.devices() if devices is None else list(devices)
     config_lib.validate(cfg, num_processes=jax.process_count(), devices=devices)
     self.cfg, self.workdir = cfg, paths.normalize(workdir)
+    warm_base.resolve(cfg, self.workdir)  # model.warmup: the base is built once, then loaded as model.hf_path
     # Every input is read before anything is created: a missing or malformed file leaves no workdir behind.
     self._read_inputs(cfg)
     created = not paths.exists(self.workdir)
@@ -69,7 +70,6 @@ class Trainer:
   def _read_inputs(self, cfg: ml_collections.ConfigDict) -> None:
     """The tokenizer, the training prompts and the validation set: everything the run reads."""
     self.tokenizer = build.load_tokenizer(cfg)
-    warm_base.resolve(cfg, self.workdir, self.tokenizer)  # model.warmup: the base built once, then model.hf_path
     model_config = config_lib.model_config(cfg)
     config_lib.check_tokenizer_fits_model(cfg, len(self.tokenizer), model_config.vocab_size)
     config_lib.check_lora_fits_model(cfg, model_config)

@@ -136,7 +136,7 @@ def build(cfg, tokenizer) -> tuple[object, float]:
   return model, fit(model, ids, attention, loss_mask, steps=settings.steps, batch=settings.batch, lr=settings.lr)
 
 
-def resolve(cfg, workdir: str, tokenizer) -> None:
+def resolve(cfg, workdir: str) -> None:
   """With `model.warmup` set: builds the base into <workdir>/base_model unless it is there (one line before, one
   after: it takes half a minute on 2 CPU cores), then makes the run load it (`model.hf_path`, `model.warmup`
   cleared), so the run's recorded config is a plain model path, the same on every resume."""
@@ -164,6 +164,8 @@ def resolve(cfg, workdir: str, tokenizer) -> None:
       print(f"warm-up: teaching the base model {cfg.model.warmup!r} ({settings.steps} supervised steps) ...",
             flush=True)
     start = time.time()
+    from pacs_jax.trainer import build as build_lib
+    tokenizer = build_lib.load_tokenizer(cfg)
     model, loss = build(cfg, tokenizer)
     with paths.staged_dir(out, last=(DONE_FILE,)) as local:
       hf_export.save_model_dir(model, local, tokenizer)

@@ -73,7 +73,7 @@ def test_the_loss_mask_marks_the_positions_predicting_a_target():
 def test_the_base_is_built_once_then_loaded_as_a_model_path(tokenizer, tmp_path, monkeypatch, capsys):
   monkeypatch.setitem(warmup.WARMUPS, "mul53_tools", dataclasses.replace(warmup.ToolWarmup(), steps=2, batch=4))
   cfg = tool_config()
-  warmup.resolve(cfg, str(tmp_path), tokenizer)
+  warmup.resolve(cfg, str(tmp_path))
   out = tmp_path / warmup.BASE_DIR
   assert cfg.model.hf_path == str(out) and cfg.model.warmup == ""
   record = json.loads((out / warmup.DONE_FILE).read_text())
@@ -82,7 +82,7 @@ def test_the_base_is_built_once_then_loaded_as_a_model_path(tokenizer, tmp_path,
   assert "warm-up: done" in capsys.readouterr().out
   built = (out / "model.safetensors").stat().st_mtime_ns
   again = tool_config()  # a resume: the same config, the same workdir
-  warmup.resolve(again, str(tmp_path), tokenizer)
+  warmup.resolve(again, str(tmp_path))
   assert again.model.hf_path == cfg.model.hf_path and again.to_dict() == cfg.to_dict()
   assert (out / "model.safetensors").stat().st_mtime_ns == built and "warm-up" not in capsys.readouterr().out
 
@@ -93,6 +93,6 @@ def test_the_base_is_built_once_then_loaded_as_a_model_path(tokenizer, tmp_path,
 def test_a_bad_warmup_setting_is_one_line_and_builds_nothing(tokenizer, tmp_path, fields, named):
   cfg = tool_config(**fields)
   with pytest.raises(config_lib.ConfigError, match="config.model.warmup") as error:
-    warmup.resolve(cfg, str(tmp_path), tokenizer)
+    warmup.resolve(cfg, str(tmp_path))
   assert named in str(error.value) and "\n" not in str(error.value)
   assert not any(tmp_path.iterdir())
