@@ -80,8 +80,9 @@ class RewardScorer:
   is, by reference). Its `in_process(data_source)` attribute, where it has one, picks the items scored in this
   process (the built-in's synthetic tasks: cheap and trusted); its `preload`, modules its workers' server imports
   besides its own (the built-in's: math-verify and sympy, which it imports on first use); its `warm_up` attribute,
-  the argument tuples each new worker scores first. The pool starts on the first item that needs it. An item that runs past `timeout_s` scores
-  0.0 and its worker is killed and replaced; a worker that dies scores its item 0.0 (an error) likewise.
+  the argument tuples each new worker scores first. The pool starts on the first item that needs it. An item that
+  runs past `timeout_s` scores 0.0 and its worker is killed and replaced; a worker that dies scores its item 0.0 (an
+  error) likewise.
   """
 
   def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, *, mp_context: str = "forkserver",

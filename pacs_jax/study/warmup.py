@@ -46,19 +46,13 @@ def model_config(settings: WarmupSettings):
 def supervised_rows(tokenizer, records: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Left-padded rows `prompt, answer, <|im_end|>`: (ids [B, T], attention mask [B, T], loss mask [B, T]); the loss
   mask marks the positions whose next token is a target (the answer and the end marker)."""
+  from pacs_jax.trainer import warm_base
+
   prompt_ids = prompts_lib.encode_prompts(tokenizer, [r["problem"] for r in records], None)
   end = tokenizer.convert_tokens_to_ids(synthetic_tasks.IM_END)
-  targets = [[tokenizer.convert_tokens_to_ids(r["answer"]), end] for r in records]
-  T = max(len(p) for p in prompt_ids) + 2
-  ids = np.full((len(records), T), tokenizer.pad_token_id, np.int32)
-  attention = np.zeros((len(records), T), np.int32)
-  loss_mask = np.zeros((len(records), T), np.float32)
-  for i, (p, t) in enumerate(zip(prompt_ids, targets)):
-    row = np.concatenate([p, t])
-    ids[i, T - len(row):] = row
-    attention[i, T - len(row):] = 1
-    loss_mask[i, T - 3:T - 1] = 1.0  # the last prompt token predicts the answer, the answer predicts the end
-  return ids, attention, loss_mask
+  rows = [([int(t) for t in p] + [tokenizer.convert_tokens_to_ids(r["answer"]), end], [0] * len(p) + [1, 1])
+          for p, r in zip(prompt_ids, records)]
+  return warm_base.left_padded(rows, tokenizer.pad_token_id)
 
 
 def train_base_model(settings: WarmupSettings, tokenizer):
