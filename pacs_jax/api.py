@@ -12,8 +12,7 @@ import ml_collections
 
 from pacs_jax import config as config_lib
 
-# The repository's configs/ folder beside the package (an editable install or a source checkout).
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+CONFIGS_DIR = config_lib.CONFIGS_DIR  # the repository's configs/ folder beside the package
 
 
 def load_config(name_or_path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
@@ -25,9 +24,7 @@ def load_config(name_or_path: str, overrides: dict | None = None) -> ml_collecti
   """
   path = name_or_path
   if not os.path.isfile(path) and os.sep not in path and not path.endswith(".py"):
-    path = os.path.join(CONFIGS_DIR, f"{name_or_path}.py")
-    if not os.path.isfile(path):
-      raise FileNotFoundError(f"{name_or_path!r}: neither a config file nor a config of {CONFIGS_DIR}")
+    path = config_lib.shipped_config_path(name_or_path)
   return config_lib.load_config_file(path, overrides)
 
 

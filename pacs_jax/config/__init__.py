@@ -12,11 +12,12 @@ import ml_collections
 from pacs_jax.config.checks import (DTYPE_NAMES, ConfigError, advisories, check_lora_fits_model, check_mesh_layout,
                                     check_tokenizer_fits_model, lora_spec, validate, validate_eval)
 from pacs_jax.config.defaults import default_config
-from pacs_jax.config.files import get_field, load_config_file, set_field
+from pacs_jax.config.files import CONFIGS_DIR, get_field, load_config_file, set_field, shipped_config_path
 
-__all__ = ["DTYPE_NAMES", "ConfigError", "advisories", "check_lora_fits_model", "check_mesh_layout",
+__all__ = ["CONFIGS_DIR", "DTYPE_NAMES", "ConfigError", "advisories", "check_lora_fits_model", "check_mesh_layout",
            "check_tokenizer_fits_model", "default_config", "dtype", "get_field", "load_config_file", "lora_spec",
-           "model_config", "model_overrides", "preset_model_config", "set_field", "validate", "validate_eval"]
+           "model_config", "model_overrides", "preset_model_config", "set_field", "shipped_config_path", "validate",
+           "validate_eval"]
 
 
 def dtype(name):

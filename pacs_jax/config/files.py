@@ -1,9 +1,23 @@
 """Config files: `load_config_file` runs a file's `get_config()` with dotted-key overrides; `get_field` / `set_field`
-read and write a dotted field."""
+read and write a dotted field; `shipped_config_path` finds a shipped config by name."""
 
 from __future__ import annotations
 
+import os
+
 import ml_collections
+
+
+# The repository's configs/ folder beside the package (an editable install or a source checkout).
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+
+
+def shipped_config_path(name: str) -> str:
+  """The path of a shipped config by name (`"tiny_cpu"` -> configs/tiny_cpu.py). Raises FileNotFoundError."""
+  path = os.path.join(CONFIGS_DIR, f"{name}.py")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{name!r}: neither a config file nor a config of {CONFIGS_DIR}")
+  return path
 
 
 def load_config_file(path: str, overrides: dict | None = None) -> ml_collections.ConfigDict:

@@ -1,8 +1,10 @@
-"""`python -m pacs_jax.study [--out DIR] [--shrunk] [--algorithms ...|all] [--seeds ...]`: PACS and the objectives it
-is compared with (any registered ones; PACS, GRPO and PPO by default) from one warmed-up tiny base model on the graded
-task `synthetic/sum11` (same settings for all, several seeds), held-out pass@k for k = 1 ... 256 before and after
-training, each algorithm's difference from PACS with a paired-bootstrap interval; writes `study.json`, a table
-(`study_table.md`) and two figures into DIR (docs/study.md)."""
+"""`python -m pacs_jax.study [--out DIR] [--task sum11|tools] [--shrunk] [--algorithms ...|all] [--seeds ...]`: PACS and
+the objectives it is compared with (any registered ones; PACS, GRPO and PPO by default) from one warmed-up tiny base
+model on the graded task `synthetic/sum11` (same settings for all, several seeds), held-out pass@k for k = 1 ... 256
+before and after training, each algorithm's difference from PACS with a paired-bootstrap interval; writes
+`study.json`, a table (`study_table.md`) and two figures into DIR (docs/study.md). `--task tools`: PACS against GRPO
+on the tool demo's task, in conversations with the Python tool, pass@k with the tool for k = 1 ... 16 and its call
+rate (docs/tools.md)."""
 
 import dataclasses
 import os
@@ -14,11 +16,13 @@ from pacs_jax import errors
 
 _OUT = flags.DEFINE_string("out", "runs/study", "Where the runs, study.json, the table and the figures go.")
 _CACHE = flags.DEFINE_string("cache_dir", None, "Where the warmed-up base model is cached (default: OUT/base_models).")
+_TASK = flags.DEFINE_enum("task", "sum11", ["sum11", "tools"], "sum11: the graded sums, single turn; tools: the tool "
+                          "demo's products, PACS against GRPO in conversations with the Python tool (docs/tools.md).")
 _SHRUNK = flags.DEFINE_bool("shrunk", False, "The tests' study: 2 steps, 2 seeds, a few problems (checks the "
                             "pipeline, measures nothing).")
-_SEEDS = flags.DEFINE_list("seeds", None, "Seeds (default: the study's 0,1,2).")
+_SEEDS = flags.DEFINE_list("seeds", None, "Seeds (default: the task's, 0-5 for sum11, 0-2 for tools).")
 _ALGORITHMS = flags.DEFINE_list("algorithms", None, "Registered objectives (pacs, grpo, ppo, dapo, drgrpo, gspo, ...) "
-                                "or all (default: the study's pacs,grpo,ppo).")
+                                "or all (default: pacs,grpo,ppo for sum11, pacs,grpo for tools).")
 
 
 def main(argv):
@@ -31,7 +35,8 @@ def main(argv):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # every program, however loaded the machine
   from pacs_jax.study import report, runs, study_settings as settings_lib
 
-  s = settings_lib.SHRUNK if _SHRUNK.value else settings_lib.StudySettings()
+  full, shrunk = settings_lib.TASKS[_TASK.value]
+  s = shrunk if _SHRUNK.value else full
   if _SEEDS.value:
     try:
       s = dataclasses.replace(s, seeds=tuple(int(x) for x in _SEEDS.value))

@@ -19,6 +19,7 @@ LABELS = {BASE: "Base model", "ppo": "PPO", "grpo": "GRPO", "dapo": "DAPO", "drg
 COLORS = {BASE: "0.4", "pacs": "C0", "grpo": "C1", "ppo": "C2", "dapo": "C3", "drgrpo": "C4", "gspo": "C5"}
 TABLE_KS = (1, 16, 256)
 CURVES = (("reward/mean", "reward (train, mean)"), ("entropy", "entropy (nats per token)"))
+CALL_CURVE = ("tools/call_rate", "tool-call rate (train)")  # the tool task's third panel
 FIGURE_FILES = {"curves": "study_curves.png", "pass_at_k": "study_pass_at_k.png"}
 TABLE_FILE = "study_table.md"
 
@@ -128,16 +129,33 @@ def headroom_problem(summary: dict[str, dict[str, dict]]) -> str | None:
   return None
 
 
-def markdown_table(summary: dict[str, dict[str, dict]], ks=TABLE_KS) -> str:
-  """Methods as rows, held-out pass@k (percent, mean ± standard deviation over seeds) as columns."""
+def call_rate_summary(result: dict) -> dict[str, dict] | None:
+  """{"base" or algorithm: spread over seeds} of the held-out samples' tool-call rate (the tool task; else None)."""
+  if "call_rate" not in result["runs"][0]["trained"]:
+    return None
+  rates: dict[str, list[float]] = {}
+  for run in result["runs"]:
+    if "base" in run:
+      rates.setdefault(BASE, []).append(run["base"]["call_rate"])
+    rates.setdefault(run["algorithm"], []).append(run["trained"]["call_rate"])
+  return {name: _spread(values) for name, values in sorted(rates.items(), key=lambda item: _row_order(item[0]))}
+
+
+def markdown_table(summary: dict[str, dict[str, dict]], ks=TABLE_KS, calls: dict[str, dict] | None = None) -> str:
+  """Methods as rows, held-out pass@k (percent, mean ± standard deviation over seeds) as columns; with `calls`, the
+  held-out samples' tool-call rate as the last column."""
   ks = [str(k) for k in ks if str(k) in next(iter(summary.values()))]
   seeds = {s[ks[0]]["n_seeds"] for s in summary.values()}
-  lines = ["| method | " + " | ".join(f"pass@{k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
+  extra = " tool calls |" if calls else ""
+  lines = ["| method | " + " | ".join(f"pass@{k}" for k in ks) + " |" + extra, "|---" * (len(ks) + 1 + bool(calls))
+           + "|"]
   for name, row in summary.items():
     cells = [f"{100 * row[k]['mean']:.1f} ± {100 * row[k]['std']:.1f}" for k in ks]
+    if calls:
+      cells.append(f"{100 * calls[name]['mean']:.1f} ± {100 * calls[name]['std']:.1f}")
     lines.append(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
   lines.append(f"\nHeld-out pass@k in percent, mean ± standard deviation over {'/'.join(map(str, sorted(seeds)))} "
-               "seeds.")
+               "seeds" + ("; tool calls: the share of held-out samples that called the tool." if calls else "."))
   return "\n".join(lines)
 
 
@@ -169,8 +187,9 @@ def plot(result: dict, out_dir: str) -> dict[str, str]:
 
   steps = result["settings"]["steps"]
   window = max(1, steps // 20)
-  fig, axes = plt.subplots(1, len(CURVES), figsize=(10, 3.6), constrained_layout=True)
-  for ax, (key, title) in zip(axes, CURVES):
+  curves = CURVES + ((CALL_CURVE,) if CALL_CURVE[0] in result["runs"][0]["metrics"][0] else ())
+  fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.6), constrained_layout=True)
+  for ax, (key, title) in zip(axes, curves):
     for name, (s, mean, low, high) in curve_bands(result, key, window).items():
       ax.plot(s, mean, color=COLORS.get(name), label=LABELS.get(name, name))
       ax.fill_between(s, low, high, color=COLORS.get(name), alpha=0.2, linewidth=0)
@@ -216,6 +235,9 @@ def write(result: dict, out_dir: str) -> dict[str, str]:
                        "pass_at_k_by_terms": {g: pass_at_k_summary(result, g) for g in
                                               sorted(result["runs"][0]["trained"]["pass_at_k"]) if g != heldout.OVERALL}}
   result["summary"]["differences"] = differences(result)
+  calls = call_rate_summary(result)
+  if calls:
+    result["summary"]["call_rate"] = calls
   result["summary"]["bootstrap"] = {"replicates": paired.REPLICATES, "seed": paired.BOOTSTRAP_SEED,
                                     "level": paired.LEVEL}
   paths = plot(result, out_dir)
@@ -227,7 +249,7 @@ def write(result: dict, out_dir: str) -> dict[str, str]:
 
 def report_text(summary: dict) -> str:
   """The means table, the differences table and the statement of what is resolved (`study_table.md`)."""
-  parts = [markdown_table(summary["pass_at_k"])]
+  parts = [markdown_table(summary["pass_at_k"], calls=summary.get("call_rate"))]
   if summary.get("differences"):
     parts += [differences_table(summary["differences"]), resolved_statement(summary["differences"])]
   return "\n\n".join(parts)

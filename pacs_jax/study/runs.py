@@ -4,6 +4,8 @@ held-out problems before and after training, and the run's metrics rows; everyth
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -15,7 +17,7 @@ from pacs_jax.services import metrics as metrics_lib
 from pacs_jax.study import heldout
 from pacs_jax.study import study_settings as settings_lib
 from pacs_jax.study import warmup
-from pacs_jax.trainer import loop
+from pacs_jax.trainer import loop, warm_base
 
 RESULTS_FILE = "study.json"
 DIGEST_FILE = "study_summary.json"  # the same without the metrics rows
@@ -43,9 +45,13 @@ def run_one(algorithm: str, seed: int, base_dir: str, s: settings_lib.StudySetti
   def evaluate() -> dict:
     nonlocal eval_cpu_s
     eval_started = time.process_time()
-    counts = heldout.correct_counts(trainer, records, s.eval_n, eval_seed(seed))
+    counts, called = heldout.correct_counts(trainer, records, s.eval_n, eval_seed(seed))
     eval_cpu_s += time.process_time() - eval_started
-    return {"pass_at_k": _keyed(heldout.pass_at_k(records, counts, s.eval_n)), "correct": counts.tolist()}
+    out = {"pass_at_k": _keyed(heldout.pass_at_k(records, counts, s.eval_n, by_terms=bool(s.eval_terms))),
+           "correct": counts.tolist()}
+    if called is not None:  # the tool task: samples per problem that called the tool
+      out.update(called=called.tolist(), call_rate=float(called.sum() / (s.eval_n * len(records))))
+    return out
 
   if evaluate_base:
     record["base"] = evaluate()
@@ -74,7 +80,7 @@ def run_study(s: settings_lib.StudySettings, out_dir: str, cache_dir: str, log=p
   the same settings is kept) and writes `out_dir/study.json` after each run; returns its content (with
   `runs_trained`: how many runs this call trained)."""
   os.makedirs(out_dir, exist_ok=True)
-  base_dir = warmup.base_model_dir(s.warmup, cache_dir)
+  base_dir = base_model_dir(s, cache_dir)
   with open(os.path.join(base_dir, warmup.DONE_FILE)) as f:
     warmup_record = json.load(f)
   log(f"base model: {base_dir} (warm-up loss {warmup_record['final_loss']:.3f})")
@@ -101,6 +107,19 @@ def run_study(s: settings_lib.StudySettings, out_dir: str, cache_dir: str, log=p
           f"({record['wall_s']:.0f} s)")
       write_json(path, result)
   return result
+
+
+def base_model_dir(s: settings_lib.StudySettings, cache_dir: str) -> str:
+  """The study's base model under `cache_dir`, built once and reused: the graded task's warm-up (study/warmup.py),
+  or the tool demo's (trainer/warm_base.py, init seed 0), in a folder named by a hash of its settings."""
+  if s.task != settings_lib.TOOL_TASK:
+    return warmup.base_model_dir(s.warmup, cache_dir)
+  text = json.dumps(dataclasses.asdict(s.warmup), sort_keys=True)
+  workdir = os.path.join(cache_dir, f"base-{s.task}-{hashlib.sha256(text.encode()).hexdigest()[:12]}")
+  cfg = settings_lib.tool_config(s.algorithms[0], 0, "", s)
+  cfg.model.warmup = s.task
+  warm_base.resolve(cfg, workdir, s.warmup)
+  return cfg.model.hf_path
 
 
 def _portable(path: str, out_dir: str) -> str:

@@ -1,5 +1,7 @@
 """The laptop study's settings: one training config for every registered objective (the released recipe's structure
-at tiny sizes, the same lr, n, batch and steps for all), the warm-up, the seeds and the pass@k evaluation."""
+at tiny sizes, the same lr, n, batch and steps for all), the warm-up, the seeds and the pass@k evaluation. Two
+tasks: the graded sums (`sum11`, single turn) and the tool demo's products (`mul53_tools`: conversations with the
+Python tool, configs/tiny_tools_cpu.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import ml_collections
 from pacs_jax import config as config_lib
 from pacs_jax.algos import algorithms
 from pacs_jax.study.warmup import WarmupSettings
+from pacs_jax.trainer.warm_base import ToolWarmup
 
 REFERENCE = "pacs"  # every other algorithm's pass@k is reported as its difference from this one's
 ALGORITHMS = ("pacs", "grpo", "ppo")  # the paper's comparison
@@ -45,7 +48,8 @@ class StudySettings:
   eval_problems: int = 120
   eval_terms: tuple[int, ...] = (2, 3, 4)
   eval_n: int = 256  # samples per held-out problem: pass@k for k = 1, 2, 4, ... 256
-  warmup: WarmupSettings = WarmupSettings()
+  warmup: WarmupSettings | ToolWarmup = WarmupSettings()
+  task: str = "sum11"  # or TOOL_TASK
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -56,7 +60,41 @@ SHRUNK = StudySettings(algorithms=ALGORITHMS, seeds=(0, 1), steps=2, batch_promp
                        eval_n=16, warmup=WarmupSettings(steps=10, batch=16))
 
 
+TOOL_TASK = "mul53_tools"
+# The tool task: PACS against GRPO from the tool demo's warmed-up base (configs/tiny_tools_cpu.py: it calls the tool on
+# 3% of the task's problems), trained 30 steps (the demo's 10-step mean reward passes 0.5 near step 20 and 0.9 near
+# step 32: the study looks mid-way, where the objectives' speeds differ), pass@k with the tool on 64 held-out problems
+# at n = 16. Every response runs a sandboxed program once the policy calls: about 3 minutes a run on 2 cores.
+TOOLS = StudySettings(algorithms=("pacs", "grpo"), seeds=(0, 1, 2), steps=30, lr=3e-4, batch_prompts=16, n=8,
+                      eval_problems=64, eval_terms=(), eval_n=16, warmup=ToolWarmup(), task=TOOL_TASK)
+SHRUNK_TOOLS = dataclasses.replace(TOOLS, seeds=(0,), steps=2, batch_prompts=4, n=4, eval_problems=4, eval_n=4,
+                                   warmup=ToolWarmup(steps=10, batch=16))
+TASKS = {"sum11": (StudySettings(), SHRUNK), "tools": (TOOLS, SHRUNK_TOOLS)}  # --task: (settings, --shrunk's)
+
+
 def train_config(algorithm: str, seed: int, base_model_dir: str, s: StudySettings) -> ml_collections.ConfigDict:
+  """One run's training config: `sum_config`'s or, for the tool task, `tool_config`'s."""
+  return (tool_config if s.task == TOOL_TASK else sum_config)(algorithm, seed, base_model_dir, s)
+
+
+def tool_config(algorithm: str, seed: int, base_model_dir: str, s: StudySettings) -> ml_collections.ConfigDict:
+  """The tool demo's config (configs/tiny_tools_cpu.py: the same model, tool, sandbox and optimizer for PACS and
+  GRPO) from the study's base model, at the study's steps, batch, n and lr; no validation (pass@k replaces it)."""
+  c = config_lib.load_config_file(config_lib.shipped_config_path("tiny_tools_cpu"))
+  c.algorithm, c.seed, c.steps = algorithm, seed, s.steps
+  c.model.hf_path, c.model.warmup = base_model_dir, ""
+  c.data.val = ""
+  c.rollout.n = s.n
+  c.train.batch_prompts = s.batch_prompts
+  c.train.mini_batch_prompts = max(1, s.batch_prompts // 2)  # the demo's two optimizer updates per step
+  c.train.lr = s.lr
+  c.eval_every = 0
+  c.checkpoint.every = s.steps
+  c.checkpoint.async_save = False
+  return c
+
+
+def sum_config(algorithm: str, seed: int, base_model_dir: str, s: StudySettings) -> ml_collections.ConfigDict:
   """The training config of one run: the released recipe (configs/_released.py: temperature 1, 4 updates per step,
   PACS β = 1 with the rollout reference and RLOO, GRPO/PPO as verl's scripts) on the warmed-up tiny model."""
   c = config_lib.default_config()

@@ -121,25 +121,26 @@ def tool_rows(tokenizer, settings: ToolWarmup, n: int,
   return rows
 
 
-def build(cfg, tokenizer) -> tuple[object, float]:
-  """The warmed-up policy of `model.warmup` (a `decoder.CausalLM` of the preset, init seed `cfg.seed`) and its
-  last loss."""
+def build(cfg, tokenizer, settings: ToolWarmup | None = None) -> tuple[object, float]:
+  """The warmed-up policy of `settings` (default `model.warmup`'s: a `decoder.CausalLM` of the preset, init seed
+  `cfg.seed`) and its last loss."""
   from flax import nnx
 
   from pacs_jax import config as config_lib
   from pacs_jax.models import families
 
-  settings = WARMUPS[cfg.model.warmup]
+  settings = settings or WARMUPS[cfg.model.warmup]
   model = families.causal_lm(config_lib.model_config(cfg), rngs=nnx.Rngs(cfg.seed))
   ids, attention, loss_mask = left_padded(tool_rows(tokenizer, settings, settings.steps * settings.batch),
                                           tokenizer.pad_token_id)
   return model, fit(model, ids, attention, loss_mask, steps=settings.steps, batch=settings.batch, lr=settings.lr)
 
 
-def resolve(cfg, workdir: str) -> None:
+def resolve(cfg, workdir: str, settings: ToolWarmup | None = None) -> None:
   """With `model.warmup` set: builds the base into <workdir>/base_model unless it is there (one line before, one
   after: it takes half a minute on 2 CPU cores), then makes the run load it (`model.hf_path`, `model.warmup`
-  cleared), so the run's recorded config is a plain model path, the same on every resume."""
+  cleared), so the run's recorded config is a plain model path, the same on every resume. `settings`: in place of
+  the named warm-up's (the study's shrunk one)."""
   if not cfg.model.warmup:
     return
   import jax
@@ -158,7 +159,7 @@ def resolve(cfg, workdir: str) -> None:
 
   out = paths.join(workdir, BASE_DIR)
   if not paths.isfile(paths.join(out, DONE_FILE)):
-    settings = WARMUPS[cfg.model.warmup]
+    settings = settings or WARMUPS[cfg.model.warmup]
     primary = jax.process_index() == 0
     if primary:
       print(f"warm-up: teaching the base model {cfg.model.warmup!r} ({settings.steps} supervised steps) ...",
@@ -166,7 +167,7 @@ def resolve(cfg, workdir: str) -> None:
     start = time.time()
     from pacs_jax.trainer import build as build_lib
     tokenizer = build_lib.load_tokenizer(cfg)
-    model, loss = build(cfg, tokenizer)
+    model, loss = build(cfg, tokenizer, settings)
     with paths.staged_dir(out, last=(DONE_FILE,)) as local:
       hf_export.save_model_dir(model, local, tokenizer)
       if primary:
