@@ -22,6 +22,10 @@ if "tpu" not in os.environ["JAX_PLATFORMS"]:
   # CLI subprocesses): libtpu's one-process-per-host lockfile would make all but the first fail.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+# Programs compiled ahead of time (TPU / GPU targets: the persistent cache cannot hold them) are kept per process and
+# reused when a test compiles the same program again (compile/aot_measure.py's memo; subprocesses inherit it).
+os.environ.setdefault("PACS_JAX_AOT_MEMO", "1")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

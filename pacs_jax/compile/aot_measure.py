@@ -3,8 +3,10 @@ counts applied (`hlo_cost`), compile time."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -105,18 +107,65 @@ def compiled_module_cost(compiled) -> dict:
   return {k: v for k, v in cost.items() if "seconds" not in k}
 
 
+# PACS_JAX_AOT_MEMO=1 (the tests set it): a program compiled ahead of time is kept for the process and a second
+# compile of the same program (its text, shardings' devices and target) reuses it with its first compile time. The
+# persistent cache cannot hold these (`persistent_cache_off`); a process that compiles a config's programs again
+# (another test of the same config, the update at several length profiles) then pays once. Off by default: a 7B's
+# executables would stay in host memory.
+MEMO_ENV = "PACS_JAX_AOT_MEMO"
+MEMO_SIZE = 64  # programs kept, least recently compiled dropped first
+_MEMO: collections.OrderedDict[str, tuple[Any, float]] = collections.OrderedDict()
+
+
+def program_key(lowered) -> str | None:
+  """What a compiled program depends on: its text, the devices of its shardings and mesh in order, and the
+  backend (a compile-only TPU topology or CUDA target, or the host's); None when jax does not expose them."""
+  args = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
+  if not isinstance(args, dict) or "in_shardings" not in args:
+    return None
+  devices = []
+  for sharding in (*args["in_shardings"], *args.get("out_shardings", ())):
+    assignment = getattr(sharding, "_device_assignment", None)
+    devices.append(None if assignment is None else [(d.platform, d.device_kind, d.id) for d in assignment])
+  mesh = args.get("context_mesh")
+  mesh_devices = getattr(mesh, "devices", None)
+  devices.append(None if mesh_devices is None or not hasattr(mesh_devices, "flat") else
+                 [(d.platform, d.device_kind, d.id) for d in mesh_devices.flat])
+  backend = args.get("backend")
+  text = lowered.as_text()
+  extra = repr((devices, getattr(backend, "platform", None), getattr(backend, "platform_version", None),
+                os.environ.get("XLA_FLAGS", ""), getattr(lowered, "out_tree", None)))
+  return hashlib.sha256(text.encode() + extra.encode()).hexdigest()
+
+
+def _compile(lower: Callable[[], Any]) -> tuple[Any, float]:
+  """`lower().compile()` and the seconds it took (for a program `_MEMO` holds: the first compile's)."""
+  start = time.perf_counter()
+  lowered = lower()
+  key = program_key(lowered) if os.environ.get(MEMO_ENV) == "1" else None
+  if key is not None and key in _MEMO:
+    _MEMO.move_to_end(key)
+    return _MEMO[key]
+  compiled = lowered.compile()
+  seconds = time.perf_counter() - start
+  if key is not None:
+    _MEMO[key] = (compiled, seconds)
+    while len(_MEMO) > MEMO_SIZE:
+      _MEMO.popitem(last=False)
+  return compiled, seconds
+
+
 def measure(report: ProgramReport, lower: Callable[[], Any], resident: Callable[[Any], float],
             unknown_trips: float = 1, rare: dict[str, tuple[float, float]] | None = None) -> Any:
   """Compiles one program and fills `report`; returns the compiled executable (None if it failed). A loop of no
   fixed trip count is counted `unknown_trips` times, a `rare` conditional as `hlo_cost.analyse` says."""
   start = time.perf_counter()
   try:
-    compiled = lower().compile()
+    compiled, report.compile_s = _compile(lower)
   except Exception as e:  # XLA's out-of-memory (RESOURCE_EXHAUSTED) or any compile error: reported, not raised
     report.compile_s = time.perf_counter() - start
     report.error = f"{type(e).__name__}: {e}"
     return None
-  report.compile_s = time.perf_counter() - start
   report.load_average = os.getloadavg()[0]
   mem = compiled.memory_analysis()
   report.argument, report.output = float(mem.argument_size_in_bytes), float(mem.output_size_in_bytes)
