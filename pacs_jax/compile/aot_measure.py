@@ -123,14 +123,13 @@ def program_key(lowered) -> str | None:
   args = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
   if not isinstance(args, dict) or "in_shardings" not in args:
     return None
-  devices = []
-  for sharding in (*args["in_shardings"], *args.get("out_shardings", ())):
-    assignment = getattr(sharding, "_device_assignment", None)
-    devices.append(None if assignment is None else [(d.platform, d.device_kind, d.id) for d in assignment])
-  mesh = args.get("context_mesh")
-  mesh_devices = getattr(mesh, "devices", None)
-  devices.append(None if mesh_devices is None or not hasattr(mesh_devices, "flat") else
-                 [(d.platform, d.device_kind, d.id) for d in mesh_devices.flat])
+  def named(assignment) -> list | None:
+    return None if assignment is None else [(d.platform, d.device_kind, d.id) for d in assignment if d is not None]
+
+  devices = [named(getattr(s, "_device_assignment", None))
+             for s in (*args["in_shardings"], *args.get("out_shardings", ()))]
+  mesh_devices = getattr(args.get("context_mesh"), "devices", None)  # (an empty mesh outside `jax.set_mesh`)
+  devices.append(named(getattr(mesh_devices, "flat", None)))
   backend = args.get("backend")
   text = lowered.as_text()
   extra = repr((devices, getattr(backend, "platform", None), getattr(backend, "platform_version", None),

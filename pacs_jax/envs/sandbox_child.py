@@ -1,4 +1,4 @@
-"""What a sandbox process runs first (`python -I -B -u sandbox_child.py WORK VERDICT_FD CPU MEMORY FILE PROCESSES
+"""What a sandbox process runs first (`python -I -S -B -u sandbox_child.py WORK VERDICT_FD CPU MEMORY FILE PROCESSES
 HOST_PID PROGRAM`, started by envs/sandbox.py): it dies with its host (the process that started it), lowers its
 resource limits, installs an audit hook that refuses the network, new processes, signals and writes outside WORK,
 then runs PROGRAM's code as `__main__`. A refused action or a MemoryError is reported on the verdict pipe, apart
@@ -8,12 +8,10 @@ in a process of its own."""
 from __future__ import annotations
 
 import builtins
-import linecache
 import math
 import os
 import resource
 import sys
-import traceback
 import types
 
 PROGRAM = "<program>"  # the code's file name in its tracebacks
@@ -163,13 +161,27 @@ class Guard:
         self.refuse(f"open folder {path!r}", "the program may not open folders outside its working folder")
 
 
+# The program's source for tracebacks, put into linecache's cache once something imports linecache (traceback and
+# warnings do): importing it (with tokenize and re) up front took 8 of the child's 23 ms of CPU, paid by every program.
+_SOURCE: list[str] = []
+
+
+def share_source() -> None:
+  """The program's lines in linecache's cache (tracebacks show them), once linecache is loaded."""
+  cache = getattr(sys.modules.get("linecache"), "cache", None)  # (None while linecache itself is being imported)
+  if _SOURCE and isinstance(cache, dict) and PROGRAM not in cache:
+    cache[PROGRAM] = (len(_SOURCE[0]), None, _SOURCE[0].splitlines(True), PROGRAM)
+
+
 def guarded_import(guard: Guard, real_import):
   """`__import__` that refuses the program's own imports of BLOCKED_MODULES, also of modules a library already
   loaded (which raise no "import" audit event). `importlib.import_module` goes around it: the events still hold."""
   def __import__(name, globals=None, locals=None, fromlist=(), level=0):
     if level == 0 and name.partition(".")[0] in BLOCKED_MODULES and guard.owned(sys._getframe(1).f_code.co_filename):
       guard.refuse(f"import {name}", "the module is not available in the sandbox")
-    return real_import(name, globals, locals, fromlist, level)
+    module = real_import(name, globals, locals, fromlist, level)
+    share_source()
+    return module
   return __import__
 
 
@@ -187,6 +199,8 @@ def report(error: BaseException):
   """The program's traceback on stderr, without this file's frame."""
   tb = error.__traceback__.tb_next if error.__traceback__ else None
   try:
+    import traceback  # noqa: PLC0415 -- on a failure only (see _SOURCE)
+    share_source()
     traceback.print_exception(type(error), error, tb)
   except MemoryError:
     tell(2, f"{type(error).__name__}\n")
@@ -195,7 +209,8 @@ def report(error: BaseException):
 def run(source: str, verdict_fd: int) -> int:
   """Runs `source` as `__main__`; the exit status. A MemoryError that ends the program is named on the verdict pipe
   (its memory freed first, so the traceback can be printed)."""
-  linecache.cache[PROGRAM] = (len(source), None, source.splitlines(True), PROGRAM)  # tracebacks show its lines
+  _SOURCE.append(source)  # tracebacks show its lines
+  share_source()
   main = types.ModuleType("__main__")
   main.__builtins__ = builtins
   sys.modules["__main__"], sys.argv = main, [PROGRAM]
@@ -206,7 +221,13 @@ def run(source: str, verdict_fd: int) -> int:
   except MemoryError as error:
     tell(verdict_fd, "memory\n")
     main.__dict__.clear()
-    traceback.clear_frames(error.__traceback__)
+    tb = error.__traceback__  # its frames' locals freed too (traceback.clear_frames, before importing anything)
+    while tb is not None:
+      try:
+        tb.tb_frame.clear()
+      except RuntimeError:  # a frame still running: this one
+        pass
+      tb = tb.tb_next
     report(error)
     return 1
   except BaseException as error:  # noqa: BLE001 -- the program's failure, reported as Python would
@@ -215,9 +236,21 @@ def run(source: str, verdict_fd: int) -> int:
   return 0
 
 
+def without_site_hooks() -> None:
+  """What `site` would have given a program, but its .pth files (started with -S: envs/sandbox.py): the
+  site-packages folders on the path (numpy, sympy), and `exit`, `quit`, `help` and the copyright notices."""
+  import site
+  sys.path.extend(p for p in os.environ.get("PACS_SANDBOX_SITE_PACKAGES", "").split(os.pathsep) if p)
+  site.setquit()
+  site.setcopyright()
+  site.sethelper()
+
+
 def main(argv: list[str]) -> int:
   work, verdict_fd, cpu, memory, file_bytes, processes, host_pid, program = argv[1:]
   die_with_the_host(int(host_pid))
+  if sys.flags.no_site:
+    without_site_hooks()
   with open(program, encoding="utf-8") as f:
     source = f.read()
   set_limits(float(cpu), int(memory), int(file_bytes), int(processes))

@@ -111,3 +111,28 @@ def test_maxtexts_reference_train_step_figures():
   assert loops.total("cycles") == pytest.approx(3.8685e10, rel=1e-3)
   assert aot_measure.loops_applied_seconds(loops, raw, "cycles") == pytest.approx(14.40, abs=0.01)
   assert aot_measure.loops_applied_seconds(loops, raw) == pytest.approx(18.58, abs=0.05)
+
+
+def test_the_memo_reuses_a_program_compiled_again_and_only_the_same_program(monkeypatch):
+  """PACS_JAX_AOT_MEMO=1: the same program (text, devices, target) compiled again is the first executable with its
+  first compile time; on other devices, or for the TPU target, it is compiled anew; off, nothing is kept."""
+  monkeypatch.setattr(aot_measure, "_MEMO", type(aot_measure._MEMO)())
+  monkeypatch.setenv(aot_measure.MEMO_ENV, "1")
+
+  def lower(devices):
+    where = NamedSharding(Mesh(np.array(devices), ("x",)), P("x"))
+    arg = jax.ShapeDtypeStruct((8, D), jnp.float32, sharding=where)
+    return lambda: jax.jit(lambda a: jnp.tanh(a) * 2).lower(arg)
+
+  def measured(lower_fn):
+    report = aot_measure.ProgramReport("p", "update", 1, 0.0)
+    return aot_measure.measure(report, lower_fn, lambda c: 0.0), report
+
+  first, a = measured(lower(jax.devices()[:2]))
+  again, b = measured(lower(jax.devices()[:2]))
+  assert again is first and b.compile_s == a.compile_s and b.flops == a.flops
+  elsewhere, _ = measured(lower(jax.devices()[2:4]))
+  tpu, _ = measured(lower(sharding.tpu_topology_devices("v5p:2x2x1")[:2]))
+  assert elsewhere is not first and tpu is not first and len(aot_measure._MEMO) == 3
+  monkeypatch.setenv(aot_measure.MEMO_ENV, "0")
+  assert measured(lower(jax.devices()[:2]))[0] is not first and len(aot_measure._MEMO) == 3
