@@ -68,7 +68,8 @@ class Backbone(nnx.Module):
     x = jnp.take(layers.saved_or_base(self, "embed_tokens")[...], input_ids, axis=0).astype(c.dtype)  # [B, T, D]
     x = sharding.constrain(x, ("batch", None, None))
     cos, sin = rope.cos_sin(positions, c.head_size, c.rope_theta, c.rope_scaling)
-    x, cache = layers.scan_layers(self.layers, x, cos, sin, mask, cache, remat=c.remat and c.remat_policy)
+    x, cache = layers.scan_layers(self.layers, x, cos, sin, mask, cache, remat=c.remat and c.remat_policy,
+                                  unroll=layers.decode_unroll(c, cache))
     return self.norm(x), cache
 
 
