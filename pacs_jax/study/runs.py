@@ -4,8 +4,6 @@ held-out problems before and after training, and the run's metrics rows; everyth
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import json
 import os
 import time
@@ -114,8 +112,7 @@ def base_model_dir(s: settings_lib.StudySettings, cache_dir: str) -> str:
   or the tool demo's (trainer/warm_base.py, init seed 0), in a folder named by a hash of its settings."""
   if s.task != settings_lib.TOOL_TASK:
     return warmup.base_model_dir(s.warmup, cache_dir)
-  text = json.dumps(dataclasses.asdict(s.warmup), sort_keys=True)
-  workdir = os.path.join(cache_dir, f"base-{s.task}-{hashlib.sha256(text.encode()).hexdigest()[:12]}")
+  workdir = os.path.join(cache_dir, warmup.settings_key(s.task, s.warmup))
   cfg = settings_lib.tool_config(s.algorithms[0], 0, "", s)
   cfg.model.warmup = s.task
   warm_base.resolve(cfg, workdir, s.warmup)

@@ -34,8 +34,13 @@ class WarmupSettings:
 
   def key(self) -> str:
     """A name for the cache: a hash of every setting (another setting, another model)."""
-    text = json.dumps(dataclasses.asdict(self), sort_keys=True)
-    return f"base-{self.task}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    return settings_key(self.task, self)
+
+
+def settings_key(name: str, settings) -> str:
+  """`base-<name>-<hash of every field of the dataclass settings>`: a cached base model's folder name."""
+  text = json.dumps(dataclasses.asdict(settings), sort_keys=True)
+  return f"base-{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
 def model_config(settings: WarmupSettings):
