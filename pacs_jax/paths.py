@@ -49,7 +49,19 @@ class Retries:
 # ~35 s per request, and one operation makes several; tensorstore: 32 attempts up to 32 s apart), so that a
 # restart resumes soon from the last checkpoint; yet a blip (a dropped connection, a few 503s) must pass
 # unnoticed. 5 attempts wait about 1 + 2 + 4 + 8 = 15 s between them before a request fails.
-STORAGE_RETRIES = Retries(attempts=5, first_delay_s=1.0, max_delay_s=8.0)
+# PACS_JAX_STORAGE_ATTEMPTS=N sets another count (a store known to be slow to come back: more; the tests: 3, about 3 s).
+ATTEMPTS_ENV = "PACS_JAX_STORAGE_ATTEMPTS"
+
+
+def storage_retries(environ: dict[str, str] | None = None) -> Retries:
+  """The retry schedule: 5 attempts, or `PACS_JAX_STORAGE_ATTEMPTS` of them (a whole number from 1 to 20)."""
+  value = (os.environ if environ is None else environ).get(ATTEMPTS_ENV, "5")
+  if not value.strip().isdigit() or not 1 <= int(value) <= 20:
+    raise ValueError(f"{ATTEMPTS_ENV}={value!r}: attempts per Cloud Storage request, a whole number from 1 to 20")
+  return Retries(attempts=int(value), first_delay_s=1.0, max_delay_s=8.0)
+
+
+STORAGE_RETRIES = storage_retries()
 PROBE_TIMEOUT_S = 10.0  # one request that says whether the store answers at all (`unreachable`)
 
 

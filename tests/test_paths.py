@@ -72,3 +72,13 @@ def test_data_files_on_either(root):
   parquet = paths.join(root, "prepared", "train.parquet")
   sources.write_parquet(records, parquet)
   assert sources.load_records(parquet).records == records
+
+
+def test_storage_attempts_default_and_from_the_environment():
+  assert paths.storage_retries({}) == paths.Retries(attempts=5, first_delay_s=1.0, max_delay_s=8.0)
+  assert paths.storage_retries({paths.ATTEMPTS_ENV: "3"}).attempts == 3
+  for bad in ("0", "many", "2.5", "21"):
+    with pytest.raises(ValueError, match=f"PACS_JAX_STORAGE_ATTEMPTS='{bad}': attempts per Cloud Storage request"):
+      paths.storage_retries({paths.ATTEMPTS_ENV: bad})
+  # The tests' processes run with 3 (tests/conftest.py): a refusing store costs them about 3 s, not 15.
+  assert paths.STORAGE_RETRIES.attempts == 3

@@ -12,6 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pacs_jax import sharding
 from pacs_jax.models import chunked_logprobs as lp
 
+# Kept logits' gradients are compared bit for bit with the recomputed ones': -O1 (conftest.py).
+pytestmark = pytest.mark.xla_o1
+
 QWEN_VOCAB = 151_936
 
 

@@ -20,6 +20,9 @@ from pacs_jax.rollout import conversation, interface, sampling, scheduler
 from pacs_jax.rollout import engine as engine_lib
 from tests import uncached_forward
 
+# Multi-turn log-probs against one uncached forward at 1e-5: both sides compiled at -O1 (conftest.py).
+pytestmark = pytest.mark.xla_o1
+
 PREFILL, DECODE, PAGE = 16, 48, 16  # 64 cache rows a slot: 4 pages of 16
 ROWS = PREFILL + DECODE
 # Sampling at the released recipe's temperature (configs/_released.py).

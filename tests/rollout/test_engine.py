@@ -19,6 +19,9 @@ from pacs_jax.models import families as registry, hf
 from pacs_jax.rollout import decode, interface, sampling, scheduler
 from pacs_jax.rollout import engine as engine_lib
 
+# The slot ladder's and the page budgets' programs are compared bit for bit with the full ones: -O1 (conftest.py).
+pytestmark = pytest.mark.xla_o1
+
 VOCAB = 128
 MAX_PREFILL, MAX_DECODE = 16, 40
 PROMPT_LENGTHS = (3, 7, 12, 5, 9)  # two prefill buckets (8, 16)

@@ -315,7 +315,7 @@ def test_a_full_disk_stops_the_run_in_a_few_lines_and_a_restart_resumes(tmp_path
 # the last complete checkpoint and metrics.jsonl holds each step once.
 
 # How long the trainer may take to give up once the bucket stops answering: a request's retries
-# (paths.STORAGE_RETRIES, about 15 s) plus a step in flight and the shutdown, with room for a loaded CI machine.
+# (paths.STORAGE_RETRIES: about 15 s, 3 s in the tests) plus a step in flight and the shutdown, with room for a loaded CI machine.
 GIVE_UP_WITHIN_S = 45
 
 
