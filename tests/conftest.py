@@ -105,10 +105,10 @@ def pytest_collection_modifyitems(config, items):
 # SLOWEST: test files or test ids, longest first (seconds: a full run with --durations=0 on the 2-core machine, 2
 # workers, beside other work, issue 42's session; CI's idle run takes about 0.7x).
 SLOWEST = (
+    "tests/train/test_tool_demo_learns.py",  # 230 (at -O1): the base's warm-up, up to 60 steps with the tool
     "tests/train/test_fsdp_matmuls_tpu.py",  # 170: three TPU compiles of a one-layer 3B (module fixture)
     "tests/train/test_split_devices.py::test_a_split_run_on_two_processes_trains_as_one_process",  # 150
     "tests/train/test_demo_learns.py",  # 60-140 each
-    "tests/train/test_tool_demo_learns.py",  # 90: the base's warm-up, 40 steps with the tool
     "tests/train/test_first_hour.py",  # 120
     "tests/train/test_lora_resume.py",  # 106
     "tests/test_multihost.py::test_dynamic_sampling_on_two_processes_matches_one",  # 102
