@@ -16,7 +16,8 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # programs ahead of time) jax would otherwise look for a TPU first. Subprocesses inherit it.
 if not os.environ.get("JAX_PLATFORMS"):
   os.environ["JAX_PLATFORMS"] = "cpu"
-if "cuda" not in os.environ["JAX_PLATFORMS"] and "tpu" not in os.environ["JAX_PLATFORMS"]:
+_CPU_TESTS = "cuda" not in os.environ["JAX_PLATFORMS"] and "tpu" not in os.environ["JAX_PLATFORMS"]
+if _CPU_TESTS:
   # LLVM at -O0, not XLA's default -O2: the suite compiles hundreds of tiny CPU programs and runs each a few
   # times, and most of its CPU time is XLA compiling them. A 12-step tiny_cpu run takes 14.9 s of CPU at -O0,
   # 17.3 s at -O1, 19.1 s at -O2, its steps as fast; results agree to the last bits of a mean or two. Test files
@@ -56,7 +57,6 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
-_CPU_TESTS = "cuda" not in os.environ["JAX_PLATFORMS"] and "tpu" not in os.environ["JAX_PLATFORMS"]
 if _CPU_TESTS:
   # A compile under jax's `jax_optimization_level` "O1" (a jit-key setting: programs compiled at another level are
   # not reused) runs LLVM at -O1. jax passes that setting on without a CPU meaning; its compile options are built in
